@@ -1,0 +1,50 @@
+"""fsdp-convert: inspect, consolidate and reshard PyTorch distributed (DCP) checkpoints."""
+
+from fsdp_convert.convert import (
+    ConsolidateResult,
+    EntrySummary,
+    InspectResult,
+    consolidate,
+    inspect_checkpoint,
+)
+from fsdp_convert.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptChunkError,
+    CoverageError,
+    InvalidOptionError,
+    MissingDataFileError,
+    NotADcpCheckpointError,
+    OutputExistsError,
+    OutputWriteError,
+    ShapeMismatchError,
+    UnsafeContentError,
+    UnsupportedTransformError,
+    WorkerFailedError,
+)
+
+inspect = inspect_checkpoint  # the short name the CLI command has
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "inspect_checkpoint",
+    "inspect",
+    "consolidate",
+    "InspectResult",
+    "EntrySummary",
+    "ConsolidateResult",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "NotADcpCheckpointError",
+    "MissingDataFileError",
+    "UnsafeContentError",
+    "CorruptChunkError",
+    "CoverageError",
+    "ShapeMismatchError",
+    "UnsupportedTransformError",
+    "InvalidOptionError",
+    "OutputExistsError",
+    "OutputWriteError",
+    "WorkerFailedError",
+]

@@ -1,0 +1,47 @@
+"""The one place that touches private torch names, so a torch upgrade changes one file.
+
+Covers: DCP's ``filesystem._StorageInfo`` (the per-chunk byte range in ``.metadata``),
+``torch._C.PyTorchFileWriter`` (torch.save's zip container writer) and the storage-type names
+torch.save's pickle uses.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import IO
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+__all__ = [
+    "StorageInfo",
+    "MEM_FORMAT_ENCODING",
+    "open_torch_save_writer",
+    "storage_type_for",
+    "storage_alignment",
+]
+
+StorageInfo = _StorageInfo
+MEM_FORMAT_ENCODING = _MEM_FORMAT_ENCODING
+
+
+def storage_alignment() -> int:
+    """Byte alignment of storage records in torch.save zips (64 in torch 2.13), for mmap loads."""
+    return int(torch.serialization._get_storage_alignment())
+
+
+def open_torch_save_writer(stream: IO[bytes]) -> torch._C.PyTorchFileWriter:
+    """torch.save's own zip writer over ``stream``, with CRC-32s and torch's storage alignment.
+
+    Writing to a stream (not a path) makes the archive's folder name ``archive``, as
+    ``torch.save(obj, buffer)`` does, so the bytes do not depend on the output's file name.
+    """
+    return torch._C.PyTorchFileWriter(stream, torch.serialization.get_crc32_options(), storage_alignment())
+
+
+@functools.cache
+def storage_type_for(dtype: torch.dtype) -> type:
+    """The legacy typed-storage class torch.save pickles for ``dtype`` (e.g. ``torch.FloatStorage``)."""
+    name = torch.TypedStorage(0, dtype=dtype)._pickle_storage_type()
+    return getattr(torch, name)  # type: ignore[no-any-return]

@@ -1,0 +1,87 @@
+"""Errors: the one exception hierarchy, each class carrying the CLI exit code for its kind.
+
+Exit codes follow ``shared/STYLE.md``: 0 success, 1 conversion failed, 2 usage error, 3 input
+missing or not a DCP checkpoint, 4 output exists.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "NotADcpCheckpointError",
+    "MissingDataFileError",
+    "UnsafeContentError",
+    "CorruptChunkError",
+    "CoverageError",
+    "ShapeMismatchError",
+    "UnsupportedTransformError",
+    "InvalidOptionError",
+    "OutputExistsError",
+    "OutputWriteError",
+    "WorkerFailedError",
+]
+
+
+class CheckpointError(Exception):
+    """Base of every error this tool raises on purpose; ``exit_code`` is the CLI's exit status."""
+
+    exit_code: int = 1
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """The checkpoint path does not exist."""
+
+    exit_code = 3
+
+
+class NotADcpCheckpointError(CheckpointError):
+    """The path exists but holds no readable DCP ``.metadata``."""
+
+    exit_code = 3
+
+
+class MissingDataFileError(CheckpointError):
+    """A data file (``__<rank>_<n>.distcp``) named by ``.metadata`` is missing or unreadable."""
+
+    exit_code = 3
+
+
+class UnsafeContentError(CheckpointError):
+    """A pickle in the input asks for a global outside the allow-list (it would run code)."""
+
+
+class CorruptChunkError(CheckpointError):
+    """A chunk payload is truncated or does not decode as a torch.save tensor."""
+
+
+class CoverageError(CheckpointError):
+    """A tensor's chunks leave a gap, overlap, or fall outside its global shape."""
+
+
+class ShapeMismatchError(CheckpointError):
+    """A payload's shape or dtype disagrees with what ``.metadata`` says."""
+
+
+class UnsupportedTransformError(CheckpointError):
+    """A chunk was written through a stream transform (e.g. compression) this tool cannot undo."""
+
+
+class InvalidOptionError(CheckpointError):
+    """A combination of options that cannot work (e.g. optimizer state into safetensors)."""
+
+    exit_code = 2
+
+
+class OutputExistsError(CheckpointError):
+    """The output path exists and ``overwrite`` was not given."""
+
+    exit_code = 4
+
+
+class OutputWriteError(CheckpointError):
+    """The output could not be written (permission denied, no space left, ...)."""
+
+
+class WorkerFailedError(CheckpointError):
+    """A worker process started by the launcher died or failed without a CheckpointError."""

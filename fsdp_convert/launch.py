@@ -1,0 +1,169 @@
+"""Launch stage: the only module that starts workers or touches a process group.
+
+``run_workers`` starts N workers with torch's elastic launcher (``torch.distributed.launcher.api``,
+the machinery behind ``torchrun --standalone``), each joining a gloo process group on CPU.
+``GlooTransport`` moves finished tensors from a worker to rank 0 with gloo point-to-point
+send/recv, at most ``window_bytes`` in flight per sender.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import shutil
+import tempfile
+import traceback
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from fsdp_convert import errors
+from fsdp_convert.errors import CheckpointError, WorkerFailedError
+
+__all__ = ["GlooTransport", "run_workers", "DEFAULT_WINDOW_BYTES"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_WINDOW_BYTES = 256 * 1024 * 1024
+Job = TypeVar("Job")
+
+
+class GlooTransport:
+    """Point-to-point tensor transfer to rank 0 over the default (gloo) process group.
+
+    Tensors travel as their raw bytes (a ``uint8`` view), so every dtype goes through gloo,
+    bf16 and bool included. Sender and receiver must agree on the order of tensors; the plan,
+    computed identically on every rank, gives it.
+
+    Args:
+        window_bytes: most bytes a sender keeps in flight before waiting for the oldest send.
+    """
+
+    def __init__(self, window_bytes: int = DEFAULT_WINDOW_BYTES) -> None:
+        self.window_bytes = window_bytes
+        self._in_flight: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
+        self._in_flight_bytes = 0
+
+    def send(self, tensor: torch.Tensor, dst: int = 0) -> None:
+        """Send a contiguous CPU tensor to ``dst`` without waiting, unless the window is full."""
+        if tensor.numel() == 0:
+            return
+        flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+        self._in_flight.append((dist.isend(flat, dst), flat))
+        self._in_flight_bytes += flat.numel()
+        while self._in_flight and self._in_flight_bytes > self.window_bytes:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        work, flat = self._in_flight.popleft()
+        work.wait()
+        self._in_flight_bytes -= flat.numel()
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        """Receive the next tensor from ``src`` into a new CPU tensor of ``shape`` and ``dtype``."""
+        out = torch.empty(shape, dtype=dtype)
+        if out.numel():
+            dist.recv(out.reshape(-1).view(torch.uint8), src=src)
+        return out
+
+    def drain(self) -> None:
+        """Wait until every send has been received."""
+        while self._in_flight:
+            self._wait_oldest()
+
+
+@dataclass(frozen=True, slots=True)
+class _WorkerCall:
+    fn: Callable[[Any, int, int, GlooTransport], Any]
+    job: Any
+    error_dir: str
+
+
+def _worker_main(call: _WorkerCall) -> Any:
+    """Entry point of one worker process: join the gloo group, run the job, report errors."""
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        try:
+            return call.fn(call.job, rank, world_size, GlooTransport())
+        finally:
+            dist.destroy_process_group()
+    except BaseException as e:  # report, then exit quietly: the parent prints the one line
+        record = {
+            "rank": rank,
+            "type": type(e).__name__ if isinstance(e, CheckpointError) else None,
+            "message": str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}",
+            "traceback": traceback.format_exc(),
+        }
+        Path(call.error_dir, f"rank{rank}.json").write_text(json.dumps(record))
+        code = e.exit_code if isinstance(e, CheckpointError) else 1
+        raise SystemExit(code) from None
+
+
+def _failure(error_dir: Path, failed_ranks: list[int]) -> CheckpointError:
+    records = sorted((json.loads(p.read_text()) for p in error_dir.glob("rank*.json")), key=lambda r: r["rank"])
+    # a CheckpointError is the root cause; the others are peers torn down after it
+    for record in records:
+        cls = getattr(errors, record["type"] or "", None)
+        if isinstance(cls, type) and issubclass(cls, CheckpointError):
+            err = cls(record["message"])
+            err.__notes__ = [f"worker rank {record['rank']}:\n{record['traceback']}"]
+            return err
+    if records:
+        first = records[0]
+        err = WorkerFailedError(f"worker rank {first['rank']} failed: {first['message']}")
+        err.__notes__ = [first["traceback"]]
+        return err
+    ranks = ", ".join(map(str, failed_ranks)) or "?"
+    return WorkerFailedError(f"worker rank {ranks} died without a report (killed, or out of memory?)")
+
+
+def run_workers(fn: Callable[[Job, int, int, GlooTransport], Any], job: Job, nproc: int) -> Any:
+    """Run ``fn(job, rank, world_size, transport)`` in ``nproc`` new worker processes.
+
+    Workers are started by torch's elastic launcher on this node (spawn, c10d rendezvous on a
+    free loopback port, no restarts) and join a gloo process group. ``fn`` and ``job`` must be
+    picklable. Called in the parent process; blocks until every worker exits.
+
+    Returns:
+        Rank 0's return value.
+
+    Raises:
+        CheckpointError: re-raised in the parent, same class and message, if a worker raised one.
+        WorkerFailedError: a worker failed otherwise or died (the message names its rank).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    error_dir = Path(tempfile.mkdtemp(prefix="fsdp-convert-"))
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"fsdp-convert-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    elastic_logger = logging.getLogger("torch.distributed.elastic")
+    old_level = elastic_logger.level
+    elastic_logger.setLevel(logging.ERROR)  # its teardown warnings repeat what we report
+    try:
+        results = elastic_launch(config, _worker_main)(_WorkerCall(fn, job, str(error_dir)))
+    except ChildFailedError as e:
+        raise _failure(error_dir, sorted(e.failures)) from None
+    finally:
+        elastic_logger.setLevel(old_level)
+        shutil.rmtree(error_dir, ignore_errors=True)
+    return results[0]

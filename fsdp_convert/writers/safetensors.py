@@ -1,0 +1,122 @@
+"""safetensors writer that writes the header first and then streams tensor data in order.
+
+Format (https://github.com/huggingface/safetensors, "Format"): an 8-byte little-endian header
+length N, N bytes of JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__":
+{...}}`` padded with spaces to a multiple of 8, then the tensor bytes, little-endian, C order,
+back to back. Every name, dtype and shape is known from the index before any data is read, so
+the header is written first and each tensor's bytes are appended as it arrives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from fsdp_convert.metadata import ObjPath
+from fsdp_convert.writers._buffer import byte_view, dense
+
+__all__ = ["SafetensorsWriter", "SAFETENSORS_DTYPES", "safetensors_name"]
+
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
+}
+
+
+def safetensors_name(path: ObjPath) -> str:
+    """The tensor name for a model entry: its path below the top-level ``model`` key, dotted."""
+    return ".".join(str(p) for p in path[1:]) if len(path) > 1 else str(path[0])
+
+
+class SafetensorsWriter:
+    """Streams tensors into one safetensors file whose header is fixed up front. Rank 0 only.
+
+    Args:
+        path: the file to create (normally a temporary sibling of the output).
+        layout: ``(path, dtype, shape)`` of every tensor, in the order they will be added.
+        metadata: string pairs for ``__metadata__`` (``{"format": "pt"}`` by default, as HF writes).
+
+    Raises:
+        ValueError: a dtype safetensors cannot hold, or two paths with the same name.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        layout: Sequence[tuple[ObjPath, torch.dtype, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+        self._expected: list[tuple[ObjPath, torch.dtype, tuple[int, ...]]] = list(layout)
+        begin = 0
+        for obj_path, dtype, shape in self._expected:
+            name = safetensors_name(obj_path)
+            if dtype not in SAFETENSORS_DTYPES:
+                raise ValueError(f"{name}: safetensors cannot hold dtype {dtype}")
+            if name in header:
+                raise ValueError(f"two tensors are both named {name}")
+            nbytes = dtype.itemsize
+            for s in shape:
+                nbytes *= s
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [begin, begin + nbytes]}
+            begin += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.path = Path(path)
+        self._file: IO[bytes] = open(self.path, "xb")  # noqa: SIM115 (closed in finish/close)
+        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        self._next = 0
+        self.tensor_bytes = 0
+
+    def add_tensor(self, path: ObjPath, tensor: torch.Tensor) -> None:
+        """Append ``tensor``'s bytes; it must be the next one of ``layout`` (same path, dtype, shape).
+
+        Raises:
+            ValueError: the tensor is not the one the header announced next.
+        """
+        expected = self._expected[self._next] if self._next < len(self._expected) else None
+        got = (path, tensor.dtype, tuple(tensor.shape))
+        if got != expected:
+            raise ValueError(f"safetensors writer expected {expected}, got {got}")
+        tensor = dense(tensor)
+        self._file.write(byte_view(tensor))
+        self._next += 1
+        self.tensor_bytes += tensor.nbytes
+
+    def add_value(self, path: ObjPath, value: Any) -> None:
+        """safetensors holds tensors only; the planner keeps values away from this writer."""
+        raise ValueError(f"{'.'.join(map(str, path))}: safetensors holds tensors only")
+
+    def finish(self) -> int:
+        """Check every announced tensor arrived, flush and fsync; return the file size in bytes."""
+        if self._next != len(self._expected):
+            raise ValueError(f"safetensors writer got {self._next} of {len(self._expected)} tensors")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        size = self._file.tell()
+        self._file.close()
+        return size
+
+    def close(self) -> None:
+        """Close the file without completing it; the caller removes it."""
+        self._file.close()

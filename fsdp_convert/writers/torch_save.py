@@ -1,0 +1,134 @@
+"""torch.save writer that streams: storage records first, as tensors arrive; the pickle last.
+
+torch.save's container (``torch/serialization.py``, ``_save``) is a zip of one record per storage
+(``data/<key>``), a pickle ``data.pkl`` that refers to storages only by key through
+``persistent_id``, and small records ``.format_version``, ``.storage_alignment``, ``byteorder``;
+``version`` and ``.data/serialization_id`` are added by the zip writer. Record order does not
+matter to ``torch.load``, so each tensor's storage is written the moment it arrives and freed,
+and ``data.pkl`` is written at the end. The zip itself is written by torch's own
+``torch._C.PyTorchFileWriter`` (CRC-32s, 64-byte aligned records), so the result is an ordinary
+torch.save file that ``torch.load(path, weights_only=True, mmap=True)`` reads.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pickle
+import sys
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from fsdp_convert._torch import open_torch_save_writer, storage_alignment, storage_type_for
+from fsdp_convert.layout import unflatten
+from fsdp_convert.metadata import ObjPath
+from fsdp_convert.writers._buffer import dense
+
+__all__ = ["TorchSaveWriter", "PICKLE_PROTOCOL"]
+
+PICKLE_PROTOCOL = 2  # torch.serialization.DEFAULT_PROTOCOL
+
+
+class _StorageRef:
+    """Stands for a storage already written as record ``data/<key>``."""
+
+    __slots__ = ("key", "dtype", "numel")
+
+    def __init__(self, key: str, dtype: torch.dtype, numel: int) -> None:
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+class _TensorRef:
+    """Pickles exactly as torch.save pickles a contiguous CPU tensor over a written storage."""
+
+    __slots__ = ("storage", "shape")
+
+    def __init__(self, storage: _StorageRef, shape: tuple[int, ...]) -> None:
+        self.storage, self.shape = storage, shape
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        args = (self.storage, 0, torch.Size(self.shape), _contiguous_stride(self.shape), False, collections.OrderedDict())
+        return (torch._utils._rebuild_tensor_v2, args)
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _StorageRef):
+            return ("storage", storage_type_for(obj.dtype), obj.key, "cpu", obj.numel)
+        return None
+
+
+class TorchSaveWriter:
+    """Streams a nested state dict into one torch.save file. Rank 0 only.
+
+    ``add_tensor`` writes the tensor's bytes at once (the caller can free the tensor);
+    ``finish`` writes the pickle of the nested structure, closes the zip and fsyncs.
+    Memory held: the nested structure of small references and plain values, not the tensors.
+
+    Args:
+        path: the file to create (normally a temporary sibling of the output).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._file: IO[bytes] = open(self.path, "xb")  # noqa: SIM115 (closed in finish/close)
+        self._zip: torch._C.PyTorchFileWriter | None = open_torch_save_writer(self._file)
+        self._items: list[tuple[ObjPath, Any]] = []
+        self.tensor_bytes = 0
+
+    def add_tensor(self, path: ObjPath, tensor: torch.Tensor) -> None:
+        """Write ``tensor``'s storage record now; it appears at ``path`` in the loaded dict.
+
+        Args:
+            path: key path in the nested state dict (``("model", "layers.0.attn.wq.weight")``).
+            tensor: CPU tensor of any shape and dtype; non-contiguous tensors are copied first.
+        """
+        assert self._zip is not None, "writer is closed"
+        tensor = dense(tensor)
+        key = str(len(self._items))
+        self._zip.write_record(f"data/{key}", tensor.untyped_storage(), tensor.nbytes)
+        self.tensor_bytes += tensor.nbytes
+        ref = _TensorRef(_StorageRef(key, tensor.dtype, tensor.numel()), tuple(tensor.shape))
+        self._items.append((path, ref))
+
+    def add_value(self, path: ObjPath, value: Any) -> None:
+        """Record a plain Python value at ``path`` (pickled in ``finish``)."""
+        self._items.append((path, value))
+
+    def finish(self) -> int:
+        """Write ``data.pkl`` and the trailer records, close the zip, flush and fsync.
+
+        Returns:
+            The file's size in bytes.
+        """
+        assert self._zip is not None, "writer is closed"
+        buf = io.BytesIO()
+        _Pickler(buf, protocol=PICKLE_PROTOCOL).dump(unflatten(self._items))
+        data = buf.getvalue()
+        self._zip.write_record("data.pkl", data, len(data))
+        alignment = str(storage_alignment())
+        for name, text in ((".format_version", "1"), (".storage_alignment", alignment), ("byteorder", sys.byteorder)):
+            self._zip.write_record(name, text, len(text))
+        self._zip.write_end_of_file()
+        self._zip = None
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        size = self._file.tell()
+        self._file.close()
+        return size
+
+    def close(self) -> None:
+        """Close the file without completing it; the caller removes it."""
+        self._zip = None
+        self._file.close()
