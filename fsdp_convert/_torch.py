@@ -43,5 +43,5 @@ def open_torch_save_writer(stream: IO[bytes]) -> torch._C.PyTorchFileWriter:
 @functools.cache
 def storage_type_for(dtype: torch.dtype) -> type:
     """The legacy typed-storage class torch.save pickles for ``dtype`` (e.g. ``torch.FloatStorage``)."""
-    name = torch.TypedStorage(0, dtype=dtype)._pickle_storage_type()
+    name = torch.storage._dtype_to_storage_type_map()[dtype]
     return getattr(torch, name)  # type: ignore[no-any-return]

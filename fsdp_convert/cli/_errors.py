@@ -1,0 +1,58 @@
+"""The CLI's one error handler: CheckpointError to ``error: ...`` and its exit code."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+from collections.abc import Iterator
+
+import typer
+
+from fsdp_convert.cli._output import err_console
+from fsdp_convert.errors import CheckpointError
+
+__all__ = ["handle_errors", "set_debug", "debug_enabled"]
+
+_DEBUG = {"on": False}
+DEBUG_HINT = "run with --debug (or FSDP_CONVERT_DEBUG=1) for a traceback"
+
+
+def set_debug(on: bool) -> None:
+    """Show tracebacks (``--debug``)."""
+    _DEBUG["on"] = on
+
+
+def debug_enabled() -> bool:
+    """Whether ``--debug`` or ``FSDP_CONVERT_DEBUG=1`` is in effect."""
+    return _DEBUG["on"] or os.environ.get("FSDP_CONVERT_DEBUG", "") not in ("", "0")
+
+
+@contextlib.contextmanager
+def handle_errors() -> Iterator[None]:
+    """Turn exceptions into one line on stderr and the exit code of their kind.
+
+    ``CheckpointError`` exits with its ``exit_code``; any other exception exits 1 with a hint;
+    Ctrl-C exits 130. With ``--debug`` the traceback is printed too.
+    """
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except CheckpointError as e:
+        if debug_enabled():
+            err_console.print(traceback.format_exc(), markup=False, highlight=False)
+            for note in getattr(e, "__notes__", []):
+                err_console.print(note, markup=False, highlight=False)
+        err_console.print(f"error: {e}", markup=False, highlight=False)
+        raise typer.Exit(e.exit_code) from None
+    except KeyboardInterrupt:
+        err_console.print("error: interrupted", markup=False, highlight=False)
+        raise typer.Exit(130) from None
+    except Exception as e:
+        if debug_enabled():
+            err_console.print(traceback.format_exc(), markup=False, highlight=False)
+            err_console.print(f"error: {type(e).__name__}: {e}", markup=False, highlight=False)
+        else:
+            err_console.print(f"error: {type(e).__name__}: {e} ({DEBUG_HINT})", markup=False, highlight=False)
+        raise typer.Exit(1) from None

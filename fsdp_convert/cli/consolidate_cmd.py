@@ -1,0 +1,69 @@
+"""``fsdp-convert consolidate``: one full state dict file from a sharded DCP checkpoint."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Literal
+
+import typer
+
+from fsdp_convert.cli._errors import handle_errors
+from fsdp_convert.cli._options import CheckpointArg, JsonOpt, NprocOpt, OutputArg, OverwriteOpt, ProgressOpt
+from fsdp_convert.cli._output import console, human_bytes, print_json
+from fsdp_convert.convert import consolidate
+
+EXAMPLES = """
+Examples:
+
+  fsdp-convert consolidate ckpt/step-1000 full.pt
+
+  fsdp-convert consolidate ckpt/step-1000 model.safetensors --nproc 4
+
+  fsdp-convert consolidate ckpt/step-1000 optim.pt --only optim --overwrite
+"""
+
+OnlyOpt = Annotated[
+    str,
+    typer.Option("--only", help="Which part to write: all, model or optim (.safetensors implies model).", show_default=True),
+]
+
+
+def consolidate_command(
+    checkpoint: CheckpointArg,
+    output: OutputArg,
+    nproc: NprocOpt = 1,
+    only: OnlyOpt = "all",
+    overwrite: OverwriteOpt = False,
+    progress: ProgressOpt = None,
+    json_output: JsonOpt = False,
+) -> None:
+    """Write the full (unsharded) model and optimizer state of CHECKPOINT_DIR into one file OUT."""
+    if only not in ("all", "model", "optim"):
+        raise typer.BadParameter(f"{only!r} is not one of all, model, optim", param_hint="--only")
+    only_value: Literal["all", "model", "optim"] = only  # type: ignore[assignment]
+    show_progress = progress if progress is not None else (not json_output and sys.stderr.isatty())
+    with handle_errors():
+        result = consolidate(checkpoint, output, nproc=nproc, only=only_value, overwrite=overwrite, progress=show_progress)
+    if json_output:
+        print_json(
+            {
+                "schema_version": 1,
+                "output": str(result.output),
+                "format": result.output_format,
+                "tensors": result.tensors,
+                "values": result.values,
+                "tensor_bytes": result.tensor_bytes,
+                "file_bytes": result.file_bytes,
+                "nproc": result.nproc,
+                "seconds": round(result.seconds, 3),
+            }
+        )
+    else:
+        console.print(
+            f"wrote {result.output} ({result.output_format}, {result.tensors} tensors, {result.values} values, "
+            f"{human_bytes(result.file_bytes)}) in {result.seconds:.1f} s",
+            highlight=False,
+        )
+
+
+consolidate_command.__doc__ = (consolidate_command.__doc__ or "") + "\n\n" + EXAMPLES

@@ -1,0 +1,88 @@
+"""Shared fixtures: real FSDP2 checkpoints written by forked gloo ranks, with ground truth."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: forked ranks and a 2-core CI box
+
+import warnings  # noqa: E402
+
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+from fsdp_convert._sample import CHECKPOINT_DIRNAME, TRUTH_FILENAME, SampleConfig, train_and_save  # noqa: E402
+from tests._dist import run_ranks  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A DCP checkpoint from real FSDP2 training and the full state dict taken in the same run."""
+
+    name: str
+    world_size: int
+    dtype: torch.dtype
+    checkpoint: Path
+    truth_path: Path
+
+    def truth(self) -> dict[str, Any]:
+        return torch.load(self.truth_path, weights_only=True)
+
+
+# vocab 101 is divisible by neither 2 nor 3; logit_scale has shape (1,), smaller than any world size
+SAMPLES = {
+    "ws2_fp32": (2, torch.float32),
+    "ws3_fp32": (3, torch.float32),
+    "ws3_bf16": (3, torch.bfloat16),
+}
+
+
+def _make_sample(root: Path, name: str) -> Sample:
+    world_size, dtype = SAMPLES[name]
+    out = root / name
+    run_ranks(train_and_save, world_size, out, SampleConfig(dtype=dtype))
+    return Sample(name, world_size, dtype, out / CHECKPOINT_DIRNAME, out / TRUTH_FILENAME)
+
+
+@pytest.fixture(scope="session")
+def samples_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("samples")
+
+
+@pytest.fixture(scope="session", params=sorted(SAMPLES))
+def fsdp2_ckpt(request: pytest.FixtureRequest, samples_root: Path) -> Sample:
+    """Each sample checkpoint in turn (session-scoped: trained once)."""
+    return _sample(request.param, samples_root)
+
+
+_CACHE: dict[str, Sample] = {}
+
+
+def _sample(name: str, root: Path) -> Sample:
+    if name not in _CACHE:
+        _CACHE[name] = _make_sample(root, name)
+    return _CACHE[name]
+
+
+@pytest.fixture(scope="session")
+def ws3_ckpt(samples_root: Path) -> Sample:
+    """The 3-rank fp32 sample alone."""
+    return _sample("ws3_fp32", samples_root)
+
+
+@pytest.fixture(scope="session")
+def ws3_bf16_ckpt(samples_root: Path) -> Sample:
+    """The 3-rank bf16 sample alone."""
+    return _sample("ws3_bf16", samples_root)
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
