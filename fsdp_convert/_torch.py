@@ -41,7 +41,11 @@ def open_torch_save_writer(stream: IO[bytes]) -> torch._C.PyTorchFileWriter:
 
 
 @functools.cache
-def storage_type_for(dtype: torch.dtype) -> type:
-    """The legacy typed-storage class torch.save pickles for ``dtype`` (e.g. ``torch.FloatStorage``)."""
-    name = torch.storage._dtype_to_storage_type_map()[dtype]
-    return getattr(torch, name)  # type: ignore[no-any-return]
+def storage_type_for(dtype: torch.dtype) -> type | None:
+    """The legacy typed-storage class torch.save pickles for ``dtype`` (e.g. ``torch.FloatStorage``).
+
+    ``None`` for dtypes that have none (float8, uint16/32/64, ...): torch.save pickles those
+    through ``torch.storage.UntypedStorage`` and ``torch._utils._rebuild_tensor_v3``.
+    """
+    name = torch.storage._dtype_to_storage_type_map().get(dtype)
+    return None if name is None else getattr(torch, name)

@@ -156,14 +156,18 @@ def run_workers(fn: Callable[[Job, int, int, GlooTransport], Any], job: Job, npr
         monitor_interval=0.1,
         start_method="spawn",
     )
-    elastic_logger = logging.getLogger("torch.distributed.elastic")
-    old_level = elastic_logger.level
-    elastic_logger.setLevel(logging.ERROR)  # its teardown warnings repeat what we report
+    # The launcher logs each worker's exit and the peers' teardown; the one-line error we raise
+    # says the same thing (its traceback goes in the error's notes, shown by --debug).
+    quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    old_levels = [lg.level for lg in quiet]
+    for lg in quiet:
+        lg.setLevel(logging.CRITICAL + 1)
     try:
         results = elastic_launch(config, _worker_main)(_WorkerCall(fn, job, str(error_dir)))
     except ChildFailedError as e:
         raise _failure(error_dir, sorted(e.failures)) from None
     finally:
-        elastic_logger.setLevel(old_level)
+        for lg, level in zip(quiet, old_levels, strict=True):
+            lg.setLevel(level)
         shutil.rmtree(error_dir, ignore_errors=True)
     return results[0]

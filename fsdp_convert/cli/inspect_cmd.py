@@ -31,7 +31,7 @@ def _render(result: InspectResult) -> None:
             continue
         table = Table(title=f"{group}: {len(rows)} entries, {human_bytes(sum(r.nbytes for r in rows))}", title_justify="left")
         for col, justify in (("FQN", "left"), ("shape", "left"), ("dtype", "left"), ("chunks", "right"), ("bytes", "right")):
-            table.add_column(col, justify=justify)  # type: ignore[arg-type]
+            table.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]
         for r in rows:
             shape = "bytes" if r.shape is None else str(r.shape)
             table.add_row(r.fqn, shape, r.dtype or "-", str(r.chunks), str(r.nbytes))

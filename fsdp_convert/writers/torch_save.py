@@ -59,13 +59,19 @@ class _TensorRef:
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         args = (self.storage, 0, torch.Size(self.shape), _contiguous_stride(self.shape), False, collections.OrderedDict())
+        if storage_type_for(self.storage.dtype) is None:
+            # dtypes without a legacy storage class: untyped storage, dtype passed explicitly
+            return (torch._utils._rebuild_tensor_v3, (*args, self.storage.dtype))
         return (torch._utils._rebuild_tensor_v2, args)
 
 
 class _Pickler(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _StorageRef):
-            return ("storage", storage_type_for(obj.dtype), obj.key, "cpu", obj.numel)
+            storage_type = storage_type_for(obj.dtype)
+            if storage_type is None:
+                return ("storage", torch.storage.UntypedStorage, obj.key, "cpu", obj.numel * obj.dtype.itemsize)
+            return ("storage", storage_type, obj.key, "cpu", obj.numel)
         return None
 
 

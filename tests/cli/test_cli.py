@@ -1,0 +1,141 @@
+"""CLI: results on stdout, one-line errors on stderr with the documented exit codes, no half outputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fsdp_convert.cli import app
+from fsdp_convert.metadata import read_index
+from tests.conftest import Sample
+
+GOLDEN = Path(__file__).parent.parent / "golden" / "inspect_ws3_fp32.json"
+
+
+def _copy(sample: Sample, tmp_path: Path) -> Path:
+    dst = tmp_path / "ck"
+    shutil.copytree(sample.checkpoint, dst)
+    return dst
+
+
+def _assert_one_line_error(result, exit_code: int, *needles: str) -> None:  # type: ignore[no-untyped-def]
+    assert result.exit_code == exit_code, (result.exit_code, result.stdout, result.stderr)
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def test_inspect_json_matches_golden(runner: CliRunner, ws3_ckpt: Sample) -> None:
+    result = runner.invoke(app, ["inspect", str(ws3_ckpt.checkpoint), "--json"])
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["checkpoint"] == str(ws3_ckpt.checkpoint)
+    doc["checkpoint"] = "<checkpoint>"
+    if not GOLDEN.exists():  # first run on a new layout: write it, then review it in the diff
+        GOLDEN.write_text(json.dumps(doc, indent=2) + "\n")
+    assert doc == json.loads(GOLDEN.read_text())
+    assert doc["schema_version"] == 1 and doc["producer"] == "fsdp2" and doc["world_size"] == 3
+    assert [e["fqn"] for e in doc["groups"]["other"]] == ["train_state.step", "train_state.world_size"]
+    assert all(e["kind"] == "bytes" for e in doc["groups"]["other"])
+
+
+def test_inspect_table(runner: CliRunner, ws3_ckpt: Sample) -> None:
+    result = runner.invoke(app, ["inspect", str(ws3_ckpt.checkpoint)])
+    assert result.exit_code == 0, result.stderr
+    assert "producer: fsdp2" in result.stdout and "world size: 3" in result.stdout
+    assert "model.tok_embeddings.weight" in result.stdout and "(101, 16)" in result.stdout
+    assert result.stderr == ""
+
+
+def test_consolidate_prints_result(runner: CliRunner, ws3_ckpt: Sample, tmp_path: Path) -> None:
+    out = tmp_path / "full.pt"
+    result = runner.invoke(app, ["consolidate", str(ws3_ckpt.checkpoint), str(out), "--json"])
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["output"] == str(out) and doc["format"] == "torch_save" and doc["tensors"] == 124
+    assert out.stat().st_size == doc["file_bytes"]
+    assert [p.name for p in tmp_path.iterdir()] == ["full.pt"]
+
+
+def test_consolidate_refuses_missing_checkpoint(runner: CliRunner, tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    result = runner.invoke(app, ["consolidate", str(missing), str(tmp_path / "o.pt")])
+    _assert_one_line_error(result, 3, str(missing))
+    result = runner.invoke(app, ["inspect", str(tmp_path)])
+    _assert_one_line_error(result, 3, str(tmp_path), ".metadata")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_consolidate_refuses_missing_data_file(runner: CliRunner, ws3_ckpt: Sample, tmp_path: Path) -> None:
+    ck = _copy(ws3_ckpt, tmp_path)
+    (ck / "__1_0.distcp").unlink()
+    out = tmp_path / "o.pt"
+    result = runner.invoke(app, ["consolidate", str(ck), str(out)])
+    _assert_one_line_error(result, 3, str(ck / "__1_0.distcp"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_consolidate_refuses_existing_output(runner: CliRunner, ws3_ckpt: Sample, tmp_path: Path) -> None:
+    out = tmp_path / "o.pt"
+    out.write_bytes(b"precious")
+    result = runner.invoke(app, ["consolidate", str(ws3_ckpt.checkpoint), str(out)])
+    _assert_one_line_error(result, 4, str(out), "--overwrite")
+    assert out.read_bytes() == b"precious"
+    result = runner.invoke(app, ["consolidate", str(ws3_ckpt.checkpoint), str(out), "--overwrite"])
+    assert result.exit_code == 0, result.stderr
+    assert out.read_bytes()[:2] == b"PK"  # a zip, i.e. a torch.save file
+    assert [p.name for p in tmp_path.iterdir()] == ["o.pt"]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--only", "optim", "OUT.safetensors"], "safetensors holds model weights only"),
+        (["OUT.txt"], "unknown output suffix"),
+    ],
+)
+def test_consolidate_usage_errors_exit_2(runner: CliRunner, ws3_ckpt: Sample, tmp_path: Path, args: list[str], needle: str) -> None:
+    args = [a.replace("OUT", str(tmp_path / "o")) for a in args]
+    result = runner.invoke(app, ["consolidate", str(ws3_ckpt.checkpoint), *args[-1:], *args[:-1]])
+    _assert_one_line_error(result, 2, needle)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_consolidate_bad_option_values_exit_2(runner: CliRunner, ws3_ckpt: Sample, tmp_path: Path) -> None:
+    for extra in (["--only", "weights"], ["--nproc", "0"]):
+        result = runner.invoke(app, ["consolidate", str(ws3_ckpt.checkpoint), str(tmp_path / "o.pt"), *extra])
+        assert result.exit_code == 2, result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_consolidate_reports_corrupt_payload_and_leaves_nothing(runner: CliRunner, ws3_ckpt: Sample, tmp_path: Path) -> None:
+    ck = _copy(ws3_ckpt, tmp_path)
+    entry = next(e for e in read_index(ck).tensors() if e.fqn == "model.layers.1.mlp.0.weight")
+    chunk = next(c for c in entry.chunks if c.relative_path == "__2_0.distcp")
+    data = bytearray((ck / "__2_0.distcp").read_bytes())
+    data[chunk.offset_bytes : chunk.offset_bytes + 64] = b"\xff" * 64  # the zip's first local header
+    (ck / "__2_0.distcp").write_bytes(bytes(data))
+    out = tmp_path / "o.pt"
+    result = runner.invoke(app, ["consolidate", str(ck), str(out)])
+    _assert_one_line_error(result, 1, str(ck / "__2_0.distcp"), "model.layers.1.mlp.0.weight", f"[{chunk.offset_bytes}, ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_unexpected_error_is_one_line_with_debug_hint(runner: CliRunner, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import fsdp_convert.cli.inspect_cmd as inspect_cmd
+
+    def boom(_: object) -> None:
+        raise ValueError("kaput")
+
+    monkeypatch.setattr(inspect_cmd, "inspect_checkpoint", boom)
+    result = runner.invoke(app, ["inspect", str(tmp_path)])
+    _assert_one_line_error(result, 1, "ValueError: kaput", "--debug")
+    result = runner.invoke(app, ["--debug", "inspect", str(tmp_path)])
+    assert result.exit_code == 1 and "Traceback" in result.stderr

@@ -1,0 +1,63 @@
+"""Plan: coverage checks, byte balancing and option checks, all before any tensor is read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp_convert.errors import CoverageError, InvalidOptionError
+from fsdp_convert.metadata import BytesEntry, ChunkEntry, TensorEntry, read_index
+from fsdp_convert.plan import assign_owners, check_coverage, plan_consolidate
+from tests.conftest import Sample
+
+
+def _entry(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], fqn: str = "model.w") -> TensorEntry:
+    chunks = tuple(
+        ChunkEntry(offsets=o, sizes=s, relative_path="__0_0.distcp", offset_bytes=0, length_bytes=1) for o, s in boxes
+    )
+    return TensorEntry(fqn=fqn, path=("model", fqn), shape=shape, dtype=torch.float32, chunks=chunks)
+
+
+def test_coverage_accepts_2d_tiling_and_empty_chunks() -> None:
+    check_coverage(_entry((4, 6), [((0, 0), (2, 3)), ((0, 3), (2, 3)), ((2, 0), (2, 6)), ((4, 0), (0, 6))]))
+    check_coverage(_entry((), [((), ())]))
+
+
+@pytest.mark.parametrize(
+    ("boxes", "match"),
+    [
+        ([((0, 0), (2, 6))], "gap"),
+        ([((0, 0), (3, 6)), ((2, 0), (2, 6))], "overlap"),
+        ([((0, 0), (4, 6)), ((4, 0), (1, 6))], "outside"),
+    ],
+)
+def test_coverage_rejects_gaps_overlaps_and_overhang(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], match: str) -> None:
+    with pytest.raises(CoverageError, match=match):
+        check_coverage(_entry((4, 6), boxes))
+
+
+def test_owners_balance_bytes_and_keep_bytes_entries_on_rank0() -> None:
+    entries = (
+        _entry((100,), [((0,), (100,))], "a"),
+        _entry((60,), [((0,), (60,))], "b"),
+        BytesEntry(fqn="lr", path=("optim", "param_groups", 0, "lr"), relative_path="__0_0.distcp", offset_bytes=0, length_bytes=9),
+        _entry((50,), [((0,), (50,))], "c"),
+    )
+    owners = assign_owners(entries, 2)
+    assert owners == (0, 1, 0, 1)
+    assert assign_owners(entries, 2) == owners  # deterministic
+
+
+def test_plan_rejects_bad_options(ws3_ckpt: Sample, tmp_path: Path) -> None:
+    index = read_index(ws3_ckpt.checkpoint)
+    with pytest.raises(InvalidOptionError, match="safetensors holds model weights only"):
+        plan_consolidate(index, tmp_path / "x.safetensors", only="optim")
+    with pytest.raises(InvalidOptionError, match="unknown output suffix"):
+        plan_consolidate(index, tmp_path / "x.txt")
+    plan = plan_consolidate(index, tmp_path / "x.safetensors")
+    assert {e.path[0] for e in plan.entries} == {"model"}
+    plan = plan_consolidate(index, tmp_path / "x.pt", nproc=3)
+    loads = plan.bytes_per_rank()
+    assert max(loads) - min(loads) <= max(e.nbytes for e in plan.entries)
