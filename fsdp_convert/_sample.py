@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -27,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     get_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.fsdp import fully_shard
 
 CHECKPOINT_DIRNAME = "checkpoint"
@@ -99,7 +99,7 @@ class Transformer(nn.Module):
         return self.output(self.norm(x)) * self.logit_scale
 
 
-def train_and_save(rank: int, world_size: int, out_dir: str | os.PathLike, cfg: SampleConfig) -> None:
+def train_and_save(rank: int, world_size: int, out_dir: str | os.PathLike[str], cfg: SampleConfig) -> None:
     """Train ``cfg.steps`` AdamW steps with FSDP2 and save DCP plus full ground truth.
 
     Called on every rank of an initialised process group (gloo, CPU). Writes
@@ -125,7 +125,7 @@ def train_and_save(rank: int, world_size: int, out_dir: str | os.PathLike, cfg: 
     train_state = {"step": cfg.steps, "world_size": world_size}
     model_sd, optim_sd = get_state_dict(model, optim)
     out = Path(out_dir)
-    dcp.save({"model": model_sd, "optim": optim_sd, "train_state": train_state}, checkpoint_id=out / CHECKPOINT_DIRNAME)
+    dcp_save({"model": model_sd, "optim": optim_sd, "train_state": train_state}, checkpoint_id=out / CHECKPOINT_DIRNAME)
 
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full_model = get_model_state_dict(model, options=full)

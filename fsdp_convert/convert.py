@@ -110,11 +110,19 @@ def inspect_checkpoint(checkpoint_id: str | os.PathLike[str]) -> InspectResult:
         if isinstance(e, TensorEntry):
             rows.append(
                 EntrySummary(
-                    fqn=e.fqn, group=group_of(e), kind="tensor", shape=e.shape, dtype=_dtype_name(e.dtype), chunks=len(e.chunks), nbytes=e.nbytes
+                    fqn=e.fqn,
+                    group=group_of(e),
+                    kind="tensor",
+                    shape=e.shape,
+                    dtype=_dtype_name(e.dtype),
+                    chunks=len(e.chunks),
+                    nbytes=e.nbytes,
                 )
             )
         else:
-            rows.append(EntrySummary(fqn=e.fqn, group=group_of(e), kind="bytes", shape=None, dtype=None, chunks=1, nbytes=e.nbytes))
+            rows.append(
+                EntrySummary(fqn=e.fqn, group=group_of(e), kind="bytes", shape=None, dtype=None, chunks=1, nbytes=e.nbytes)
+            )
     return InspectResult(
         checkpoint_id=index.checkpoint_id,
         producer=detect_producer(index),
@@ -271,6 +279,10 @@ def consolidate(
         seconds=time.monotonic() - start,
     )
     logger.info(
-        "Consolidated %d tensors (%.1f MiB) into %s in %.1f s", result.tensors, result.tensor_bytes / 2**20, output, result.seconds
+        "Consolidated %d tensors (%.1f MiB) into %s in %.1f s",
+        result.tensors,
+        result.tensor_bytes / 2**20,
+        output,
+        result.seconds,
     )
     return result

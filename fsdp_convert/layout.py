@@ -70,7 +70,8 @@ def unflatten(items: Iterable[tuple[ObjPath, Any]]) -> dict[str, Any]:
                 node[key] = value
             else:
                 node = node.setdefault(key, {})
-    return _densify(root, list_nodes)
+    nested: dict[str, Any] = _densify(root, list_nodes)
+    return nested
 
 
 def _densify(node: Any, list_nodes: set[int]) -> Any:

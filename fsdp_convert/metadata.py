@@ -380,7 +380,12 @@ def build_index(metadata: dcp_metadata.Metadata, checkpoint_id: Path) -> Checkpo
             files.add(rel)
             chunks.append(
                 ChunkEntry(
-                    offsets=offsets, sizes=sizes, relative_path=rel, offset_bytes=off, length_bytes=length, transform_descriptors=tr
+                    offsets=offsets,
+                    sizes=sizes,
+                    relative_path=rel,
+                    offset_bytes=off,
+                    length_bytes=length,
+                    transform_descriptors=tr,
                 )
             )
         entries.append(TensorEntry(fqn=fqn, path=path, shape=shape, dtype=dtype, chunks=tuple(chunks)))

@@ -116,9 +116,7 @@ def assign_owners(entries: tuple[Entry, ...], nproc: int) -> tuple[int, ...]:
     # rank 0 also reads every bytes entry: count those against it from the start
     values_bytes = sum(e.nbytes for e in entries if isinstance(e, BytesEntry))
     heap = [(values_bytes if rank == 0 else 0, rank) for rank in range(nproc)]
-    tensor_ids = sorted(
-        (i for i, e in enumerate(entries) if isinstance(e, TensorEntry)), key=lambda i: (-entries[i].nbytes, i)
-    )
+    tensor_ids = sorted((i for i, e in enumerate(entries) if isinstance(e, TensorEntry)), key=lambda i: (-entries[i].nbytes, i))
     for i in tensor_ids:
         load, rank = heapq.heappop(heap)
         owners[i] = rank

@@ -100,6 +100,9 @@ class ChunkReader:
             )
         return self.read_range(relative_path, offset, length, fqn)
 
+    def _where(self, relative_path: str, offset: int, length: int, fqn: str) -> str:
+        return f"{self.root / relative_path} bytes [{offset}, {offset + length}) ({fqn})"
+
     def _load(self, data: bytes, where: str) -> Any:
         try:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -122,10 +125,7 @@ class ChunkReader:
         """
         if chunk.relative_path is None:
             return torch.empty(chunk.sizes, dtype=entry.dtype)
-        where = (
-            f"{self.root / chunk.relative_path} bytes [{chunk.offset_bytes}, {chunk.offset_bytes + chunk.length_bytes}) "
-            f"({entry.fqn})"
-        )
+        where = self._where(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, entry.fqn)
         data = self._payload(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, chunk.transform_descriptors, entry.fqn)
         tensor = self._load(data, where)
         if not isinstance(tensor, torch.Tensor):
@@ -166,7 +166,7 @@ class ChunkReader:
         Raises:
             MissingDataFileError, CorruptChunkError, UnsupportedTransformError, UnsafeContentError.
         """
-        where = f"{self.root / entry.relative_path} bytes [{entry.offset_bytes}, {entry.offset_bytes + entry.length_bytes}) ({entry.fqn})"
+        where = self._where(entry.relative_path, entry.offset_bytes, entry.length_bytes, entry.fqn)
         data = self._payload(entry.relative_path, entry.offset_bytes, entry.length_bytes, entry.transform_descriptors, entry.fqn)
         return self._load(data, where)
 

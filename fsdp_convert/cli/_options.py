@@ -19,9 +19,12 @@ OutputArg = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of a table.")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists (only once the new one is complete).")]
 NprocOpt = Annotated[
-    int, typer.Option("--nproc", min=1, help="Reading workers; above 1 they are started with torch's elastic launcher (gloo, CPU).")
+    int,
+    typer.Option("--nproc", min=1, help="Reading workers; above 1 they are started with torch's elastic launcher (gloo, CPU)."),
 ]
 ProgressOpt = Annotated[
     bool | None,
-    typer.Option("--progress/--quiet", help="Progress bar on stderr [default: on when stderr is a terminal].", show_default=False),
+    typer.Option(
+        "--progress/--quiet", help="Progress bar on stderr [default: on when stderr is a terminal].", show_default=False
+    ),
 ]

@@ -31,7 +31,7 @@ def check_output_free(output: Path, *, overwrite: bool) -> None:
 
 
 def fsync_dir(path: Path) -> None:
-    """fsync a folder so a rename inside it is durable."""
+    """Fsync a folder so a rename inside it is durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

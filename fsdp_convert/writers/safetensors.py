@@ -104,7 +104,7 @@ class SafetensorsWriter:
         self.tensor_bytes += tensor.nbytes
 
     def add_value(self, path: ObjPath, value: Any) -> None:
-        """safetensors holds tensors only; the planner keeps values away from this writer."""
+        """Safetensors holds tensors only; the planner keeps values away from this writer."""
         raise ValueError(f"{'.'.join(map(str, path))}: safetensors holds tensors only")
 
     def finish(self) -> int:

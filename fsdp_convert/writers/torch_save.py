@@ -58,7 +58,14 @@ class _TensorRef:
         self.storage, self.shape = storage, shape
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        args = (self.storage, 0, torch.Size(self.shape), _contiguous_stride(self.shape), False, collections.OrderedDict())
+        args: tuple[Any, ...] = (
+            self.storage,
+            0,
+            torch.Size(self.shape),
+            _contiguous_stride(self.shape),
+            False,
+            collections.OrderedDict(),
+        )
         if storage_type_for(self.storage.dtype) is None:
             # dtypes without a legacy storage class: untyped storage, dtype passed explicitly
             return (torch._utils._rebuild_tensor_v3, (*args, self.storage.dtype))
@@ -103,7 +110,8 @@ class TorchSaveWriter:
         assert self._zip is not None, "writer is closed"
         tensor = dense(tensor)
         key = str(len(self._items))
-        self._zip.write_record(f"data/{key}", tensor.untyped_storage(), tensor.nbytes)
+        # the stub says Storage; torch.save passes an UntypedStorage here too
+        self._zip.write_record(f"data/{key}", tensor.untyped_storage(), tensor.nbytes)  # type: ignore[arg-type]
         self.tensor_bytes += tensor.nbytes
         ref = _TensorRef(_StorageRef(key, tensor.dtype, tensor.numel()), tuple(tensor.shape))
         self._items.append((path, ref))
@@ -125,7 +133,7 @@ class TorchSaveWriter:
         self._zip.write_record("data.pkl", data, len(data))
         alignment = str(storage_alignment())
         for name, text in ((".format_version", "1"), (".storage_alignment", alignment), ("byteorder", sys.byteorder)):
-            self._zip.write_record(name, text, len(text))
+            self._zip.write_record(name, text.encode(), len(text))
         self._zip.write_end_of_file()
         self._zip = None
         self._file.flush()

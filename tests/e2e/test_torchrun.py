@@ -25,7 +25,9 @@ def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def torchrun_sample(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("torchrun") / "sample"
-    proc = _run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", "-m", "fsdp_convert._sample", "--out", str(out))
+    proc = _run(
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", "-m", "fsdp_convert._sample", "--out", str(out)
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 

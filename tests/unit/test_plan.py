@@ -14,9 +14,7 @@ from tests.conftest import Sample
 
 
 def _entry(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], fqn: str = "model.w") -> TensorEntry:
-    chunks = tuple(
-        ChunkEntry(offsets=o, sizes=s, relative_path="__0_0.distcp", offset_bytes=0, length_bytes=1) for o, s in boxes
-    )
+    chunks = tuple(ChunkEntry(offsets=o, sizes=s, relative_path="__0_0.distcp", offset_bytes=0, length_bytes=1) for o, s in boxes)
     return TensorEntry(fqn=fqn, path=("model", fqn), shape=shape, dtype=torch.float32, chunks=chunks)
 
 
@@ -42,7 +40,9 @@ def test_owners_balance_bytes_and_keep_bytes_entries_on_rank0() -> None:
     entries = (
         _entry((100,), [((0,), (100,))], "a"),
         _entry((60,), [((0,), (60,))], "b"),
-        BytesEntry(fqn="lr", path=("optim", "param_groups", 0, "lr"), relative_path="__0_0.distcp", offset_bytes=0, length_bytes=9),
+        BytesEntry(
+            fqn="lr", path=("optim", "param_groups", 0, "lr"), relative_path="__0_0.distcp", offset_bytes=0, length_bytes=9
+        ),
         _entry((50,), [((0,), (50,))], "c"),
     )
     owners = assign_owners(entries, 2)
