@@ -9,6 +9,7 @@ dtypes and layouts, paths and plain values, and every field is type-checked afte
 from __future__ import annotations
 
 import io
+import math
 import os
 import pathlib
 import pickle
@@ -69,10 +70,7 @@ class ChunkEntry:
     @property
     def numel(self) -> int:
         """Number of elements in the box."""
-        n = 1
-        for s in self.sizes:
-            n *= s
-        return n
+        return math.prod(self.sizes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,10 +94,7 @@ class TensorEntry:
     @property
     def numel(self) -> int:
         """Number of elements of the global tensor."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:

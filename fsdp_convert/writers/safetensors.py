@@ -10,6 +10,7 @@ the header is written first and each tensor's bytes are appended as it arrives.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ from typing import IO, Any
 import torch
 
 from fsdp_convert.metadata import ObjPath
-from fsdp_convert.writers._buffer import byte_view, dense
+from fsdp_convert.writers._buffer import byte_view, close_synced, dense
 
 __all__ = ["SafetensorsWriter", "SAFETENSORS_DTYPES", "safetensors_name"]
 
@@ -75,9 +76,7 @@ class SafetensorsWriter:
                 raise ValueError(f"{name}: safetensors cannot hold dtype {dtype}")
             if name in header:
                 raise ValueError(f"two tensors are both named {name}")
-            nbytes = dtype.itemsize
-            for s in shape:
-                nbytes *= s
+            nbytes = dtype.itemsize * math.prod(shape)
             header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [begin, begin + nbytes]}
             begin += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -111,11 +110,7 @@ class SafetensorsWriter:
         """Check every announced tensor arrived, flush and fsync; return the file size in bytes."""
         if self._next != len(self._expected):
             raise ValueError(f"safetensors writer got {self._next} of {len(self._expected)} tensors")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        size = self._file.tell()
-        self._file.close()
-        return size
+        return close_synced(self._file)
 
     def close(self) -> None:
         """Close the file without completing it; the caller removes it."""

@@ -25,7 +25,7 @@ import torch
 from fsdp_convert._torch import open_torch_save_writer, storage_alignment, storage_type_for
 from fsdp_convert.layout import unflatten
 from fsdp_convert.metadata import ObjPath
-from fsdp_convert.writers._buffer import dense
+from fsdp_convert.writers._buffer import close_synced, dense
 
 __all__ = ["TorchSaveWriter", "PICKLE_PROTOCOL"]
 
@@ -136,11 +136,7 @@ class TorchSaveWriter:
             self._zip.write_record(name, text.encode(), len(text))
         self._zip.write_end_of_file()
         self._zip = None
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        size = self._file.tell()
-        self._file.close()
-        return size
+        return close_synced(self._file)
 
     def close(self) -> None:
         """Close the file without completing it; the caller removes it."""
