@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +20,19 @@ from tqdm import tqdm
 from fsdp_convert.launch import GlooTransport, run_workers
 from fsdp_convert.layout import Group, detect_producer, group_of
 from fsdp_convert.metadata import BytesEntry, TensorEntry, read_index
-from fsdp_convert.plan import Only, WorkPlan, plan_consolidate
+from fsdp_convert.pipeline import prefetch
+from fsdp_convert.plan import (
+    DEFAULT_MAX_SHARD_BYTES,
+    DEFAULT_MEMORY_BUDGET_BYTES,
+    HF_INDEX_FILENAME,
+    Only,
+    WorkPlan,
+    plan_consolidate,
+)
 from fsdp_convert.reader import ChunkReader, check_data_files
 from fsdp_convert.writers import SafetensorsWriter, StateDictWriter, TorchSaveWriter, atomic_output
 from fsdp_convert.writers._atomic import check_output_free
+from fsdp_convert.writers.safetensors import safetensors_name
 
 __all__ = ["EntrySummary", "InspectResult", "ConsolidateResult", "inspect_checkpoint", "consolidate"]
 
@@ -167,6 +180,106 @@ class _ConsolidateJob:
     progress: bool
 
 
+def _bar(desc: str, total: int, enabled: bool, position: int) -> tqdm:
+    return tqdm(
+        desc=desc,
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=not enabled,
+        file=sys.stderr,
+        position=position,
+    )
+
+
+def _counted(bar: tqdm, nbytes: int, produce: Callable[[], Any]) -> Callable[[], Any]:
+    def run() -> Any:
+        value = produce()
+        bar.update(nbytes)
+        return value
+
+    return run
+
+
+def _send_share(job: _ConsolidateJob, rank: int, transport: GlooTransport) -> None:
+    """Non-zero ranks of a single-file output: read this rank's tensors in plan order, send to rank 0."""
+    plan = job.plan
+    with ChunkReader(job.checkpoint_id) as reader:
+        for entry, owner in zip(plan.entries, plan.owners, strict=True):
+            if owner == rank and isinstance(entry, TensorEntry):
+                transport.make_room(entry.nbytes)  # the tensor about to be read counts against the window
+                transport.send(reader.read_tensor(entry))
+        transport.drain()
+
+
+def _write_single_file(job: _ConsolidateJob, transport: GlooTransport | None) -> int:
+    """Rank 0 of a single-file output: read or receive every entry in order and write it."""
+    plan = job.plan
+    with ChunkReader(job.checkpoint_id) as reader, ExitStack() as stack:
+        read_bar = stack.enter_context(_bar("read", plan.total_bytes, job.progress, 0))
+        write_bar = stack.enter_context(_bar("write", plan.total_bytes, job.progress, 1))
+        jobs: list[tuple[int, Callable[[], Any]]] = []
+        for entry, owner in zip(plan.entries, plan.owners, strict=True):
+            if isinstance(entry, BytesEntry):
+                jobs.append((0, _counted(read_bar, entry.nbytes, partial(reader.read_value, entry))))
+            elif owner == 0:
+                jobs.append((entry.nbytes, _counted(read_bar, entry.nbytes, partial(reader.read_tensor, entry))))
+            else:
+                assert transport is not None
+                recv = partial(transport.recv, entry.shape, entry.dtype, owner)
+                jobs.append((entry.nbytes, _counted(read_bar, entry.nbytes, recv)))
+        writer = _open_writer(plan, job.tmp_output)
+        try:
+            for entry, value in zip(plan.entries, prefetch(jobs, plan.memory_budget_bytes), strict=True):
+                if isinstance(entry, BytesEntry):
+                    writer.add_value(entry.path, value)
+                else:
+                    writer.add_tensor(entry.path, value)
+                write_bar.update(entry.nbytes)
+                del value  # free the tensor before the read-ahead budget is given back
+            return writer.finish()
+        except BaseException:
+            writer.close()
+            raise
+
+
+def _write_shards(job: _ConsolidateJob, rank: int, transport: GlooTransport | None) -> int | None:
+    """Folder output: write this rank's safetensors shards; rank 0 then writes the index.
+
+    No tensor goes through rank 0. Returns the folder's total size in bytes on rank 0.
+    """
+    plan = job.plan
+    mine = [s for s in plan.shards if s.owner == rank]
+    with ChunkReader(job.checkpoint_id) as reader, _bar("write", sum(s.tensor_bytes for s in mine), job.progress, 0) as bar:
+        for shard in mine:
+            entries = [plan.entries[i] for i in shard.entry_ids]
+            tensors = [e for e in entries if isinstance(e, TensorEntry)]
+            writer = SafetensorsWriter(job.tmp_output / shard.filename, [(e.path, e.dtype, e.shape) for e in tensors])
+            try:
+                jobs = [(e.nbytes, partial(reader.read_tensor, e)) for e in tensors]
+                for entry, tensor in zip(tensors, prefetch(jobs, plan.memory_budget_bytes), strict=True):
+                    writer.add_tensor(entry.path, tensor)
+                    bar.update(entry.nbytes)
+                    del tensor
+                writer.finish()
+            except BaseException:
+                writer.close()
+                raise
+    if transport is not None:
+        transport.barrier()
+    if rank != 0:
+        return None
+    if len(plan.shards) > 1:
+        weight_map = {safetensors_name(plan.entries[i].path): shard.filename for shard in plan.shards for i in shard.entry_ids}
+        index = {"metadata": {"total_size": sum(s.tensor_bytes for s in plan.shards)}, "weight_map": weight_map}
+        with open(job.tmp_output / HF_INDEX_FILENAME, "x") as f:
+            f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    return sum(p.stat().st_size for p in job.tmp_output.iterdir())
+
+
 def _open_writer(plan: WorkPlan, path: Path) -> StateDictWriter:
     if plan.output_format == "safetensors":
         layout = [(e.path, e.dtype, e.shape) for e in plan.entries if isinstance(e, TensorEntry)]
@@ -175,75 +288,62 @@ def _open_writer(plan: WorkPlan, path: Path) -> StateDictWriter:
 
 
 def _consolidate_rank(job: _ConsolidateJob, rank: int, world_size: int, transport: GlooTransport | None) -> int | None:
-    """One rank's share of a consolidation. Called on every rank; rank 0 alone writes.
+    """One rank's share of a consolidation. Called on every rank.
 
-    Rank 0 walks the plan in output order, reading its own tensors and receiving the others from
-    their owners; every other rank reads its tensors in the same order and sends them to rank 0.
+    Single-file outputs: rank 0 walks the plan in output order, reading its own tensors and
+    receiving the others from their owners, and alone writes; the other ranks read their
+    tensors in the same order and send them to rank 0. Folder outputs: each rank writes its own
+    shard files.
 
     Returns:
-        On rank 0, the output file's size in bytes; ``None`` elsewhere.
+        On rank 0, the output's size in bytes; ``None`` elsewhere.
     """
-    plan = job.plan
-    with ChunkReader(job.checkpoint_id) as reader:
-        if rank != 0:
-            assert transport is not None
-            for entry, owner in zip(plan.entries, plan.owners, strict=True):
-                if owner == rank and isinstance(entry, TensorEntry):
-                    transport.send(reader.read_tensor(entry))
-            transport.drain()
-            return None
-        writer = _open_writer(plan, job.tmp_output)
-        try:
-            with tqdm(total=plan.total_bytes, unit="B", unit_scale=True, disable=not job.progress, file=sys.stderr) as bar:
-                for entry, owner in zip(plan.entries, plan.owners, strict=True):
-                    if isinstance(entry, BytesEntry):
-                        writer.add_value(entry.path, reader.read_value(entry))
-                    elif owner == 0:
-                        writer.add_tensor(entry.path, reader.read_tensor(entry))
-                    else:
-                        assert transport is not None
-                        writer.add_tensor(entry.path, transport.recv(entry.shape, entry.dtype, owner))
-                    bar.update(entry.nbytes)
-            return writer.finish()
-        except BaseException:
-            writer.close()
-            raise
+    if job.plan.output_format == "hf_dir":
+        return _write_shards(job, rank, transport)
+    if rank != 0:
+        assert transport is not None
+        _send_share(job, rank, transport)
+        return None
+    return _write_single_file(job, transport)
 
 
 def consolidate(
     checkpoint_id: str | os.PathLike[str],
     output: str | os.PathLike[str],
     *,
-    nproc: int = 1,
+    nproc: int | None = None,
     only: Only = "all",
     overwrite: bool = False,
+    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress: bool = False,
 ) -> ConsolidateResult:
-    """Write a DCP checkpoint as one full (unsharded) state dict file.
+    """Write a DCP checkpoint as one full (unsharded) state dict: a file, or a folder of shards.
 
     Steps: read the index; plan (select entries, check coverage, balance tensors over workers
-    by bytes); check the data files exist; read chunks into full tensors on the workers and hand
-    them to rank 0, which writes them in the producer's order into a temporary sibling of
-    ``output``; rename into place.
+    by bytes); check the data files exist; read chunks into full tensors on the workers, overlapping
+    reading with writing; write into a temporary sibling of ``output``; rename it into place.
 
     Args:
         checkpoint_id: the DCP checkpoint folder.
         output: ``.pt``/``.pth``/``.bin`` for torch.save of the nested state dict
             (``{"model": {fqn: tensor}, "optim": {"state": {fqn: {...}}, "param_groups": [...]},
             ...}``, as ``get_model_state_dict``/``get_optimizer_state_dict`` with
-            ``full_state_dict=True`` give it); ``.safetensors`` for the model weights alone.
+            ``full_state_dict=True`` give it); ``.safetensors`` for the model weights in one file;
+            a folder (no suffix) for the model weights as Hugging Face safetensors shards with
+            ``model.safetensors.index.json``.
         nproc: reading workers; 1 runs in this process, more start workers with torch's
-            elastic launcher (gloo on CPU).
+            elastic launcher (gloo on CPU). ``None``: one per CPU core, capped by the number of
+            data files and by one per 256 MiB of data.
         only: ``all``, ``model`` or ``optim``: which top-level groups to write.
         overwrite: replace an existing ``output`` (at the final rename only).
-        progress: show a tqdm bar on stderr.
+        memory_budget_bytes: read-ahead and transfer buffers each process may hold, in bytes.
+            Peak memory per process is about this plus the largest tensor.
+        max_shard_bytes: largest shard of a folder output, in bytes.
+        progress: show tqdm bars (bytes, rate, ETA) on stderr.
 
     Returns:
         What was written.
-
-    Warning:
-        Rank 0 holds one full tensor at a time, and each worker up to its send window
-        (``GlooTransport.window_bytes``) of tensors in flight.
 
     Raises:
         CheckpointNotFoundError, NotADcpCheckpointError, UnsafeContentError: unreadable index.
@@ -257,15 +357,24 @@ def consolidate(
     start = time.monotonic()
     output = Path(output)
     index = read_index(checkpoint_id)
-    plan = plan_consolidate(index, output, only=only, nproc=nproc)
-    check_output_free(output, overwrite=overwrite)
+    plan = plan_consolidate(
+        index,
+        output,
+        only=only,
+        nproc=nproc,
+        memory_budget_bytes=memory_budget_bytes,
+        max_shard_bytes=max_shard_bytes,
+        cpus=len(os.sched_getaffinity(0)),
+    )
+    directory = plan.output_format == "hf_dir"
+    check_output_free(output, overwrite=overwrite, directory=directory)
     check_data_files(index)
-    with atomic_output(output, overwrite=overwrite) as tmp:
+    with atomic_output(output, overwrite=overwrite, directory=directory) as tmp:
         job = _ConsolidateJob(checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, progress=progress)
-        if nproc == 1:
+        if plan.nproc == 1:
             file_bytes = _consolidate_rank(job, 0, 1, None)
         else:
-            file_bytes = run_workers(_consolidate_rank, job, nproc)
+            file_bytes = run_workers(_consolidate_rank, job, plan.nproc, window_bytes=plan.memory_budget_bytes)
     assert file_bytes is not None
     tensors = [e for e in plan.entries if isinstance(e, TensorEntry)]
     result = ConsolidateResult(
@@ -275,14 +384,15 @@ def consolidate(
         values=len(plan.entries) - len(tensors),
         tensor_bytes=sum(e.nbytes for e in tensors),
         file_bytes=file_bytes,
-        nproc=nproc,
+        nproc=plan.nproc,
         seconds=time.monotonic() - start,
     )
     logger.info(
-        "Consolidated %d tensors (%.1f MiB) into %s in %.1f s",
+        "Consolidated %d tensors (%.1f MiB) into %s in %.1f s with %d worker(s)",
         result.tensors,
         result.tensor_bytes / 2**20,
         output,
         result.seconds,
+        plan.nproc,
     )
     return result

@@ -27,11 +27,10 @@ import torch.distributed as dist
 from fsdp_convert import errors
 from fsdp_convert.errors import CheckpointError, WorkerFailedError
 
-__all__ = ["GlooTransport", "run_workers", "DEFAULT_WINDOW_BYTES"]
+__all__ = ["GlooTransport", "run_workers"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_WINDOW_BYTES = 256 * 1024 * 1024
 Job = TypeVar("Job")
 
 
@@ -46,20 +45,26 @@ class GlooTransport:
         window_bytes: most bytes a sender keeps in flight before waiting for the oldest send.
     """
 
-    def __init__(self, window_bytes: int = DEFAULT_WINDOW_BYTES) -> None:
+    def __init__(self, window_bytes: int) -> None:
         self.window_bytes = window_bytes
         self._in_flight: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
         self._in_flight_bytes = 0
 
+    def make_room(self, nbytes: int) -> None:
+        """Wait for the oldest sends until ``nbytes`` more fit in the window (or none is left).
+
+        Call before reading the tensor to send, so the tensor being read counts too.
+        """
+        while self._in_flight and self._in_flight_bytes + nbytes > self.window_bytes:
+            self._wait_oldest()
+
     def send(self, tensor: torch.Tensor, dst: int = 0) -> None:
-        """Send a contiguous CPU tensor to ``dst`` without waiting, unless the window is full."""
+        """Start sending a CPU tensor to ``dst``; the transport keeps it until it is received."""
         if tensor.numel() == 0:
             return
         flat = tensor.contiguous().reshape(-1).view(torch.uint8)
         self._in_flight.append((dist.isend(flat, dst), flat))
         self._in_flight_bytes += flat.numel()
-        while self._in_flight and self._in_flight_bytes > self.window_bytes:
-            self._wait_oldest()
 
     def _wait_oldest(self) -> None:
         work, flat = self._in_flight.popleft()
@@ -78,12 +83,17 @@ class GlooTransport:
         while self._in_flight:
             self._wait_oldest()
 
+    def barrier(self) -> None:
+        """Wait until every rank gets here."""
+        dist.barrier()
+
 
 @dataclass(frozen=True, slots=True)
 class _WorkerCall:
     fn: Callable[[Any, int, int, GlooTransport], Any]
     job: Any
     error_dir: str
+    window_bytes: int
 
 
 def _worker_main(call: _WorkerCall) -> Any:
@@ -93,10 +103,10 @@ def _worker_main(call: _WorkerCall) -> Any:
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        try:
-            return call.fn(call.job, rank, world_size, GlooTransport())
-        finally:
-            dist.destroy_process_group()
+        result = call.fn(call.job, rank, world_size, GlooTransport(call.window_bytes))
+        # only on success: after a failure a peer may be gone and teardown could wait on it
+        dist.destroy_process_group()
+        return result
     except BaseException as e:  # report, then exit quietly: the parent prints the one line
         record = {
             "rank": rank,
@@ -127,8 +137,10 @@ def _failure(error_dir: Path, failed_ranks: list[int]) -> CheckpointError:
     return WorkerFailedError(f"worker rank {ranks} died without a report (killed, or out of memory?)")
 
 
-def run_workers(fn: Callable[[Job, int, int, GlooTransport], Any], job: Job, nproc: int) -> Any:
+def run_workers(fn: Callable[[Job, int, int, GlooTransport], Any], job: Job, nproc: int, *, window_bytes: int) -> Any:
     """Run ``fn(job, rank, world_size, transport)`` in ``nproc`` new worker processes.
+
+    ``transport`` is a ``GlooTransport`` whose senders keep at most ``window_bytes`` in flight.
 
     Workers are started by torch's elastic launcher on this node (spawn, c10d rendezvous on a
     free loopback port, no restarts) and join a gloo process group. ``fn`` and ``job`` must be
@@ -163,7 +175,7 @@ def run_workers(fn: Callable[[Job, int, int, GlooTransport], Any], job: Job, npr
     for lg in quiet:
         lg.setLevel(logging.CRITICAL + 1)
     try:
-        results = elastic_launch(config, _worker_main)(_WorkerCall(fn, job, str(error_dir)))
+        results = elastic_launch(config, _worker_main)(_WorkerCall(fn, job, str(error_dir), window_bytes))
     except ChildFailedError as e:
         raise _failure(error_dir, sorted(e.failures)) from None
     finally:

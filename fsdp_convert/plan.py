@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -18,6 +19,13 @@ from fsdp_convert.metadata import BytesEntry, CheckpointIndex, Entry, TensorEntr
 
 __all__ = [
     "OutputFormat",
+    "parse_size",
+    "ShardPlan",
+    "plan_shards",
+    "default_nproc",
+    "DEFAULT_MEMORY_BUDGET_BYTES",
+    "DEFAULT_MAX_SHARD_BYTES",
+    "HF_INDEX_FILENAME",
     "Only",
     "TORCH_SAVE_SUFFIXES",
     "SAFETENSORS_SUFFIXES",
@@ -28,25 +36,60 @@ __all__ = [
     "assign_owners",
 ]
 
-OutputFormat = Literal["torch_save", "safetensors"]
+OutputFormat = Literal["torch_save", "safetensors", "hf_dir"]
 Only = Literal["all", "model", "optim"]
 TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin")
 SAFETENSORS_SUFFIXES = (".safetensors",)
+DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # "5GB", transformers' save_pretrained default
+MIN_BYTES_PER_WORKER = 256 << 20  # below this a worker's start-up (~2 s) costs more than it saves
+HF_INDEX_FILENAME = "model.safetensors.index.json"
+HF_SINGLE_FILENAME = "model.safetensors"
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte size such as ``1GiB``, ``512MiB``, ``5GB`` or ``4096``; in bytes.
+
+    Decimal units (``KB``, ``MB``, ``GB``, ``TB``) are powers of 1000, binary ones (``KiB``, ...)
+    powers of 1024, as in transformers' ``max_shard_size``.
+
+    Raises:
+        InvalidOptionError: not a size, or not positive.
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _SIZE_UNITS:
+        raise InvalidOptionError(f"{text!r} is not a size (examples: 1GiB, 512MiB, 5GB, 4096)")
+    value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise InvalidOptionError(f"size {text!r} must be positive")
+    return value
 
 
 def output_format(output: Path) -> OutputFormat:
-    """The writer an output path asks for, by its suffix.
+    """The writer an output path asks for: by suffix, or a folder for sharded safetensors.
+
+    ``.pt``/``.pth``/``.bin``: one torch.save file; ``.safetensors``: one safetensors file; no
+    suffix, or an existing folder: a Hugging Face folder of safetensors shards plus index.
 
     Raises:
-        InvalidOptionError: the suffix is neither a torch.save nor a safetensors suffix.
+        InvalidOptionError: any other suffix.
     """
     suffix = output.suffix.lower()
     if suffix in TORCH_SAVE_SUFFIXES:
         return "torch_save"
     if suffix in SAFETENSORS_SUFFIXES:
         return "safetensors"
+    if suffix == "" or output.is_dir():
+        return "hf_dir"
     known = ", ".join(TORCH_SAVE_SUFFIXES + SAFETENSORS_SUFFIXES)
-    raise InvalidOptionError(f"{output}: unknown output suffix {output.suffix!r}; use one of {known}")
+    raise InvalidOptionError(f"{output}: unknown output suffix {output.suffix!r}; use one of {known}, or a folder name")
 
 
 def _box_end(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, ...]:
@@ -78,6 +121,23 @@ def check_coverage(entry: TensorEntry) -> None:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ShardPlan:
+    """One file of a sharded output and the entries it holds, written by one rank.
+
+    Attributes:
+        filename: file name inside the output folder (``model-00001-of-00003.safetensors``).
+        entry_ids: indices into ``WorkPlan.entries``, in file order.
+        owner: the rank that reads these entries and writes the file.
+        tensor_bytes: tensor data in the file, in bytes.
+    """
+
+    filename: str
+    entry_ids: tuple[int, ...]
+    owner: int
+    tensor_bytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WorkPlan:
     """What a consolidation writes, in output order, and which worker reads each tensor.
 
@@ -86,54 +146,122 @@ class WorkPlan:
         owners: for each entry, the rank that reads it; bytes entries are read by rank 0.
         nproc: number of workers.
         output_format: the writer to use.
+        memory_budget_bytes: what each process may hold in read-ahead and send buffers, in bytes.
+        shards: for ``hf_dir`` outputs, the shard files and their writers; empty otherwise.
     """
 
     entries: tuple[Entry, ...]
     owners: tuple[int, ...]
     nproc: int
     output_format: OutputFormat
+    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
+    shards: tuple[ShardPlan, ...] = ()
 
     @property
     def total_bytes(self) -> int:
         """Bytes of tensor data and bytes payloads to produce."""
         return sum(e.nbytes for e in self.entries)
 
+    @property
+    def largest_tensor_bytes(self) -> int:
+        """Size of the largest selected tensor, in bytes."""
+        return max((e.nbytes for e in self.entries if isinstance(e, TensorEntry)), default=0)
+
     def bytes_per_rank(self) -> list[int]:
-        """Tensor bytes assigned to each rank, in bytes."""
+        """Bytes assigned to each rank to read, in bytes."""
         loads = [0] * self.nproc
         for entry, owner in zip(self.entries, self.owners, strict=True):
             loads[owner] += entry.nbytes
         return loads
 
 
+def _balance(weights: list[int], nproc: int, rank0_start: int = 0) -> list[int]:
+    """Largest first onto the least-loaded rank; ties go to the lower rank (deterministic)."""
+    owners = [0] * len(weights)
+    heap = [(rank0_start if rank == 0 else 0, rank) for rank in range(nproc)]
+    for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+        load, rank = heapq.heappop(heap)
+        owners[i] = rank
+        heapq.heappush(heap, (load + weights[i], rank))
+    return owners
+
+
 def assign_owners(entries: tuple[Entry, ...], nproc: int) -> tuple[int, ...]:
     """Balance tensors over ``nproc`` ranks by bytes (largest first onto the least loaded rank).
 
-    Deterministic: ties go to the lower rank, so every process computes the same plan. Bytes
-    entries go to rank 0, which writes them.
+    Deterministic, so every process computes the same plan. Bytes entries go to rank 0, which
+    writes them, and count against its share.
     """
-    owners = [0] * len(entries)
-    # rank 0 also reads every bytes entry: count those against it from the start
+    tensor_ids = [i for i, e in enumerate(entries) if isinstance(e, TensorEntry)]
     values_bytes = sum(e.nbytes for e in entries if isinstance(e, BytesEntry))
-    heap = [(values_bytes if rank == 0 else 0, rank) for rank in range(nproc)]
-    tensor_ids = sorted((i for i, e in enumerate(entries) if isinstance(e, TensorEntry)), key=lambda i: (-entries[i].nbytes, i))
-    for i in tensor_ids:
-        load, rank = heapq.heappop(heap)
-        owners[i] = rank
-        heapq.heappush(heap, (load + entries[i].nbytes, rank))
+    tensor_owners = _balance([entries[i].nbytes for i in tensor_ids], nproc, values_bytes)
+    owners = [0] * len(entries)
+    for i, owner in zip(tensor_ids, tensor_owners, strict=True):
+        owners[i] = owner
     return tuple(owners)
 
 
-def plan_consolidate(index: CheckpointIndex, output: Path, *, only: Only = "all", nproc: int = 1) -> WorkPlan:
-    """Plan a consolidation of ``index`` into the single file ``output``.
+def plan_shards(entries: tuple[Entry, ...], max_shard_bytes: int, nproc: int) -> tuple[ShardPlan, ...]:
+    """Pack tensors into shard files in order, as transformers' ``save_pretrained`` does.
+
+    A new shard starts when the next tensor would take the current one past ``max_shard_bytes``;
+    a tensor larger than that gets a shard of its own. Shards are balanced over ranks by bytes.
+    One shard is named ``model.safetensors``; several ``model-0000i-of-0000n.safetensors``.
+    """
+    groups: list[list[int]] = []
+    size = 0
+    for i, e in enumerate(entries):
+        if not groups or (size + e.nbytes > max_shard_bytes and size > 0):
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += e.nbytes
+    sizes = [sum(entries[i].nbytes for i in g) for g in groups]
+    owners = _balance(sizes, nproc)
+    n = len(groups)
+    return tuple(
+        ShardPlan(
+            filename=HF_SINGLE_FILENAME if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors",
+            entry_ids=tuple(g),
+            owner=owners[k],
+            tensor_bytes=sizes[k],
+        )
+        for k, g in enumerate(groups)
+    )
+
+
+def default_nproc(total_bytes: int, data_files: int, cpus: int) -> int:
+    """Workers to start when the user does not say.
+
+    One per CPU core, capped by the number of data files and by one worker per
+    ``MIN_BYTES_PER_WORKER`` of data; at least 1.
+    """
+    return max(1, min(cpus, data_files, -(-total_bytes // MIN_BYTES_PER_WORKER)))
+
+
+def plan_consolidate(
+    index: CheckpointIndex,
+    output: Path,
+    *,
+    only: Only = "all",
+    nproc: int | None = None,
+    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    cpus: int = 1,
+) -> WorkPlan:
+    """Plan a consolidation of ``index`` into ``output``.
 
     Args:
         index: the checkpoint's index.
-        output: the output file; its suffix picks the format (``.pt``/``.pth``/``.bin``:
-            torch.save of the nested state dict; ``.safetensors``: model weights only).
+        output: ``.pt``/``.pth``/``.bin``: torch.save of the nested state dict; ``.safetensors``:
+            model weights only; a folder (no suffix): model weights as Hugging Face safetensors
+            shards of at most ``max_shard_bytes`` plus ``model.safetensors.index.json``.
         only: which top-level groups to keep: ``all`` (model, optimizer and other entries),
             ``model`` or ``optim``.
-        nproc: number of workers that will read.
+        nproc: workers that will read; ``None`` picks ``default_nproc`` (with ``cpus``).
+        memory_budget_bytes: read-ahead and send buffers each process may hold, in bytes.
+        max_shard_bytes: largest shard file of a folder output, in bytes.
+        cpus: CPU cores available, for the default ``nproc``.
 
     Raises:
         InvalidOptionError: unknown suffix, optimizer state asked of safetensors, ``nproc < 1``,
@@ -141,21 +269,44 @@ def plan_consolidate(index: CheckpointIndex, output: Path, *, only: Only = "all"
         CoverageError: a selected tensor's chunks do not tile it.
     """
     fmt = output_format(output)
-    if nproc < 1:
+    if nproc is not None and nproc < 1:
         raise InvalidOptionError(f"--nproc must be at least 1, got {nproc}")
-    if fmt == "safetensors":
+    if fmt != "torch_save":
         if only == "optim":
             raise InvalidOptionError(f"{output}: safetensors holds model weights only; use a .pt output for optimizer state")
-        only = "model"  # the suffix implies --only model
+        only = "model"  # safetensors implies --only model
     wanted: set[Group] = {"model", "optim", "other"} if only == "all" else {only}
     entries = tuple(e for e in index.entries if group_of(e) in wanted)
     if not entries:
         raise InvalidOptionError(f"{index.checkpoint_id}: no {only} entries to write")
-    if fmt == "safetensors":
+    if fmt != "torch_save":
         for e in entries:
             if isinstance(e, BytesEntry):
                 raise InvalidOptionError(f"{e.fqn} is not a tensor; safetensors holds tensors only (use a .pt output)")
     for e in entries:
         if isinstance(e, TensorEntry):
             check_coverage(e)
-    return WorkPlan(entries=entries, owners=assign_owners(entries, nproc), nproc=nproc, output_format=fmt)
+    total = sum(e.nbytes for e in entries)
+    if nproc is None:
+        nproc = default_nproc(total, len(index.data_files), cpus)
+    if fmt == "hf_dir":
+        shards = plan_shards(entries, max_shard_bytes, nproc)
+        owners = [0] * len(entries)
+        for shard in shards:
+            for i in shard.entry_ids:
+                owners[i] = shard.owner
+        return WorkPlan(
+            entries=entries,
+            owners=tuple(owners),
+            nproc=nproc,
+            output_format=fmt,
+            memory_budget_bytes=memory_budget_bytes,
+            shards=shards,
+        )
+    return WorkPlan(
+        entries=entries,
+        owners=assign_owners(entries, nproc),
+        nproc=nproc,
+        output_format=fmt,
+        memory_budget_bytes=memory_budget_bytes,
+    )

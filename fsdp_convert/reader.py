@@ -1,8 +1,10 @@
 """Read stage: byte ranges of DCP data files to tensors and values.
 
-Each payload is read with ``os.pread`` of its byte range (never the whole data file) and
-decoded with ``torch.load(weights_only=True)``, so a payload cannot run code. A tensor's chunks
-are copied into one preallocated full tensor; the chunk buffers are released as soon as copied.
+Each payload (a torch.save zip, ``torch/distributed/checkpoint/filesystem.py`` ``_write_item``)
+is decoded with ``torch.load(weights_only=True)`` from a file object that exposes only its byte
+range of the data file and reads with ``os.preadv``: never the whole data file, and the tensor's
+storage is read straight into the memory torch allocates for it (no intermediate ``bytes``). A
+tensor's chunks are copied into one preallocated full tensor, each chunk freed once copied.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 import pickle
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -25,7 +27,7 @@ from fsdp_convert.errors import (
 )
 from fsdp_convert.metadata import BytesEntry, CheckpointIndex, ChunkEntry, TensorEntry
 
-__all__ = ["check_data_files", "ChunkReader"]
+__all__ = ["check_data_files", "ChunkReader", "ByteRangeFile"]
 
 
 def check_data_files(index: CheckpointIndex) -> None:
@@ -42,15 +44,64 @@ def check_data_files(index: CheckpointIndex) -> None:
             raise MissingDataFileError(f"{path} is not readable (permission denied)")
 
 
+class ByteRangeFile(io.RawIOBase):
+    """A read-only, seekable file object over ``[offset, offset + length)`` of an open descriptor.
+
+    Reads use ``os.preadv`` into the caller's buffer, so several readers can share one
+    descriptor and nothing outside the range is ever read.
+
+    Args:
+        fd: an open descriptor of the data file.
+        offset_bytes: start of the range in the file, in bytes.
+        length_bytes: length of the range, in bytes.
+    """
+
+    def __init__(self, fd: int, offset_bytes: int, length_bytes: int) -> None:
+        super().__init__()
+        self._fd, self._start, self._length, self._pos = fd, offset_bytes, length_bytes, 0
+
+    def readable(self) -> bool:
+        """Always true."""
+        return True
+
+    def seekable(self) -> bool:
+        """Always true."""
+        return True
+
+    def tell(self) -> int:
+        """Position within the range, in bytes."""
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        """Move within the range (clamped at 0); return the new position in bytes."""
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        """Read up to ``len(buffer)`` bytes of the range into ``buffer``; 0 at the end."""
+        view = memoryview(buffer).cast("B")
+        n = min(len(view), self._length - self._pos)
+        if n <= 0:
+            return 0
+        got = os.preadv(self._fd, [view[:n]], self._start + self._pos)
+        self._pos += got
+        return got
+
+
 class ChunkReader:
     """Reads payloads from one checkpoint's data files, keeping one open descriptor per file.
 
-    Use as a context manager; ``close`` releases the descriptors. Not thread-safe.
+    Use as a context manager; ``close`` releases the descriptors. One reader per thread.
+
+    Attributes:
+        bytes_read: payload bytes read so far.
     """
 
     def __init__(self, checkpoint_id: str | os.PathLike[str]) -> None:
         self.root = Path(checkpoint_id)
-        self._fds: dict[str, int] = {}
+        self._files: dict[str, tuple[int, int]] = {}  # relative path -> (fd, size in bytes)
+        self.bytes_read = 0
 
     def __enter__(self) -> ChunkReader:
         return self
@@ -60,52 +111,37 @@ class ChunkReader:
 
     def close(self) -> None:
         """Close every open data file."""
-        for fd in self._fds.values():
+        for fd, _ in self._files.values():
             os.close(fd)
-        self._fds.clear()
+        self._files.clear()
 
-    def _fd(self, relative_path: str) -> int:
-        fd = self._fds.get(relative_path)
-        if fd is None:
+    def _open(self, relative_path: str) -> tuple[int, int]:
+        opened = self._files.get(relative_path)
+        if opened is None:
             path = self.root / relative_path
             try:
                 fd = os.open(path, os.O_RDONLY)
             except OSError as e:
                 raise MissingDataFileError(f"cannot open {path}: {e.strerror}") from e
-            self._fds[relative_path] = fd
-        return fd
-
-    def read_range(self, relative_path: str, offset_bytes: int, length_bytes: int, fqn: str) -> bytes:
-        """Read ``length_bytes`` bytes at ``offset_bytes`` of a data file.
-
-        Raises:
-            MissingDataFileError: the file cannot be opened.
-            CorruptChunkError: the file ends before the range does (truncated file).
-        """
-        fd = self._fd(relative_path)
-        data = os.pread(fd, length_bytes, offset_bytes)
-        if len(data) != length_bytes:
-            end = offset_bytes + length_bytes
-            raise CorruptChunkError(
-                f"{self.root / relative_path}: bytes [{offset_bytes}, {end}) of {fqn} lie past the end of the file "
-                f"({offset_bytes + len(data)} bytes); the file is truncated"
-            )
-        return data
-
-    def _payload(self, relative_path: str, offset: int, length: int, transforms: tuple[str, ...], fqn: str) -> bytes:
-        if transforms:
-            raise UnsupportedTransformError(
-                f"{fqn}: payload in {self.root / relative_path} was written through stream transform(s) "
-                f"{list(transforms)}, which this tool does not decode"
-            )
-        return self.read_range(relative_path, offset, length, fqn)
+            opened = (fd, os.fstat(fd).st_size)
+            self._files[relative_path] = opened
+        return opened
 
     def _where(self, relative_path: str, offset: int, length: int, fqn: str) -> str:
         return f"{self.root / relative_path} bytes [{offset}, {offset + length}) ({fqn})"
 
-    def _load(self, data: bytes, where: str) -> Any:
+    def _load(self, relative_path: str, offset: int, length: int, transforms: tuple[str, ...], fqn: str) -> Any:
+        """Decode the torch.save payload at a byte range with ``weights_only=True``."""
+        where = self._where(relative_path, offset, length, fqn)
+        if transforms:
+            raise UnsupportedTransformError(
+                f"{where}: written through stream transform(s) {list(transforms)}, which this tool does not decode"
+            )
+        fd, size = self._open(relative_path)
+        if offset + length > size:
+            raise CorruptChunkError(f"{where}: the range lies past the end of the file ({size} bytes); the file is truncated")
         try:
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            value = torch.load(cast(IO[bytes], ByteRangeFile(fd, offset, length)), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
             # torch wraps every weights-only refusal in one message; the line naming the global
             # tells a hostile payload from a broken one.
@@ -113,26 +149,29 @@ class ChunkReader:
             if detail is not None:
                 raise UnsafeContentError(f"{where}: payload would run code, refused ({detail})") from e
             raise CorruptChunkError(f"{where}: payload does not decode as a torch.save object") from e
-        except Exception as e:  # zip structure broken, truncated record, bad CRC
+        except Exception as e:  # zip structure broken, truncated record
             raise CorruptChunkError(f"{where}: payload does not decode ({type(e).__name__}: {_first_line(e)})") from e
+        self.bytes_read += length
+        return value
 
     def read_chunk(self, entry: TensorEntry, chunk: ChunkEntry) -> torch.Tensor:
         """Read and decode one chunk of ``entry``; shape ``chunk.sizes``, dtype ``entry.dtype``.
 
         Raises:
-            MissingDataFileError, CorruptChunkError, UnsupportedTransformError: as their names say.
+            MissingDataFileError, CorruptChunkError, UnsupportedTransformError, UnsafeContentError:
+                as their names say.
             ShapeMismatchError: the payload's shape or dtype disagrees with ``.metadata``.
         """
         if chunk.relative_path is None:
             return torch.empty(chunk.sizes, dtype=entry.dtype)
-        where = self._where(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, entry.fqn)
-        data = self._payload(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, chunk.transform_descriptors, entry.fqn)
-        tensor = self._load(data, where)
+        args = (chunk.relative_path, chunk.offset_bytes, chunk.length_bytes)
+        tensor = self._load(*args, chunk.transform_descriptors, entry.fqn)
         if not isinstance(tensor, torch.Tensor):
-            raise ShapeMismatchError(f"{where}: payload is a {type(tensor).__name__}, not a tensor")
+            raise ShapeMismatchError(f"{self._where(*args, entry.fqn)}: payload is a {type(tensor).__name__}, not a tensor")
         if tuple(tensor.shape) != chunk.sizes or tensor.dtype != entry.dtype:
             raise ShapeMismatchError(
-                f"{where}: payload is {tensor.dtype} {list(tensor.shape)}, .metadata says {entry.dtype} {list(chunk.sizes)}"
+                f"{self._where(*args, entry.fqn)}: payload is {tensor.dtype} {list(tensor.shape)}, "
+                f".metadata says {entry.dtype} {list(chunk.sizes)}"
             )
         return tensor
 
@@ -143,7 +182,7 @@ class ChunkReader:
             A contiguous tensor of shape ``entry.shape`` and dtype ``entry.dtype``.
 
         Warning:
-            Holds the full tensor in memory (``entry.nbytes`` bytes) plus one chunk at a time.
+            Holds the full tensor (``entry.nbytes`` bytes) plus one decoded chunk at a time.
 
         Raises:
             As ``read_chunk``. Coverage is checked by the planner (``plan.check_coverage``).
@@ -166,9 +205,7 @@ class ChunkReader:
         Raises:
             MissingDataFileError, CorruptChunkError, UnsupportedTransformError, UnsafeContentError.
         """
-        where = self._where(entry.relative_path, entry.offset_bytes, entry.length_bytes, entry.fqn)
-        data = self._payload(entry.relative_path, entry.offset_bytes, entry.length_bytes, entry.transform_descriptors, entry.fqn)
-        return self._load(data, where)
+        return self._load(entry.relative_path, entry.offset_bytes, entry.length_bytes, entry.transform_descriptors, entry.fqn)
 
 
 def _first_line(e: BaseException) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,43 @@ def test_consolidate_nproc2_is_byte_identical_to_nproc1(name: str, request: pyte
     assert result.nproc == 2
     assert one.read_bytes() == two.read_bytes()
     assert_same_state(torch.load(two, weights_only=True), sample.truth())
+
+
+def _load_hf_folder(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    tensors: dict[str, torch.Tensor] = {}
+    for name in sorted(set(index["weight_map"].values())):
+        shard = load_file(folder / name)
+        assert all(index["weight_map"][k] == name for k in shard)
+        tensors.update(shard)
+    return tensors, index
+
+
+def test_consolidate_folder_writes_hf_shards_and_index(ws3_ckpt: Sample, tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    result = fsdp_convert.consolidate(ws3_ckpt.checkpoint, out, nproc=1, max_shard_bytes=8000)
+    want = ws3_ckpt.truth()["model"]
+    got, index = _load_hf_folder(out)
+    assert sorted(got) == sorted(want) == sorted(index["weight_map"])
+    for fqn, tensor in want.items():
+        assert got[fqn].dtype == tensor.dtype and torch.equal(got[fqn], tensor), fqn
+    assert index["metadata"] == {"total_size": sum(t.nbytes for t in want.values())} == {"total_size": result.tensor_bytes}
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) > 3 and shards[0].name == f"model-00001-of-{len(shards):05d}.safetensors"
+    for shard in shards:
+        with safe_open(shard, "pt") as f:
+            sizes = [f.get_slice(k).get_shape() for k in f.keys()]
+        data_bytes = sum(4 * torch.Size(s).numel() for s in sizes)
+        assert data_bytes <= 8000 or len(sizes) == 1  # only a tensor over the limit stands alone
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+@pytest.mark.slow
+def test_consolidate_folder_with_two_workers_writes_the_same_files(ws3_ckpt: Sample, tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    fsdp_convert.consolidate(ws3_ckpt.checkpoint, one, nproc=1, max_shard_bytes=8000)
+    fsdp_convert.consolidate(ws3_ckpt.checkpoint, two, nproc=2, max_shard_bytes=8000)
+    names = sorted(p.name for p in one.iterdir())
+    assert names == sorted(p.name for p in two.iterdir())
+    for name in names:
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name

@@ -8,9 +8,18 @@ from typing import Annotated, Literal
 import typer
 
 from fsdp_convert.cli._errors import handle_errors
-from fsdp_convert.cli._options import CheckpointArg, JsonOpt, NprocOpt, OutputArg, OverwriteOpt, ProgressOpt
+from fsdp_convert.cli._options import (
+    CheckpointArg,
+    JsonOpt,
+    MemoryBudgetOpt,
+    NprocOpt,
+    OutputArg,
+    OverwriteOpt,
+    ProgressOpt,
+)
 from fsdp_convert.cli._output import console, human_bytes, print_json
 from fsdp_convert.convert import consolidate
+from fsdp_convert.plan import parse_size
 
 EXAMPLES = """
 Examples:
@@ -19,9 +28,14 @@ Examples:
 
   fsdp-convert consolidate ckpt/step-1000 model.safetensors --nproc 4
 
+  fsdp-convert consolidate ckpt/step-1000 hf-model/ --max-shard-size 2GB
+
   fsdp-convert consolidate ckpt/step-1000 optim.pt --only optim --overwrite
 """
 
+MaxShardSizeOpt = Annotated[
+    str, typer.Option("--max-shard-size", help="Largest shard of a folder output (decimal GB as in transformers, or GiB).")
+]
 OnlyOpt = Annotated[
     str,
     typer.Option("--only", help="Which part to write: all, model or optim (.safetensors implies model).", show_default=True),
@@ -31,9 +45,11 @@ OnlyOpt = Annotated[
 def consolidate_command(
     checkpoint: CheckpointArg,
     output: OutputArg,
-    nproc: NprocOpt = 1,
+    nproc: NprocOpt = None,
     only: OnlyOpt = "all",
     overwrite: OverwriteOpt = False,
+    memory_budget: MemoryBudgetOpt = "1GiB",
+    max_shard_size: MaxShardSizeOpt = "5GB",
     progress: ProgressOpt = None,
     json_output: JsonOpt = False,
 ) -> None:
@@ -43,7 +59,16 @@ def consolidate_command(
     only_value: Literal["all", "model", "optim"] = only  # type: ignore[assignment]
     show_progress = progress if progress is not None else (not json_output and sys.stderr.isatty())
     with handle_errors():
-        result = consolidate(checkpoint, output, nproc=nproc, only=only_value, overwrite=overwrite, progress=show_progress)
+        result = consolidate(
+            checkpoint,
+            output,
+            nproc=nproc,
+            only=only_value,
+            overwrite=overwrite,
+            memory_budget_bytes=parse_size(memory_budget),
+            max_shard_bytes=parse_size(max_shard_size),
+            progress=show_progress,
+        )
     if json_output:
         print_json(
             {

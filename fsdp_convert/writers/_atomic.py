@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,17 +17,22 @@ __all__ = ["atomic_output", "check_output_free", "fsync_dir"]
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG, errno.EIO}
 
 
-def check_output_free(output: Path, *, overwrite: bool) -> None:
+def check_output_free(output: Path, *, overwrite: bool, directory: bool = False) -> None:
     """Raise unless ``output`` may be written.
+
+    Args:
+        output: the final output path.
+        overwrite: whether an existing output may be replaced.
+        directory: whether the output is a folder (sharded outputs) rather than a file.
 
     Raises:
         OutputExistsError: ``output`` exists and ``overwrite`` is false.
-        OutputWriteError: ``output`` is an existing folder where a file is wanted.
+        OutputWriteError: an existing folder where a file is wanted.
     """
     if output.exists() or output.is_symlink():
         if not overwrite:
             raise OutputExistsError(f"{output} already exists; pass --overwrite to replace it")
-        if output.is_dir():
+        if output.is_dir() and not directory:
             raise OutputWriteError(f"{output} is a folder; give a file path")
 
 
@@ -39,36 +45,55 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-@contextlib.contextmanager
-def atomic_output(output: Path, *, overwrite: bool) -> Iterator[Path]:
-    """Yield a temporary sibling path; rename it onto ``output`` if the block completes.
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
-    The block must write, flush and fsync the temporary file. On any exception (including
-    KeyboardInterrupt) the temporary is removed and ``output`` is left untouched; an existing
-    ``output`` is replaced only by the final ``os.replace``.
+
+@contextlib.contextmanager
+def atomic_output(output: Path, *, overwrite: bool, directory: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling path; move it onto ``output`` if the block completes.
+
+    For a file output the block creates the file at the yielded path; for a folder output
+    (``directory=True``) the folder is created here and the block fills it. The block must flush
+    and fsync what it writes. On any exception (KeyboardInterrupt included) the temporary is
+    removed and ``output`` is left untouched; an existing ``output`` is replaced only at the end
+    (a file by one ``os.replace``; a folder by moving the old one aside, renaming the new one into
+    place, then deleting the old one).
 
     Raises:
         OutputExistsError: ``output`` exists and ``overwrite`` is false.
         OutputWriteError: the folder cannot be created or written (permission, space).
     """
-    check_output_free(output, overwrite=overwrite)
-    try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OutputWriteError(f"cannot create {output.parent}: {e.strerror}") from e
+    check_output_free(output, overwrite=overwrite, directory=directory)
     tmp = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:12]}"
     try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        if directory:
+            tmp.mkdir()
+    except OSError as e:
+        raise OutputWriteError(f"cannot create {tmp.parent}: {e.strerror}") from e
+    try:
         yield tmp
-        check_output_free(output, overwrite=overwrite)  # someone may have created it meanwhile
-        os.replace(tmp, output)
+        check_output_free(output, overwrite=overwrite, directory=directory)  # someone may have created it meanwhile
+        if directory:
+            fsync_dir(tmp)
+        if directory and output.exists():
+            old = output.parent / f".{output.name}.old-{uuid.uuid4().hex[:12]}"
+            os.replace(output, old)
+            os.replace(tmp, output)
+            _remove(old)
+        else:
+            os.replace(tmp, output)
         fsync_dir(output.parent)
     except OSError as e:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+        _remove(tmp)
         if e.errno in _WRITE_ERRNOS:
             raise OutputWriteError(f"cannot write {output}: {e.strerror}") from e
         raise
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+        _remove(tmp)
         raise

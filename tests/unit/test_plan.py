@@ -9,7 +9,7 @@ import torch
 
 from fsdp_convert.errors import CoverageError, InvalidOptionError
 from fsdp_convert.metadata import BytesEntry, ChunkEntry, TensorEntry, read_index
-from fsdp_convert.plan import assign_owners, check_coverage, plan_consolidate
+from fsdp_convert.plan import assign_owners, check_coverage, default_nproc, parse_size, plan_consolidate, plan_shards
 from tests.conftest import Sample
 
 
@@ -61,3 +61,34 @@ def test_plan_rejects_bad_options(ws3_ckpt: Sample, tmp_path: Path) -> None:
     plan = plan_consolidate(index, tmp_path / "x.pt", nproc=3)
     loads = plan.bytes_per_rank()
     assert max(loads) - min(loads) <= max(e.nbytes for e in plan.entries)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("4096", 4096), ("1GiB", 2**30), ("512MiB", 512 * 2**20), ("5GB", 5 * 10**9), ("1.5kb", 1500), (" 2 MB ", 2 * 10**6)],
+)
+def test_parse_size(text: str, value: int) -> None:
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "lots", "1XB", "0", "-5MB"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(InvalidOptionError):
+        parse_size(text)
+
+
+def test_shards_pack_in_order_like_save_pretrained() -> None:
+    entries = tuple(_entry((n,), [((0,), (n,))], f"t{i}") for i, n in enumerate([10, 10, 30, 5, 5, 40]))  # x4 bytes
+    shards = plan_shards(entries, max_shard_bytes=80, nproc=2)
+    assert [s.entry_ids for s in shards] == [(0, 1), (2,), (3, 4), (5,)]
+    assert [s.filename for s in shards] == [f"model-0000{k}-of-00004.safetensors" for k in (1, 2, 3, 4)]
+    assert [s.tensor_bytes for s in shards] == [80, 120, 40, 160]  # a tensor over the limit gets a shard of its own
+    assert sorted({s.owner for s in shards}) == [0, 1]
+    assert [s.filename for s in plan_shards(entries, 10**9, 1)] == ["model.safetensors"]
+
+
+def test_default_nproc_is_capped_by_cores_files_and_size() -> None:
+    assert default_nproc(total_bytes=100, data_files=8, cpus=16) == 1
+    assert default_nproc(total_bytes=10 * 2**30, data_files=8, cpus=16) == 8
+    assert default_nproc(total_bytes=10 * 2**30, data_files=8, cpus=2) == 2
+    assert default_nproc(total_bytes=600 * 2**20, data_files=8, cpus=16) == 3
