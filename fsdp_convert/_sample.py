@@ -99,13 +99,16 @@ class Transformer(nn.Module):
         return self.output(self.norm(x)) * self.logit_scale
 
 
-def train_and_save(rank: int, world_size: int, out_dir: str | os.PathLike[str], cfg: SampleConfig) -> None:
+def train_and_save(
+    rank: int, world_size: int, out_dir: str | os.PathLike[str], cfg: SampleConfig, write_truth: bool = True
+) -> None:
     """Train ``cfg.steps`` AdamW steps with FSDP2 and save DCP plus full ground truth.
 
     Called on every rank of an initialised process group (gloo, CPU). Writes
     ``out_dir/checkpoint`` with ``dcp.save({"model", "optim", "train_state"})`` and, on rank 0,
     ``out_dir/truth.pt``: the same nested state dict with full tensors, taken with
-    ``get_model_state_dict`` / ``get_optimizer_state_dict(full_state_dict=True, cpu_offload=True)``.
+    ``get_model_state_dict`` / ``get_optimizer_state_dict(full_state_dict=True, cpu_offload=True)``
+    (skipped when ``write_truth`` is false, as the benchmark does for large checkpoints).
     """
     torch.manual_seed(cfg.seed)
     model = Transformer(cfg).to(cfg.dtype)
@@ -127,6 +130,9 @@ def train_and_save(rank: int, world_size: int, out_dir: str | os.PathLike[str], 
     out = Path(out_dir)
     dcp_save({"model": model_sd, "optim": optim_sd, "train_state": train_state}, checkpoint_id=out / CHECKPOINT_DIRNAME)
 
+    if not write_truth:
+        dist.barrier()
+        return
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full_model = get_model_state_dict(model, options=full)
     full_optim = get_optimizer_state_dict(model, optim, options=full)
@@ -143,16 +149,19 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=defaults.dim)
     parser.add_argument("--n-layers", type=int, default=defaults.n_layers)
     parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
+    parser.add_argument("--steps", type=int, default=defaults.steps)
+    parser.add_argument("--no-truth", action="store_true", help="skip writing truth.pt")
     args = parser.parse_args()
     cfg = SampleConfig(
         dim=args.dim,
         n_layers=args.n_layers,
         vocab_size=args.vocab_size,
+        steps=args.steps,
         dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32,
     )
     dist.init_process_group("gloo")
     try:
-        train_and_save(dist.get_rank(), dist.get_world_size(), args.out, cfg)
+        train_and_save(dist.get_rank(), dist.get_world_size(), args.out, cfg, write_truth=not args.no_truth)
     finally:
         dist.destroy_process_group()
 

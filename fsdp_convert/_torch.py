@@ -31,13 +31,14 @@ def storage_alignment() -> int:
     return int(torch.serialization._get_storage_alignment())
 
 
-def open_torch_save_writer(stream: IO[bytes]) -> torch._C.PyTorchFileWriter:
-    """torch.save's own zip writer over ``stream``, with CRC-32s and torch's storage alignment.
+def open_torch_save_writer(stream: IO[bytes], *, compute_crc32: bool = True) -> torch._C.PyTorchFileWriter:
+    """torch.save's own zip writer over ``stream``, with torch's storage alignment.
 
     Writing to a stream (not a path) makes the archive's folder name ``archive``, as
     ``torch.save(obj, buffer)`` does, so the bytes do not depend on the output's file name.
+    With ``compute_crc32=False`` the records' CRC-32 fields are left 0 for the caller to fill.
     """
-    return torch._C.PyTorchFileWriter(stream, torch.serialization.get_crc32_options(), storage_alignment())
+    return torch._C.PyTorchFileWriter(stream, compute_crc32, storage_alignment())
 
 
 @functools.cache

@@ -6,8 +6,10 @@ torch.save's container (``torch/serialization.py``, ``_save``) is a zip of one r
 ``version`` and ``.data/serialization_id`` are added by the zip writer. Record order does not
 matter to ``torch.load``, so each tensor's storage is written the moment it arrives and freed,
 and ``data.pkl`` is written at the end. The zip itself is written by torch's own
-``torch._C.PyTorchFileWriter`` (CRC-32s, 64-byte aligned records), so the result is an ordinary
-torch.save file that ``torch.load(path, weights_only=True, mmap=True)`` reads.
+``torch._C.PyTorchFileWriter`` (64-byte aligned records), so the result is an ordinary torch.save
+file that ``torch.load(path, weights_only=True, mmap=True)`` reads. Its CRC-32s are computed with
+zlib (several GB/s, against 0.35 GB/s for torch's writer here) and patched in at the end
+(``_zipcrc.py``), so ``zipfile.testzip`` and ``unzip -t`` pass.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import io
 import os
 import pickle
 import sys
+import zlib
 from pathlib import Path
 from typing import IO, Any
 
@@ -25,7 +28,8 @@ import torch
 from fsdp_convert._torch import open_torch_save_writer, storage_alignment, storage_type_for
 from fsdp_convert.layout import unflatten
 from fsdp_convert.metadata import ObjPath
-from fsdp_convert.writers._buffer import close_synced, dense
+from fsdp_convert.writers._buffer import byte_view, close_synced, dense
+from fsdp_convert.writers._zipcrc import patch_crcs
 
 __all__ = ["TorchSaveWriter", "PICKLE_PROTOCOL"]
 
@@ -95,8 +99,9 @@ class TorchSaveWriter:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self._file: IO[bytes] = open(self.path, "xb")  # noqa: SIM115 (closed in finish/close)
-        self._zip: torch._C.PyTorchFileWriter | None = open_torch_save_writer(self._file)
+        self._file: IO[bytes] = open(self.path, "x+b")  # noqa: SIM115 (closed in finish/close)
+        self._zip: torch._C.PyTorchFileWriter | None = open_torch_save_writer(self._file, compute_crc32=False)
+        self._crcs: dict[str, int] = {}
         self._items: list[tuple[ObjPath, Any]] = []
         self.tensor_bytes = 0
 
@@ -110,6 +115,7 @@ class TorchSaveWriter:
         assert self._zip is not None, "writer is closed"
         tensor = dense(tensor)
         key = str(len(self._items))
+        self._crcs[f"data/{key}"] = zlib.crc32(byte_view(tensor))
         # the stub says Storage; torch.save passes an UntypedStorage here too
         self._zip.write_record(f"data/{key}", tensor.untyped_storage(), tensor.nbytes)  # type: ignore[arg-type]
         self.tensor_bytes += tensor.nbytes
@@ -130,12 +136,17 @@ class TorchSaveWriter:
         buf = io.BytesIO()
         _Pickler(buf, protocol=PICKLE_PROTOCOL).dump(unflatten(self._items))
         data = buf.getvalue()
-        self._zip.write_record("data.pkl", data, len(data))
         alignment = str(storage_alignment())
-        for name, text in ((".format_version", "1"), (".storage_alignment", alignment), ("byteorder", sys.byteorder)):
-            self._zip.write_record(name, text.encode(), len(text))
+        records = [("data.pkl", data)]
+        records += [(name, text.encode()) for name, text in ((".format_version", "1"), (".storage_alignment", alignment))]
+        records.append(("byteorder", sys.byteorder.encode()))
+        for name, raw in records:
+            self._crcs[name] = zlib.crc32(raw)
+            self._zip.write_record(name, raw, len(raw))
         self._zip.write_end_of_file()
         self._zip = None
+        self._file.flush()
+        patch_crcs(self._file, self._crcs)
         return close_synced(self._file)
 
     def close(self) -> None:
