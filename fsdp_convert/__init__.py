@@ -2,10 +2,13 @@
 
 from fsdp_convert.convert import (
     ConsolidateResult,
+    Difference,
     EntrySummary,
     InspectResult,
+    VerifyResult,
     consolidate,
     inspect_checkpoint,
+    verify,
 )
 from fsdp_convert.errors import (
     CheckpointError,
@@ -20,6 +23,7 @@ from fsdp_convert.errors import (
     ShapeMismatchError,
     UnsafeContentError,
     UnsupportedTransformError,
+    VerificationError,
     WorkerFailedError,
 )
 
@@ -31,6 +35,9 @@ __all__ = [
     "inspect_checkpoint",
     "inspect",
     "consolidate",
+    "verify",
+    "VerifyResult",
+    "Difference",
     "InspectResult",
     "EntrySummary",
     "ConsolidateResult",
@@ -47,4 +54,5 @@ __all__ = [
     "OutputExistsError",
     "OutputWriteError",
     "WorkerFailedError",
+    "VerificationError",
 ]

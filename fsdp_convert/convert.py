@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from fsdp_convert.errors import VerificationError
 from fsdp_convert.launch import GlooTransport, run_workers
 from fsdp_convert.layout import Group, detect_producer, group_of
 from fsdp_convert.metadata import BytesEntry, TensorEntry, read_index
@@ -30,11 +31,21 @@ from fsdp_convert.plan import (
     plan_consolidate,
 )
 from fsdp_convert.reader import ChunkReader, check_data_files
+from fsdp_convert.sources import open_source
 from fsdp_convert.writers import SafetensorsWriter, StateDictWriter, TorchSaveWriter, atomic_output
-from fsdp_convert.writers._atomic import check_output_free
+from fsdp_convert.writers._atomic import check_output_free, writing
 from fsdp_convert.writers.safetensors import safetensors_name
 
-__all__ = ["EntrySummary", "InspectResult", "ConsolidateResult", "inspect_checkpoint", "consolidate"]
+__all__ = [
+    "EntrySummary",
+    "InspectResult",
+    "ConsolidateResult",
+    "Difference",
+    "VerifyResult",
+    "inspect_checkpoint",
+    "consolidate",
+    "verify",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +189,7 @@ class _ConsolidateJob:
     plan: WorkPlan
     tmp_output: Path
     progress: bool
+    check_crc: bool
 
 
 def _bar(desc: str, total: int, enabled: bool, position: int) -> tqdm:
@@ -205,7 +217,7 @@ def _counted(bar: tqdm, nbytes: int, produce: Callable[[], Any]) -> Callable[[],
 def _send_share(job: _ConsolidateJob, rank: int, transport: GlooTransport) -> None:
     """Non-zero ranks of a single-file output: read this rank's tensors in plan order, send to rank 0."""
     plan = job.plan
-    with ChunkReader(job.checkpoint_id) as reader:
+    with ChunkReader(job.checkpoint_id, check_crc=job.check_crc) as reader:
         for entry, owner in zip(plan.entries, plan.owners, strict=True):
             if owner == rank and isinstance(entry, TensorEntry):
                 transport.make_room(entry.nbytes)  # the tensor about to be read counts against the window
@@ -216,7 +228,7 @@ def _send_share(job: _ConsolidateJob, rank: int, transport: GlooTransport) -> No
 def _write_single_file(job: _ConsolidateJob, transport: GlooTransport | None) -> int:
     """Rank 0 of a single-file output: read or receive every entry in order and write it."""
     plan = job.plan
-    with ChunkReader(job.checkpoint_id) as reader, ExitStack() as stack:
+    with ChunkReader(job.checkpoint_id, check_crc=job.check_crc) as reader, ExitStack() as stack:
         read_bar = stack.enter_context(_bar("read", plan.total_bytes, job.progress, 0))
         write_bar = stack.enter_context(_bar("write", plan.total_bytes, job.progress, 1))
         jobs: list[tuple[int, Callable[[], Any]]] = []
@@ -251,7 +263,10 @@ def _write_shards(job: _ConsolidateJob, rank: int, transport: GlooTransport | No
     """
     plan = job.plan
     mine = [s for s in plan.shards if s.owner == rank]
-    with ChunkReader(job.checkpoint_id) as reader, _bar("write", sum(s.tensor_bytes for s in mine), job.progress, 0) as bar:
+    with (
+        ChunkReader(job.checkpoint_id, check_crc=job.check_crc) as reader,
+        _bar("write", sum(s.tensor_bytes for s in mine), job.progress, 0) as bar,
+    ):
         for shard in mine:
             entries = [plan.entries[i] for i in shard.entry_ids]
             tensors = [e for e in entries if isinstance(e, TensorEntry)]
@@ -298,13 +313,14 @@ def _consolidate_rank(job: _ConsolidateJob, rank: int, world_size: int, transpor
     Returns:
         On rank 0, the output's size in bytes; ``None`` elsewhere.
     """
-    if job.plan.output_format == "hf_dir":
-        return _write_shards(job, rank, transport)
-    if rank != 0:
-        assert transport is not None
-        _send_share(job, rank, transport)
-        return None
-    return _write_single_file(job, transport)
+    with writing(job.tmp_output):
+        if job.plan.output_format == "hf_dir":
+            return _write_shards(job, rank, transport)
+        if rank != 0:
+            assert transport is not None
+            _send_share(job, rank, transport)
+            return None
+        return _write_single_file(job, transport)
 
 
 def consolidate(
@@ -316,6 +332,8 @@ def consolidate(
     overwrite: bool = False,
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    check_crc: bool = True,
+    verify_output: bool = False,
     progress: bool = False,
 ) -> ConsolidateResult:
     """Write a DCP checkpoint as one full (unsharded) state dict: a file, or a folder of shards.
@@ -340,6 +358,9 @@ def consolidate(
         memory_budget_bytes: read-ahead and transfer buffers each process may hold, in bytes.
             Peak memory per process is about this plus the largest tensor.
         max_shard_bytes: largest shard of a folder output, in bytes.
+        check_crc: check the CRC-32 of every zip record of every payload read (torch does not).
+        verify_output: read the written output back and compare it with the checkpoint, key by
+            key, before moving it into place.
         progress: show tqdm bars (bytes, rate, ETA) on stderr.
 
     Returns:
@@ -353,6 +374,7 @@ def consolidate(
         UnsupportedTransformError: bad data files.
         OutputWriteError: the output cannot be written.
         WorkerFailedError: a worker died.
+        VerificationError: ``verify_output`` found a difference (nothing is left at ``output``).
     """
     start = time.monotonic()
     output = Path(output)
@@ -370,11 +392,20 @@ def consolidate(
     check_output_free(output, overwrite=overwrite, directory=directory)
     check_data_files(index)
     with atomic_output(output, overwrite=overwrite, directory=directory) as tmp:
-        job = _ConsolidateJob(checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, progress=progress)
+        job = _ConsolidateJob(
+            checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, progress=progress, check_crc=check_crc
+        )
         if plan.nproc == 1:
             file_bytes = _consolidate_rank(job, 0, 1, None)
         else:
             file_bytes = run_workers(_consolidate_rank, job, plan.nproc, window_bytes=plan.memory_budget_bytes)
+        if verify_output:
+            check = verify(index.checkpoint_id, tmp, only=only, check_crc=check_crc)
+            if not check.equal:
+                d = check.differences[0]
+                raise VerificationError(
+                    f"{output}: read back, {d.key} {d.detail} ({len(check.differences)} difference(s)); nothing was written"
+                )
     assert file_bytes is not None
     tensors = [e for e in plan.entries if isinstance(e, TensorEntry)]
     result = ConsolidateResult(
@@ -396,3 +427,135 @@ def consolidate(
         plan.nproc,
     )
     return result
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Difference:
+    """One way two checkpoints differ.
+
+    Attributes:
+        key: the flat key (``model.layers.0.attn.wq.weight``, ``optim.param_groups.0.lr``).
+        kind: ``differs`` (both have it), ``missing`` (only in A) or ``extra`` (only in B).
+        detail: what differs (dtype, shape, max abs difference, values).
+    """
+
+    key: str
+    kind: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerifyResult:
+    """Outcome of ``verify``: equal when ``differences`` is empty."""
+
+    a: Path
+    b: Path
+    compared: int
+    differences: tuple[Difference, ...]
+
+    @property
+    def equal(self) -> bool:
+        """True when every key is in both and every value matches."""
+        return not self.differences
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """JSON-ready form with ``schema_version`` 1."""
+        return {
+            "schema_version": 1,
+            "a": str(self.a),
+            "b": str(self.b),
+            "equal": self.equal,
+            "compared": self.compared,
+            "differences": [{"key": d.key, "kind": d.kind, "detail": d.detail} for d in self.differences],
+        }
+
+
+def _key_group(key: str) -> Group:
+    top = key.split(".", 1)[0]
+    return "model" if top == "model" else "optim" if top in ("optim", "optimizer") else "other"
+
+
+def _compare(a: Any, b: Any, atol: float | None, rtol: float | None) -> str | None:
+    """None when equal, else what differs."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.dtype != b.dtype:
+            return f"dtype {_dtype_name(a.dtype)} != {_dtype_name(b.dtype)}"
+        if a.shape != b.shape:
+            return f"shape {tuple(a.shape)} != {tuple(b.shape)}"
+        if atol is None and rtol is None or not a.is_floating_point():
+            # bitwise, so NaNs with the same bits compare equal and -0.0 differs from 0.0
+            if torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)):
+                return None
+        elif torch.allclose(a, b, rtol=rtol or 0.0, atol=atol or 0.0, equal_nan=True):
+            return None
+        if a.is_floating_point() and a.numel():
+            return f"values differ (max abs difference {(a.double() - b.double()).abs().max().item():.3g})"
+        return f"values differ ({int((a != b).sum())} of {a.numel()} elements)"
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return f"{type(a).__name__} != {type(b).__name__}"
+    if type(a) is not type(b) or a != b:
+        return f"{a!r} != {b!r}"
+    return None
+
+
+def verify(
+    a: str | os.PathLike[str],
+    b: str | os.PathLike[str],
+    *,
+    atol: float | None = None,
+    rtol: float | None = None,
+    only: Only = "all",
+    check_crc: bool = True,
+) -> VerifyResult:
+    """Compare two checkpoints of any formats (DCP, .pt, safetensors, HF folder) key by key.
+
+    Keys are DCP's flattened keys (see ``sources``); when either side holds model weights only
+    (safetensors), only ``model.*`` keys are compared. Tensors must have the same dtype and shape
+    and, by default, the same bits; with ``atol``/``rtol`` floating tensors may differ within
+    ``torch.allclose``. Plain values must be equal and of the same type. One tensor of each side
+    is in memory at a time.
+
+    Args:
+        a: the reference checkpoint.
+        b: the checkpoint to check against it.
+        atol: absolute tolerance for floating tensors.
+        rtol: relative tolerance for floating tensors.
+        only: compare only this top-level group (``model``, ``optim``) or ``all``.
+        check_crc: check CRC-32s of DCP payloads while reading.
+
+    Returns:
+        The keys compared and every difference (``missing``: only in A; ``extra``: only in B).
+
+    Raises:
+        CheckpointNotFoundError, NotADcpCheckpointError, UnsafeContentError, CorruptChunkError,
+        MissingDataFileError, CoverageError: a side cannot be read.
+    """
+    source_a = open_source(a, check_crc=check_crc)
+    try:
+        source_b = open_source(b, check_crc=check_crc)
+    except BaseException:
+        source_a.close()
+        raise
+    try:
+        keys_a, keys_b = source_a.keys(), source_b.keys()
+        if source_a.weights_only or source_b.weights_only:
+            keys_a = [k for k in keys_a if _key_group(k) == "model"]
+            keys_b = [k for k in keys_b if _key_group(k) == "model"]
+        if only != "all":
+            keys_a = [k for k in keys_a if _key_group(k) == only]
+            keys_b = [k for k in keys_b if _key_group(k) == only]
+        in_b = set(keys_b)
+        in_a = set(keys_a)
+        diffs = [Difference(key=k, kind="missing", detail="only in A") for k in keys_a if k not in in_b]
+        diffs += [Difference(key=k, kind="extra", detail="only in B") for k in keys_b if k not in in_a]
+        compared = 0
+        for key in keys_a:
+            if key in in_b:
+                detail = _compare(source_a.get(key), source_b.get(key), atol, rtol)
+                compared += 1
+                if detail is not None:
+                    diffs.append(Difference(key=key, kind="differs", detail=detail))
+    finally:
+        source_a.close()
+        source_b.close()
+    return VerifyResult(a=Path(a), b=Path(b), compared=compared, differences=tuple(diffs))

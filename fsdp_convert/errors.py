@@ -20,6 +20,8 @@ __all__ = [
     "OutputExistsError",
     "OutputWriteError",
     "WorkerFailedError",
+    "VerificationError",
+    "TerminatedError",
 ]
 
 
@@ -85,3 +87,19 @@ class OutputWriteError(CheckpointError):
 
 class WorkerFailedError(CheckpointError):
     """A worker process started by the launcher died or failed without a CheckpointError."""
+
+
+class VerificationError(CheckpointError):
+    """What was written does not read back equal to the source (``consolidate --verify``)."""
+
+
+class TerminatedError(BaseException):
+    """The process got SIGTERM (or SIGHUP); raised so cleanup runs. Not a CheckpointError.
+
+    Attributes:
+        signum: the signal number; the CLI exits with 128 + signum.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"terminated by signal {signum}")
+        self.signum = signum

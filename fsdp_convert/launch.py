@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import tempfile
 import traceback
 import uuid
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_convert import errors
-from fsdp_convert.errors import CheckpointError, WorkerFailedError
+from fsdp_convert.errors import CheckpointError, TerminatedError, WorkerFailedError
 
 __all__ = ["GlooTransport", "run_workers"]
 
@@ -153,6 +154,7 @@ def run_workers(fn: Callable[[Job, int, int, GlooTransport], Any], job: Job, npr
         CheckpointError: re-raised in the parent, same class and message, if a worker raised one.
         WorkerFailedError: a worker failed otherwise or died (the message names its rank).
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -178,6 +180,10 @@ def run_workers(fn: Callable[[Job, int, int, GlooTransport], Any], job: Job, npr
         results = elastic_launch(config, _worker_main)(_WorkerCall(fn, job, str(error_dir), window_bytes))
     except ChildFailedError as e:
         raise _failure(error_dir, sorted(e.failures)) from None
+    except SignalException as e:  # the launcher caught SIGINT/SIGTERM and stopped the workers
+        if e.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise TerminatedError(int(e.sigval)) from None
     finally:
         for lg, level in zip(quiet, old_levels, strict=True):
             lg.setLevel(level)

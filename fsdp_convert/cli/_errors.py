@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import typer
 
 from fsdp_convert.cli._output import err_console
-from fsdp_convert.errors import CheckpointError
+from fsdp_convert.errors import CheckpointError, TerminatedError
 
 __all__ = ["handle_errors", "set_debug", "debug_enabled"]
 
@@ -47,8 +47,11 @@ def handle_errors() -> Iterator[None]:
         err_console.print(f"error: {e}", markup=False, highlight=False)
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
-        err_console.print("error: interrupted", markup=False, highlight=False)
+        err_console.print("error: interrupted (SIGINT); no output was left behind", markup=False, highlight=False)
         raise typer.Exit(130) from None
+    except TerminatedError as e:
+        err_console.print(f"error: {e}; no output was left behind", markup=False, highlight=False)
+        raise typer.Exit(128 + e.signum) from None
     except Exception as e:
         if debug_enabled():
             err_console.print(traceback.format_exc(), markup=False, highlight=False)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-__all__ = ["CheckpointArg", "OutputArg", "JsonOpt", "OverwriteOpt", "NprocOpt", "MemoryBudgetOpt", "ProgressOpt"]
+__all__ = ["CheckpointArg", "OutputArg", "JsonOpt", "OverwriteOpt", "NprocOpt", "MemoryBudgetOpt", "ProgressOpt", "NoCrcOpt"]
 
 CheckpointArg = Annotated[
     Path, typer.Argument(metavar="CHECKPOINT_DIR", help="DCP checkpoint folder (the one holding .metadata).", show_default=False)
@@ -45,4 +45,7 @@ ProgressOpt = Annotated[
         help="Progress bars (bytes, rate, ETA) on stderr (default: when stderr is a terminal).",
         show_default=False,
     ),
+]
+NoCrcOpt = Annotated[
+    bool, typer.Option("--no-crc", help="Skip checking the CRC-32 of every payload record (torch itself never checks them).")
 ]

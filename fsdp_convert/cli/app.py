@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 from typing import Annotated
 
 import typer
@@ -12,17 +13,20 @@ from fsdp_convert.cli._errors import set_debug
 from fsdp_convert.cli._output import err_console
 from fsdp_convert.cli.consolidate_cmd import consolidate_command
 from fsdp_convert.cli.inspect_cmd import inspect_command
+from fsdp_convert.cli.verify_cmd import verify_command
+from fsdp_convert.errors import TerminatedError
 
 __all__ = ["app", "main", "EXIT_CODES"]
 
 EXIT_CODES = """
-Exit codes: 0 success; 1 conversion failed or unexpected error; 2 usage error;
-3 input missing or not a DCP checkpoint; 4 output exists and --overwrite was not given.
+Exit codes: 0 success (verify: equal); 1 conversion failed, checkpoints differ, or unexpected
+error; 2 usage error; 3 input missing or not a DCP checkpoint; 4 output exists and --overwrite
+was not given; 130/143 interrupted by SIGINT/SIGTERM.
 """
 
 app = typer.Typer(
     name="fsdp-convert",
-    help="Inspect and consolidate PyTorch distributed (DCP / FSDP) checkpoints.",
+    help="Inspect, consolidate and verify PyTorch distributed (DCP / FSDP) checkpoints.",
     epilog=EXIT_CODES,
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
@@ -44,8 +48,15 @@ def _global_options(
 
 app.command("inspect", epilog=EXIT_CODES)(inspect_command)
 app.command("consolidate", epilog=EXIT_CODES)(consolidate_command)
+app.command("verify", epilog=EXIT_CODES)(verify_command)
+
+
+def _on_terminate(signum: int, frame: object) -> None:
+    raise TerminatedError(signum)
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point: SIGTERM and SIGHUP unwind like Ctrl-C, so no half output stays."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _on_terminate)
     app()

@@ -12,6 +12,7 @@ from fsdp_convert.cli._options import (
     CheckpointArg,
     JsonOpt,
     MemoryBudgetOpt,
+    NoCrcOpt,
     NprocOpt,
     OutputArg,
     OverwriteOpt,
@@ -50,6 +51,11 @@ def consolidate_command(
     overwrite: OverwriteOpt = False,
     memory_budget: MemoryBudgetOpt = "1GiB",
     max_shard_size: MaxShardSizeOpt = "5GB",
+    no_crc: NoCrcOpt = False,
+    verify_output: Annotated[
+        bool,
+        typer.Option("--verify", help="Read the output back and compare it with the checkpoint before moving it in place."),
+    ] = False,
     progress: ProgressOpt = None,
     json_output: JsonOpt = False,
 ) -> None:
@@ -67,6 +73,8 @@ def consolidate_command(
             overwrite=overwrite,
             memory_budget_bytes=parse_size(memory_budget),
             max_shard_bytes=parse_size(max_shard_size),
+            check_crc=not no_crc,
+            verify_output=verify_output,
             progress=show_progress,
         )
     if json_output:

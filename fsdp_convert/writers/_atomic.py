@@ -12,9 +12,9 @@ from pathlib import Path
 
 from fsdp_convert.errors import OutputExistsError, OutputWriteError
 
-__all__ = ["atomic_output", "check_output_free", "fsync_dir"]
+__all__ = ["atomic_output", "check_output_free", "fsync_dir", "writing"]
 
-_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG, errno.EIO}
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG}
 
 
 def check_output_free(output: Path, *, overwrite: bool, directory: bool = False) -> None:
@@ -34,6 +34,21 @@ def check_output_free(output: Path, *, overwrite: bool, directory: bool = False)
             raise OutputExistsError(f"{output} already exists; pass --overwrite to replace it")
         if output.is_dir() and not directory:
             raise OutputWriteError(f"{output} is a folder; give a file path")
+
+
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Turn an OSError of a failed write (no space, file too large, permission) into OutputWriteError.
+
+    Raises:
+        OutputWriteError: naming ``path`` and the reason.
+    """
+    try:
+        yield
+    except OSError as e:
+        if e.errno in _WRITE_ERRNOS:
+            raise OutputWriteError(f"cannot write {path}: {e.strerror}") from e
+        raise
 
 
 def fsync_dir(path: Path) -> None:
@@ -69,7 +84,9 @@ def atomic_output(output: Path, *, overwrite: bool, directory: bool = False) -> 
         OutputWriteError: the folder cannot be created or written (permission, space).
     """
     check_output_free(output, overwrite=overwrite, directory=directory)
-    tmp = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:12]}"
+    # keep the suffix, so the temporary reads back as the same format (consolidate --verify)
+    tag = uuid.uuid4().hex[:12]
+    tmp = output.parent / (f".{output.name}.tmp-{tag}" if directory else f".{output.stem}.tmp-{tag}{output.suffix}")
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         if directory:
@@ -94,6 +111,10 @@ def atomic_output(output: Path, *, overwrite: bool, directory: bool = False) -> 
         if e.errno in _WRITE_ERRNOS:
             raise OutputWriteError(f"cannot write {output}: {e.strerror}") from e
         raise
+    except OutputWriteError as e:
+        _remove(tmp)
+        # name the output the user asked for, not its temporary sibling
+        raise OutputWriteError(str(e).replace(str(tmp), str(output))) from e
     except BaseException:
         _remove(tmp)
         raise

@@ -1,0 +1,68 @@
+"""``fsdp-convert verify``: are two checkpoints the same, tensor by tensor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from fsdp_convert.cli._errors import handle_errors
+from fsdp_convert.cli._options import JsonOpt, NoCrcOpt
+from fsdp_convert.cli._output import console, print_json
+from fsdp_convert.convert import VerifyResult, verify
+
+EXAMPLES = """
+Examples:
+
+  fsdp-convert verify ckpt/step-1000 full.pt
+
+  fsdp-convert verify full.pt hf-model/ --json
+
+  fsdp-convert verify model-a.safetensors model-b.safetensors --atol 1e-3
+"""
+
+SourceArg = Annotated[
+    Path,
+    typer.Argument(help="A DCP folder, a .pt/.pth/.bin file, a .safetensors file or a Hugging Face folder.", show_default=False),
+]
+AtolOpt = Annotated[float | None, typer.Option("--atol", help="Absolute tolerance for floating tensors (default: bitwise).")]
+RtolOpt = Annotated[float | None, typer.Option("--rtol", help="Relative tolerance for floating tensors (default: bitwise).")]
+
+
+def _render(result: VerifyResult) -> None:
+    if result.equal:
+        console.print(f"equal: {result.compared} entries match ({result.a} vs {result.b})", highlight=False)
+        return
+    table = Table(
+        title=f"{len(result.differences)} difference(s) between {result.a} (A) and {result.b} (B)", title_justify="left"
+    )
+    table.add_column("key", overflow="fold")
+    table.add_column("kind")
+    table.add_column("detail", overflow="fold")
+    for d in result.differences:
+        table.add_row(d.key, d.kind, d.detail)
+    console.print(table)
+
+
+def verify_command(
+    a: SourceArg,
+    b: SourceArg,
+    atol: AtolOpt = None,
+    rtol: RtolOpt = None,
+    no_crc: NoCrcOpt = False,
+    json_output: JsonOpt = False,
+) -> None:
+    """Compare two checkpoints of any formats; exit 0 when equal, 1 with a table of differences."""
+    with handle_errors():
+        result = verify(a, b, atol=atol, rtol=rtol, check_crc=not no_crc)
+    if json_output:
+        print_json(result.to_json_dict())
+    else:
+        _render(result)
+    if not result.equal:
+        raise typer.Exit(1)
+
+
+verify_command.__doc__ = (verify_command.__doc__ or "") + "\n\n" + EXAMPLES
