@@ -71,21 +71,26 @@ def _central_directory(pread: Pread, size: int) -> tuple[int, int]:
     if tail_len < 22:
         raise ZipFormatError(f"{size} bytes is too short for a zip")
     tail = _exact(pread, tail_len, size - tail_len)
-    pos = tail.rfind(_EOCD)
-    if pos < 0 or pos + 22 > len(tail):
-        raise ZipFormatError("no end-of-central-directory record")
-    count, _, cd_offset = struct.unpack_from("<HII", tail, pos + 10)
-    if cd_offset == 0xFFFFFFFF or count == 0xFFFF:
-        loc = tail.rfind(_ZIP64_LOCATOR, 0, pos)
-        if loc < 0 or loc + 20 > len(tail):
+    # torch writes no zip comment, so the end record closes the range exactly; a range that is
+    # too long (taking in the next payload) or too short shows here
+    pos = len(tail) - 22
+    if tail[pos : pos + 4] != _EOCD or struct.unpack_from("<H", tail, pos + 20)[0] != 0:
+        raise ZipFormatError("no end-of-central-directory record at the end of the range")
+    count, cd_size, cd_offset = struct.unpack_from("<HII", tail, pos + 10)
+    cd_end = size - 22
+    loc = pos - 20
+    has_zip64 = loc >= 0 and tail[loc : loc + 4] == _ZIP64_LOCATOR  # torch's writer always adds one
+    if cd_offset == 0xFFFFFFFF or count == 0xFFFF or cd_size == 0xFFFFFFFF or has_zip64:
+        if not has_zip64:
             raise ZipFormatError("zip64 fields without a zip64 locator")
         (eocd64_offset,) = struct.unpack_from("<Q", tail, loc + 8)
         eocd64 = _exact(pread, 56, eocd64_offset)
         if eocd64[:4] != _ZIP64_EOCD:
             raise ZipFormatError("bad zip64 end-of-central-directory record")
-        count, _, cd_offset = struct.unpack_from("<QQQ", eocd64, 32)
-    if cd_offset >= size or count > size // 46:
-        raise ZipFormatError(f"central directory at {cd_offset} with {count} entries does not fit in {size} bytes")
+        count, cd_size, cd_offset = struct.unpack_from("<QQQ", eocd64, 32)
+        cd_end = eocd64_offset
+    if cd_offset + cd_size != cd_end or count > cd_size // 46:
+        raise ZipFormatError(f"central directory at {cd_offset} ({cd_size} bytes, {count} entries) does not end at {cd_end}")
     return cd_offset, count
 
 

@@ -53,30 +53,40 @@ def unflatten(items: Iterable[tuple[ObjPath, Any]]) -> dict[str, Any]:
     a ``str`` element keys a dict. Lists come out dense, in index order.
 
     Raises:
-        ValueError: two paths disagree on whether a level is a list or a dict, or a list index is
-            missing (the message names the path).
+        ValueError: two paths disagree on whether a level is a list or a dict, a path is given
+            twice or runs through another's value, or a list index is missing (names the path).
     """
     root: dict[Any, Any] = {}
     list_nodes: set[int] = set()  # ids of dicts that stand for lists (int keys)
     for path, value in items:
         node = root
         for i, key in enumerate(path):
-            is_last = i == len(path) - 1
-            if isinstance(key, int) != (id(node) in list_nodes) and node:
+            if node and isinstance(key, int) != (id(node) in list_nodes):
                 raise ValueError(f"path {path!r} mixes list and dict keys at level {i}")
             if isinstance(key, int):
                 list_nodes.add(id(node))
-            if is_last:
-                node[key] = value
+            if i == len(path) - 1:
+                if key in node:
+                    raise ValueError(f"path {path!r} is given twice, or also holds other values")
+                node[key] = _Leaf(value)
             else:
                 node = node.setdefault(key, {})
+                if isinstance(node, _Leaf):
+                    raise ValueError(f"path {path!r} runs through a value at level {i}")
     nested: dict[str, Any] = _densify(root, list_nodes)
     return nested
 
 
+class _Leaf:
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
 def _densify(node: Any, list_nodes: set[int]) -> Any:
-    if not isinstance(node, dict):
-        return node
+    if isinstance(node, _Leaf):
+        return node.value
     if id(node) in list_nodes:
         keys = sorted(node)
         if keys != list(range(len(keys))):

@@ -41,6 +41,16 @@ __all__ = [
 ]
 
 METADATA_FILENAME = ".metadata"
+# dtypes a full tensor can be allocated, written by torch.save and read back for (no quantized types)
+SUPPORTED_DTYPES = frozenset(
+    {
+        torch.float64, torch.float32, torch.float16, torch.bfloat16,
+        torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+        torch.complex128, torch.complex64, torch.complex32,
+        torch.int64, torch.int32, torch.int16, torch.int8,
+        torch.uint64, torch.uint32, torch.uint16, torch.uint8, torch.bool,
+    }
+)  # fmt: skip
 _DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
 ObjPath = tuple[str | int, ...]
@@ -312,9 +322,40 @@ def build_index(metadata: dcp_metadata.Metadata, checkpoint_id: Path) -> Checkpo
         checkpoint_id: the checkpoint folder (used for messages and as ``checkpoint_id``).
 
     Raises:
-        NotADcpCheckpointError: a field has the wrong type, a non-empty chunk has no storage
-            record, or a data file name points outside the folder.
+        NotADcpCheckpointError: a field is missing or has the wrong type, a dtype this tool does
+            not handle, a non-empty chunk has no storage record or a payload too small for it,
+            two payloads share bytes, or a data file name points outside the folder.
     """
+    try:
+        index = _build_index(metadata, checkpoint_id)
+    except (AttributeError, TypeError, ValueError, KeyError) as e:
+        # objects the restricted unpickler built but whose fields are missing or of odd types
+        raise _bad(checkpoint_id / METADATA_FILENAME, f"malformed metadata ({type(e).__name__}: {e})") from e
+    _check_disjoint_payloads(index)
+    return index
+
+
+def _check_disjoint_payloads(index: CheckpointIndex) -> None:
+    """Two entries whose payloads share bytes can only come from a corrupt ``.metadata``."""
+    ranges: dict[str, list[tuple[int, int, str]]] = {}
+    for e in index.entries:
+        if isinstance(e, BytesEntry):
+            ranges.setdefault(e.relative_path, []).append((e.offset_bytes, e.length_bytes, e.fqn))
+        else:
+            for c in e.chunks:
+                if c.relative_path is not None:
+                    ranges.setdefault(c.relative_path, []).append((c.offset_bytes, c.length_bytes, e.fqn))
+    for rel, spans in ranges.items():
+        spans.sort()
+        for (a_off, a_len, a_fqn), (b_off, _, b_fqn) in zip(spans, spans[1:]):
+            if b_off < a_off + a_len:
+                raise _bad(
+                    index.checkpoint_id / METADATA_FILENAME,
+                    f"payloads of {a_fqn} and {b_fqn} overlap in {rel} at byte {b_off}",
+                )
+
+
+def _build_index(metadata: dcp_metadata.Metadata, checkpoint_id: Path) -> CheckpointIndex:
     meta_path = checkpoint_id / METADATA_FILENAME
     sd_meta = metadata.state_dict_metadata
     if not isinstance(sd_meta, Mapping):
@@ -355,6 +396,8 @@ def build_index(metadata: dcp_metadata.Metadata, checkpoint_id: Path) -> Checkpo
         dtype = getattr(md.properties, "dtype", None)
         if not isinstance(dtype, torch.dtype):
             raise _bad(meta_path, f"entry {fqn} has no torch dtype")
+        if dtype not in SUPPORTED_DTYPES:
+            raise _bad(meta_path, f"entry {fqn} has dtype {dtype}, which this tool does not handle")
         if not isinstance(md.chunks, (list, tuple)):
             raise _bad(meta_path, f"chunks of {fqn} are not a list")
         chunks = []
@@ -372,6 +415,14 @@ def build_index(metadata: dcp_metadata.Metadata, checkpoint_id: Path) -> Checkpo
                 chunks.append(ChunkEntry(offsets=offsets, sizes=sizes, relative_path=None, offset_bytes=0, length_bytes=0))
                 continue
             rel, off, length, tr = _storage_fields(info, meta_path, fqn)
+            if math.prod(sizes) * dtype.itemsize > length and not tr:
+                # a torch.save payload holds the raw elements; this one cannot (and a huge claimed
+                # shape must not make us allocate it)
+                raise _bad(
+                    meta_path,
+                    f"chunk of {fqn} at offsets {list(offsets)} claims {list(sizes)} elements of {dtype}, "
+                    f"more than its {length}-byte payload holds",
+                )
             files.add(rel)
             chunks.append(
                 ChunkEntry(

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from fsdp_convert.errors import CoverageError, InvalidOptionError
-from fsdp_convert.layout import Group, group_of
-from fsdp_convert.metadata import BytesEntry, CheckpointIndex, Entry, TensorEntry
+from fsdp_convert.errors import CoverageError, InvalidOptionError, NotADcpCheckpointError
+from fsdp_convert.layout import Group, group_of, unflatten
+from fsdp_convert.metadata import METADATA_FILENAME, BytesEntry, CheckpointIndex, Entry, TensorEntry
 
 __all__ = [
     "OutputFormat",
@@ -283,6 +283,10 @@ def plan_consolidate(
         for e in entries:
             if isinstance(e, BytesEntry):
                 raise InvalidOptionError(f"{e.fqn} is not a tensor; safetensors holds tensors only (use a .pt output)")
+    try:
+        unflatten((e.path, None) for e in entries)
+    except ValueError as err:
+        raise NotADcpCheckpointError(f"{index.checkpoint_id / METADATA_FILENAME}: planner data is inconsistent: {err}") from err
     for e in entries:
         if isinstance(e, TensorEntry):
             check_coverage(e)
