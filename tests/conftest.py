@@ -86,3 +86,11 @@ def ws3_bf16_ckpt(samples_root: Path) -> Sample:
 @pytest.fixture
 def runner() -> CliRunner:
     return CliRunner()
+
+
+@pytest.fixture(scope="session")
+def big_sample(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """About 100 MB of FSDP2 state on 2 ranks whose largest tensor is 4 MiB (folder with checkpoint/, truth.pt)."""
+    out = tmp_path_factory.mktemp("big")
+    run_ranks(train_and_save, 2, out, SampleConfig(dim=256, n_layers=8, vocab_size=4096, steps=1))
+    return out

@@ -86,6 +86,43 @@ class _Pickler(pickle.Pickler):
         return None
 
 
+class _AbortableStream:
+    """File wrapper that never lets a write error reach torch's zip writer.
+
+    If a write fails (disk full, file too large) inside ``torch._C.PyTorchFileWriter``, its
+    position bookkeeping goes out of step and its C++ destructor later aborts the process. So a
+    failed write is recorded, reported as done, and every later write is discarded; the torch.save
+    writer re-raises the recorded error after the call, and the caller deletes the file.
+    """
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        n = len(memoryview(data))
+        if self.error is None:
+            try:
+                self.file.write(data)
+            except OSError as e:
+                self.error = e
+        return n
+
+    def flush(self) -> None:
+        if self.error is None:
+            self.file.flush()
+
+    def abort(self) -> None:
+        """Discard every later write."""
+        if self.error is None:
+            self.error = OSError("writer closed")
+
+    def raise_error(self) -> None:
+        """Re-raise the first write error, if any."""
+        if self.error is not None:
+            raise self.error
+
+
 class TorchSaveWriter:
     """Streams a nested state dict into one torch.save file. Rank 0 only.
 
@@ -100,7 +137,8 @@ class TorchSaveWriter:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._file: IO[bytes] = open(self.path, "x+b")  # noqa: SIM115 (closed in finish/close)
-        self._zip: torch._C.PyTorchFileWriter | None = open_torch_save_writer(self._file, compute_crc32=False)
+        self._stream = _AbortableStream(self._file)
+        self._zip: torch._C.PyTorchFileWriter | None = open_torch_save_writer(self._stream, compute_crc32=False)  # type: ignore[arg-type]
         self._crcs: dict[str, int] = {}
         self._items: list[tuple[ObjPath, Any]] = []
         self.tensor_bytes = 0
@@ -118,6 +156,7 @@ class TorchSaveWriter:
         self._crcs[f"data/{key}"] = zlib.crc32(byte_view(tensor))
         # the stub says Storage; torch.save passes an UntypedStorage here too
         self._zip.write_record(f"data/{key}", tensor.untyped_storage(), tensor.nbytes)  # type: ignore[arg-type]
+        self._stream.raise_error()
         self.tensor_bytes += tensor.nbytes
         ref = _TensorRef(_StorageRef(key, tensor.dtype, tensor.numel()), tuple(tensor.shape))
         self._items.append((path, ref))
@@ -144,6 +183,7 @@ class TorchSaveWriter:
             self._crcs[name] = zlib.crc32(raw)
             self._zip.write_record(name, raw, len(raw))
         self._zip.write_end_of_file()
+        self._stream.raise_error()
         self._zip = None
         self._file.flush()
         patch_crcs(self._file, self._crcs)
@@ -151,5 +191,6 @@ class TorchSaveWriter:
 
     def close(self) -> None:
         """Close the file without completing it; the caller removes it."""
-        self._zip = None
+        self._stream.abort()
+        self._zip = None  # its destructor now writes into the void
         self._file.close()

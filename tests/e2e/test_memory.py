@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_convert._sample import CHECKPOINT_DIRNAME, TRUTH_FILENAME, SampleConfig, train_and_save
+from fsdp_convert._sample import CHECKPOINT_DIRNAME, TRUTH_FILENAME
 from fsdp_convert.metadata import read_index
 from tests._compare import assert_same_state
-from tests._dist import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -31,14 +30,6 @@ base = peak(resource.RUSAGE_SELF)
 fsdp_convert.consolidate(sys.argv[1], sys.argv[2], nproc=int(sys.argv[3]), memory_budget_bytes=int(sys.argv[4]))
 print(json.dumps({"base": base, "self": peak(resource.RUSAGE_SELF), "children": peak(resource.RUSAGE_CHILDREN)}))
 """
-
-
-@pytest.fixture(scope="module")
-def big_sample(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """About 100 MB of FSDP2 state on 2 ranks whose largest tensor is 4 MiB."""
-    out = tmp_path_factory.mktemp("big")
-    run_ranks(train_and_save, 2, out, SampleConfig(dim=256, n_layers=8, vocab_size=4096, steps=1))
-    return out
 
 
 def _probe(ck: Path, out: Path, nproc: int) -> dict[str, int]:
