@@ -120,7 +120,17 @@ def _worker_main(call: _WorkerCall) -> Any:
         raise SystemExit(code) from None
 
 
-def _failure(error_dir: Path, failed_ranks: list[int]) -> CheckpointError:
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _failure(error_dir: Path, exit_codes: dict[int, int]) -> CheckpointError:
+    """The root cause of a failed launch, from the workers' error records and exit codes."""
     records = sorted((json.loads(p.read_text()) for p in error_dir.glob("rank*.json")), key=lambda r: r["rank"])
     # a CheckpointError is the root cause; the others are peers torn down after it
     for record in records:
@@ -129,13 +139,17 @@ def _failure(error_dir: Path, failed_ranks: list[int]) -> CheckpointError:
             err = cls(record["message"])
             err.__notes__ = [f"worker rank {record['rank']}:\n{record['traceback']}"]
             return err
+    # a worker that died without a word (SIGKILL, out of memory) broke the others' connections
+    reported = {r["rank"] for r in records}
+    for rank, code in sorted(exit_codes.items()):
+        if rank not in reported:
+            return WorkerFailedError(f"worker rank {rank} died without a report ({_describe_exit(code)}; out of memory?)")
     if records:
         first = records[0]
         err = WorkerFailedError(f"worker rank {first['rank']} failed: {first['message']}")
         err.__notes__ = [first["traceback"]]
         return err
-    ranks = ", ".join(map(str, failed_ranks)) or "?"
-    return WorkerFailedError(f"worker rank {ranks} died without a report (killed, or out of memory?)")
+    return WorkerFailedError("the workers failed without a report")
 
 
 def run_workers(fn: Callable[[Job, int, int, GlooTransport], Any], job: Job, nproc: int, *, window_bytes: int) -> Any:
@@ -172,14 +186,21 @@ def run_workers(fn: Callable[[Job, int, int, GlooTransport], Any], job: Job, npr
     )
     # The launcher logs each worker's exit and the peers' teardown; the one-line error we raise
     # says the same thing (its traceback goes in the error's notes, shown by --debug).
-    quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    prefixes = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    names = [n for n in logging.Logger.manager.loggerDict if n.startswith(prefixes)]
+    quiet = [logging.getLogger(name) for name in {*names, *prefixes}]
     old_levels = [lg.level for lg in quiet]
     for lg in quiet:
         lg.setLevel(logging.CRITICAL + 1)
+    # a run stopped by a signal leaves the launcher's semaphore to multiprocessing's resource
+    # tracker, whose warning about it would be the only other line on stderr
+    os.environ["PYTHONWARNINGS"] = ",".join(
+        filter(None, [os.environ.get("PYTHONWARNINGS"), "ignore:resource_tracker:UserWarning"])
+    )
     try:
         results = elastic_launch(config, _worker_main)(_WorkerCall(fn, job, str(error_dir), window_bytes))
     except ChildFailedError as e:
-        raise _failure(error_dir, sorted(e.failures)) from None
+        raise _failure(error_dir, {rank: f.exitcode for rank, f in e.failures.items()}) from None
     except SignalException as e:  # the launcher caught SIGINT/SIGTERM and stopped the workers
         if e.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None

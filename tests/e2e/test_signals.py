@@ -1,0 +1,108 @@
+"""Interrupted and killed runs leave no output: SIGINT, SIGTERM, SIGKILL, and a worker that dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fsdp_convert._sample import CHECKPOINT_DIRNAME
+
+pytestmark = pytest.mark.slow
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _start(ck: Path, out: Path, nproc: int) -> subprocess.Popen[str]:
+    # a small budget and --verify keep the run going long enough to be interrupted mid-write
+    args = ["consolidate", str(ck), str(out), "--nproc", str(nproc), "--memory-budget", "1MiB", "--verify"]
+    return subprocess.Popen(
+        [sys.executable, "-m", "fsdp_convert", *args], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _temporaries(folder: Path) -> list[Path]:
+    return [p for p in folder.iterdir() if ".tmp-" in p.name]
+
+
+def _wait_until_writing(proc: subprocess.Popen[str], folder: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not _temporaries(folder):
+        assert proc.poll() is None, f"finished before it could be interrupted: {proc.communicate()}"
+        assert time.monotonic() < deadline, "no temporary output appeared"
+        time.sleep(0.002)
+
+
+def _descendants(root: int) -> list[int]:
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    found, frontier = [], [root]
+    while frontier:
+        pid = frontier.pop()
+        kids = [p for p, pp in parents.items() if pp == pid]
+        found += kids
+        frontier += kids
+    return found
+
+
+def _non_writer_worker(root: int, folder: Path) -> int:
+    """The launched worker that does not hold the temporary output open (rank 0 writes it)."""
+    workers = []
+    for pid in _descendants(root):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            workers.append((pid, any(str(folder) in target and ".tmp-" in target for target in fds)))
+    assert len(workers) == 2 and sum(writes for _, writes in workers) == 1, workers
+    return next(pid for pid, writes in workers if not writes)
+
+
+@pytest.mark.parametrize(("sig", "nproc", "code"), [(signal.SIGINT, 1, 130), (signal.SIGTERM, 1, 143), (signal.SIGTERM, 2, 143)])
+def test_signal_mid_write_leaves_nothing(big_sample: Path, tmp_path: Path, sig: int, nproc: int, code: int) -> None:
+    out = tmp_path / "full.pt"
+    proc = _start(big_sample / CHECKPOINT_DIRNAME, out, nproc)
+    _wait_until_writing(proc, tmp_path)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == code, stderr
+    assert stdout == ""
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "no output was left behind" in lines[0], stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sigkill_mid_write_leaves_no_output(big_sample: Path, tmp_path: Path) -> None:
+    out = tmp_path / "full.pt"
+    proc = _start(big_sample / CHECKPOINT_DIRNAME, out, 1)
+    _wait_until_writing(proc, tmp_path)
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert not out.exists()  # only a hidden temporary may remain; nothing looks complete
+
+
+def test_dead_worker_fails_the_job_within_seconds(big_sample: Path, tmp_path: Path) -> None:
+    out = tmp_path / "full.pt"
+    proc = _start(big_sample / CHECKPOINT_DIRNAME, out, 2)
+    _wait_until_writing(proc, tmp_path)
+    os.kill(_non_writer_worker(proc.pid, tmp_path), signal.SIGKILL)
+    killed = time.monotonic()
+    stdout, stderr = proc.communicate(timeout=60)
+    assert time.monotonic() - killed < 15
+    assert proc.returncode == 1, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "worker rank 1" in lines[0], stderr
+    assert list(tmp_path.iterdir()) == []
