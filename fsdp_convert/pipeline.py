@@ -13,7 +13,9 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, TypeVar
 
-__all__ = ["ByteBudget", "prefetch"]
+__all__ = ["ByteBudget", "prefetch", "JOIN_TIMEOUT_S"]
+
+JOIN_TIMEOUT_S = 60.0  # longest wait, in seconds, for the producer's current job after an error
 
 T = TypeVar("T")
 
@@ -90,8 +92,8 @@ def prefetch(jobs: Iterable[tuple[int, Callable[[], T]]], budget_bytes: int) -> 
     held, or one job alone when it is bigger.
 
     An exception in a job is re-raised in the consumer. If the consumer stops early the thread
-    is told to stop after its current job; it is a daemon, so a job stuck in a transfer whose
-    peer died does not keep the process alive.
+    is told to stop after its current job, which is waited for (up to ``JOIN_TIMEOUT_S``); it is
+    a daemon, so a job stuck in a transfer whose peer died cannot keep the process alive.
     """
     budget = ByteBudget(budget_bytes)
     channel: _Channel[T] = _Channel()
@@ -124,3 +126,6 @@ def prefetch(jobs: Iterable[tuple[int, Callable[[], T]]], budget_bytes: int) -> 
         thread.join()
     finally:
         budget.close()
+        # wait for the job in progress: a thread left inside torch code while the interpreter
+        # exits aborts the process ("terminate called without an active exception")
+        thread.join(timeout=JOIN_TIMEOUT_S)

@@ -78,6 +78,7 @@ class ByteRangeFile(io.RawIOBase):
         super().__init__()
         self._fd, self._start, self._length, self._pos = fd, offset_bytes, length_bytes, 0
         self.hashes = [_RecordHash(r) for r in records or ()]
+        self.error: BaseException | None = None
 
     def readable(self) -> bool:
         """Always true."""
@@ -103,7 +104,21 @@ class ByteRangeFile(io.RawIOBase):
         return os.pread(self._fd, length, self._start + offset)
 
     def readinto(self, buffer: Any) -> int:
-        """Read up to ``len(buffer)`` bytes of the range into ``buffer``; 0 at the end."""
+        """Read up to ``len(buffer)`` bytes of the range into ``buffer``; 0 at the end.
+
+        torch.load calls this from C++; an exception (a read error, or Ctrl-C landing here) must
+        not cross that code, so it is kept in ``error``, the read reports the end of the range,
+        and the caller re-raises it once torch.load returns.
+        """
+        if self.error is not None:
+            return 0
+        try:
+            return self._readinto(buffer)
+        except BaseException as e:
+            self.error = e
+            return 0
+
+    def _readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
         n = min(len(view), self._length - self._pos)
         if n <= 0:
@@ -209,6 +224,8 @@ class ChunkReader:
         try:
             value = torch.load(cast(IO[bytes], payload), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
+            if payload.error is not None:
+                raise payload.error from None  # the read failed or was interrupted: that is the cause
             # torch wraps every weights-only refusal in one message; the line naming the global
             # tells a hostile payload from a broken one.
             detail = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln), None)
@@ -216,7 +233,11 @@ class ChunkReader:
                 raise UnsafeContentError(f"{where}: payload would run code, refused ({detail})") from e
             raise CorruptChunkError(f"{where}: payload does not decode as a torch.save object") from e
         except Exception as e:  # zip structure broken, truncated record
+            if payload.error is not None:
+                raise payload.error from None
             raise CorruptChunkError(f"{where}: payload does not decode ({type(e).__name__}: {_first_line(e)})") from e
+        if payload.error is not None:
+            raise payload.error
         for record, computed in payload.finish_crcs():
             raise CorruptChunkError(
                 f"{where}: CRC-32 mismatch in record {record.short_name} (stored {record.crc32:#010x}, "

@@ -87,30 +87,34 @@ class _Pickler(pickle.Pickler):
 
 
 class _AbortableStream:
-    """File wrapper that never lets a write error reach torch's zip writer.
+    """File wrapper that never lets an exception reach torch's zip writer.
 
-    If a write fails (disk full, file too large) inside ``torch._C.PyTorchFileWriter``, its
-    position bookkeeping goes out of step and its C++ destructor later aborts the process. So a
-    failed write is recorded, reported as done, and every later write is discarded; the torch.save
-    writer re-raises the recorded error after the call, and the caller deletes the file.
+    If a write fails (disk full, file too large) inside ``torch._C.PyTorchFileWriter``, or a
+    signal handler raises (Ctrl-C, SIGTERM) in this Python callback, the exception would cross
+    torch's C++ writer: its bookkeeping goes out of step and the process aborts. So the exception
+    is recorded, the write reported as done, and every later write discarded; the torch.save
+    writer re-raises it after the call returns, and the caller deletes the file.
     """
 
     def __init__(self, file: IO[bytes]) -> None:
         self.file = file
-        self.error: OSError | None = None
+        self.error: BaseException | None = None
 
     def write(self, data: Any) -> int:
         n = len(memoryview(data))
         if self.error is None:
             try:
                 self.file.write(data)
-            except OSError as e:
+            except BaseException as e:  # also Ctrl-C or SIGTERM landing in this callback
                 self.error = e
         return n
 
     def flush(self) -> None:
         if self.error is None:
-            self.file.flush()
+            try:
+                self.file.flush()
+            except BaseException as e:
+                self.error = e
 
     def abort(self) -> None:
         """Discard every later write."""
