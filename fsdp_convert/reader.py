@@ -16,7 +16,7 @@ import pickle
 import zlib
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, cast
+from typing import IO, Any, NoReturn, cast
 
 import torch
 
@@ -223,28 +223,35 @@ class ChunkReader:
                 raise CorruptChunkError(f"{where}: payload is not a torch.save zip ({e})") from e
         try:
             value = torch.load(cast(IO[bytes], payload), map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as e:
+        except Exception as e:
             if payload.error is not None:
                 raise payload.error from None  # the read failed or was interrupted: that is the cause
+            self._check_crcs(payload, where)  # a corrupt record explains a decode failure best
+            self._raise_decode_error(e, where)
+        if payload.error is not None:
+            raise payload.error
+        self._check_crcs(payload, where)
+        self.bytes_read += length
+        return value
+
+    def _check_crcs(self, payload: ByteRangeFile, where: str) -> None:
+        for record, computed in payload.finish_crcs():
+            raise CorruptChunkError(
+                f"{where}: CRC-32 mismatch in record {record.short_name} (stored {record.crc32:#010x}, "
+                f"computed {computed:#010x}); the data file is corrupt"
+            )
+
+    @staticmethod
+    def _raise_decode_error(e: Exception, where: str) -> NoReturn:
+        if isinstance(e, pickle.UnpicklingError):
             # torch wraps every weights-only refusal in one message; the line naming the global
             # tells a hostile payload from a broken one.
             detail = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln), None)
             if detail is not None:
                 raise UnsafeContentError(f"{where}: payload would run code, refused ({detail})") from e
             raise CorruptChunkError(f"{where}: payload does not decode as a torch.save object") from e
-        except Exception as e:  # zip structure broken, truncated record
-            if payload.error is not None:
-                raise payload.error from None
-            raise CorruptChunkError(f"{where}: payload does not decode ({type(e).__name__}: {_first_line(e)})") from e
-        if payload.error is not None:
-            raise payload.error
-        for record, computed in payload.finish_crcs():
-            raise CorruptChunkError(
-                f"{where}: CRC-32 mismatch in record {record.short_name} (stored {record.crc32:#010x}, "
-                f"computed {computed:#010x}); the data file is corrupt"
-            )
-        self.bytes_read += length
-        return value
+        # zip structure broken, truncated record
+        raise CorruptChunkError(f"{where}: payload does not decode ({type(e).__name__}: {_first_line(e)})") from e
 
     def read_chunk(self, entry: TensorEntry, chunk: ChunkEntry) -> torch.Tensor:
         """Read and decode one chunk of ``entry``; shape ``chunk.sizes``, dtype ``entry.dtype``.

@@ -9,8 +9,10 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from typer.testing import CliRunner
 
 import fsdp_convert
+from fsdp_convert.cli import app
 from tests._compare import assert_same_state
 from tests.conftest import Sample
 
@@ -110,3 +112,52 @@ def test_consolidate_folder_with_two_workers_writes_the_same_files(ws3_ckpt: Sam
     assert names == sorted(p.name for p in two.iterdir())
     for name in names:
         assert (one / name).read_bytes() == (two / name).read_bytes(), name
+
+
+def test_verify_equal_across_formats(ws3_ckpt: Sample, tmp_path: Path) -> None:
+    pt, st, hf = tmp_path / "full.pt", tmp_path / "model.safetensors", tmp_path / "hf"
+    fsdp_convert.consolidate(ws3_ckpt.checkpoint, pt, verify_output=True)
+    fsdp_convert.consolidate(ws3_ckpt.checkpoint, st, verify_output=True)
+    fsdp_convert.consolidate(ws3_ckpt.checkpoint, hf, max_shard_bytes=8000, verify_output=True)
+    full = fsdp_convert.verify(ws3_ckpt.checkpoint, pt)
+    assert full.equal and full.compared == len(fsdp_convert.inspect_checkpoint(ws3_ckpt.checkpoint).entries)
+    assert fsdp_convert.verify(ws3_ckpt.truth_path, pt).equal
+    for a, b in [(ws3_ckpt.checkpoint, st), (pt, hf), (st, hf)]:
+        result = fsdp_convert.verify(a, b)
+        assert result.equal and result.compared == 31, (a, b, result.differences[:3])
+
+
+def test_verify_reports_differing_missing_and_extra(ws3_ckpt: Sample, tmp_path: Path) -> None:
+    state = ws3_ckpt.truth()
+    state["model"]["norm.weight"] = state["model"]["norm.weight"].clone()
+    state["model"]["norm.weight"][3] += 1e-3
+    del state["model"]["norm.bias"]
+    state["model"]["extra.weight"] = torch.zeros(2)
+    state["optim"]["param_groups"][0]["lr"] = 0.5
+    other = tmp_path / "other.pt"
+    torch.save(state, other)
+    result = fsdp_convert.verify(ws3_ckpt.checkpoint, other)
+    kinds = {(d.key, d.kind) for d in result.differences}
+    assert kinds == {
+        ("model.norm.weight", "differs"),
+        ("model.norm.bias", "missing"),
+        ("model.extra.weight", "extra"),
+        ("optim.param_groups.0.lr", "differs"),
+    }
+    loose = fsdp_convert.verify(ws3_ckpt.checkpoint, other, atol=1e-2)
+    assert {d.key for d in loose.differences} == {"model.norm.bias", "model.extra.weight", "optim.param_groups.0.lr"}
+
+
+def test_verify_cli_exit_codes(runner: CliRunner, ws3_ckpt: Sample, tmp_path: Path) -> None:
+    pt = tmp_path / "full.pt"
+    fsdp_convert.consolidate(ws3_ckpt.checkpoint, pt)
+    ok = runner.invoke(app, ["verify", str(ws3_ckpt.checkpoint), str(pt), "--json"])
+    assert ok.exit_code == 0, ok.stderr
+    assert json.loads(ok.stdout)["equal"] is True
+    state = torch.load(pt, weights_only=True)
+    state["model"]["output.weight"][0, 0] = 7.0
+    bad = tmp_path / "bad.pt"
+    torch.save(state, bad)
+    diff = runner.invoke(app, ["verify", str(ws3_ckpt.checkpoint), str(bad)])
+    assert diff.exit_code == 1
+    assert "model.output.weight" in diff.stdout and "differs" in diff.stdout and diff.stderr == ""
