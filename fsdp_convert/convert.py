@@ -351,8 +351,8 @@ def consolidate(
             a folder (no suffix) for the model weights as Hugging Face safetensors shards with
             ``model.safetensors.index.json``.
         nproc: reading workers; 1 runs in this process, more start workers with torch's
-            elastic launcher (gloo on CPU). ``None``: one per CPU core, capped by the number of
-            data files and by one per 256 MiB of data.
+            elastic launcher (gloo on CPU). ``None``: ``plan.default_nproc`` (one per two CPU
+            cores for a file, one per core for a folder; at most one per data file and 256 MiB).
         only: ``all``, ``model`` or ``optim``: which top-level groups to write.
         overwrite: replace an existing ``output`` (at the final rename only).
         memory_budget_bytes: read-ahead and transfer buffers each process may hold, in bytes.

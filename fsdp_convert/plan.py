@@ -230,13 +230,16 @@ def plan_shards(entries: tuple[Entry, ...], max_shard_bytes: int, nproc: int) ->
     )
 
 
-def default_nproc(total_bytes: int, data_files: int, cpus: int) -> int:
+def default_nproc(total_bytes: int, data_files: int, cpus: int, *, single_file: bool = True) -> int:
     """Workers to start when the user does not say.
 
-    One per CPU core, capped by the number of data files and by one worker per
-    ``MIN_BYTES_PER_WORKER`` of data; at least 1.
+    At most one per data file and one per ``MIN_BYTES_PER_WORKER`` of data, and at least 1. For a
+    folder output, one per CPU core. For a single-file output, one per two cores: rank 0 needs a
+    core for writing beside its reading, and every tensor another worker reads is copied to rank 0
+    over gloo; on a 2-core machine (scripts/bench.py, 3.4 GB) two workers took 2.9x as long as one.
     """
-    return max(1, min(cpus, data_files, -(-total_bytes // MIN_BYTES_PER_WORKER)))
+    cores = max(1, cpus // 2) if single_file else cpus
+    return max(1, min(cores, data_files, -(-total_bytes // MIN_BYTES_PER_WORKER)))
 
 
 def plan_consolidate(
@@ -292,7 +295,7 @@ def plan_consolidate(
             check_coverage(e)
     total = sum(e.nbytes for e in entries)
     if nproc is None:
-        nproc = default_nproc(total, len(index.data_files), cpus)
+        nproc = default_nproc(total, len(index.data_files), cpus, single_file=fmt != "hf_dir")
     if fmt == "hf_dir":
         shards = plan_shards(entries, max_shard_bytes, nproc)
         owners = [0] * len(entries)

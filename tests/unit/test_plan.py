@@ -89,6 +89,9 @@ def test_shards_pack_in_order_like_save_pretrained() -> None:
 
 def test_default_nproc_is_capped_by_cores_files_and_size() -> None:
     assert default_nproc(total_bytes=100, data_files=8, cpus=16) == 1
+    assert default_nproc(total_bytes=10 * 2**30, data_files=8, cpus=16, single_file=False) == 8
+    assert default_nproc(total_bytes=10 * 2**30, data_files=4, cpus=16) == 4
     assert default_nproc(total_bytes=10 * 2**30, data_files=8, cpus=16) == 8
-    assert default_nproc(total_bytes=10 * 2**30, data_files=8, cpus=2) == 2
+    assert default_nproc(total_bytes=10 * 2**30, data_files=8, cpus=2) == 1  # rank 0 needs a core to write
+    assert default_nproc(total_bytes=10 * 2**30, data_files=8, cpus=2, single_file=False) == 2
     assert default_nproc(total_bytes=600 * 2**20, data_files=8, cpus=16) == 3
