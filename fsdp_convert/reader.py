@@ -20,6 +20,7 @@ from typing import IO, Any, NoReturn, cast
 
 import torch
 
+from fsdp_convert._signals import torch_call
 from fsdp_convert._zip import ZipFormatError, ZipRecord, read_records
 from fsdp_convert.errors import (
     CorruptChunkError,
@@ -222,7 +223,8 @@ class ChunkReader:
             except ZipFormatError as e:
                 raise CorruptChunkError(f"{where}: payload is not a torch.save zip ({e})") from e
         try:
-            value = torch.load(cast(IO[bytes], payload), map_location="cpu", weights_only=True)
+            with torch_call():
+                value = torch.load(cast(IO[bytes], payload), map_location="cpu", weights_only=True)
         except Exception as e:
             if payload.error is not None:
                 raise payload.error from None  # the read failed or was interrupted: that is the cause

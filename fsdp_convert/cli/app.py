@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 from rich.logging import RichHandler
 
+from fsdp_convert._signals import raise_or_defer
 from fsdp_convert.cli._errors import set_debug
 from fsdp_convert.cli._output import err_console
 from fsdp_convert.cli.consolidate_cmd import consolidate_command
@@ -52,11 +53,20 @@ app.command("verify", epilog=EXIT_CODES)(verify_command)
 
 
 def _on_terminate(signum: int, frame: object) -> None:
-    raise TerminatedError(signum)
+    raise_or_defer(TerminatedError(signum))
+
+
+def _on_interrupt(signum: int, frame: object) -> None:
+    raise_or_defer(KeyboardInterrupt())
 
 
 def main() -> None:
-    """Console-script entry point: SIGTERM and SIGHUP unwind like Ctrl-C, so no half output stays."""
+    """Console-script entry point: SIGTERM and SIGHUP unwind like Ctrl-C, so no half output stays.
+
+    The handlers hold a signal that lands while torch's C++ code is calling back into Python
+    until that call returns (``fsdp_convert._signals``).
+    """
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_terminate)
+    signal.signal(signal.SIGINT, _on_interrupt)
     app()

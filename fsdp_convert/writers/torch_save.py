@@ -25,6 +25,7 @@ from typing import IO, Any
 
 import torch
 
+from fsdp_convert._signals import torch_call
 from fsdp_convert._torch import open_torch_save_writer, storage_alignment, storage_type_for
 from fsdp_convert.layout import unflatten
 from fsdp_convert.metadata import ObjPath
@@ -159,7 +160,8 @@ class TorchSaveWriter:
         key = str(len(self._items))
         self._crcs[f"data/{key}"] = zlib.crc32(byte_view(tensor))
         # the stub says Storage; torch.save passes an UntypedStorage here too
-        self._zip.write_record(f"data/{key}", tensor.untyped_storage(), tensor.nbytes)  # type: ignore[arg-type]
+        with torch_call():
+            self._zip.write_record(f"data/{key}", tensor.untyped_storage(), tensor.nbytes)  # type: ignore[arg-type]
         self._stream.raise_error()
         self.tensor_bytes += tensor.nbytes
         ref = _TensorRef(_StorageRef(key, tensor.dtype, tensor.numel()), tuple(tensor.shape))
@@ -183,10 +185,11 @@ class TorchSaveWriter:
         records = [("data.pkl", data)]
         records += [(name, text.encode()) for name, text in ((".format_version", "1"), (".storage_alignment", alignment))]
         records.append(("byteorder", sys.byteorder.encode()))
-        for name, raw in records:
-            self._crcs[name] = zlib.crc32(raw)
-            self._zip.write_record(name, raw, len(raw))
-        self._zip.write_end_of_file()
+        with torch_call():
+            for name, raw in records:
+                self._crcs[name] = zlib.crc32(raw)
+                self._zip.write_record(name, raw, len(raw))
+            self._zip.write_end_of_file()
         self._stream.raise_error()
         self._zip = None
         self._file.flush()
@@ -196,5 +199,6 @@ class TorchSaveWriter:
     def close(self) -> None:
         """Close the file without completing it; the caller removes it."""
         self._stream.abort()
-        self._zip = None  # its destructor now writes into the void
+        with torch_call():
+            self._zip = None  # its destructor now writes into the void
         self._file.close()

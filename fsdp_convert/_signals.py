@@ -1,0 +1,50 @@
+"""Signals that arrive while torch's C++ code is calling back into Python are held until it returns.
+
+torch's zip reader and writer call Python stream methods (``readinto``, ``seek``, ``tell``,
+``write``) from C++. A signal handler that raises (Ctrl-C, or the CLI's SIGTERM handler) inside
+one of those callbacks sends a Python exception through C++ frames, and the process aborts
+("terminate called without an active exception"). The CLI's handlers call ``raise_or_defer``:
+inside a ``torch_call`` block on the main thread the exception is kept and raised when the block
+ends; elsewhere it is raised at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+__all__ = ["torch_call", "raise_or_defer"]
+
+_local = threading.local()
+
+
+def _depth() -> int:
+    depth: int = getattr(_local, "depth", 0)
+    return depth
+
+
+@contextlib.contextmanager
+def torch_call() -> Iterator[None]:
+    """Mark a call into torch C++ code that may call back into Python."""
+    _local.depth = _depth() + 1
+    try:
+        yield
+    finally:
+        _local.depth = _depth() - 1
+        pending = getattr(_local, "pending", None)
+        if _local.depth == 0 and pending is not None:
+            _local.pending = None
+            raise pending
+
+
+def raise_or_defer(exc: BaseException) -> None:
+    """Raise ``exc`` now, or, inside ``torch_call`` on this thread, when that block ends.
+
+    Call from a signal handler (which Python runs on the main thread).
+    """
+    if _depth() > 0:
+        if getattr(_local, "pending", None) is None:
+            _local.pending = exc
+        return
+    raise exc
