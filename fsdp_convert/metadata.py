@@ -38,6 +38,7 @@ __all__ = [
     "CheckpointIndex",
     "read_index",
     "load_metadata",
+    "dtype_name",
 ]
 
 METADATA_FILENAME = ".metadata"
@@ -191,6 +192,11 @@ class CheckpointIndex:
     def tensors(self) -> Iterator[TensorEntry]:
         """The tensor entries, in order."""
         return (e for e in self.entries if isinstance(e, TensorEntry))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``, as JSON output and tables write dtypes."""
+    return str(dtype).removeprefix("torch.")
 
 
 # --- restricted unpickling ----------------------------------------------------------------------

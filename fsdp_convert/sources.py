@@ -34,7 +34,7 @@ class Source(Protocol):
 
     path: Path
     kind: str  # "dcp", "torch_save", "safetensors" or "hf_dir"
-    weights_only: bool  # holds model weights only (the safetensors formats)
+    model_only: bool  # holds model weights only (the safetensors formats)
 
     def keys(self) -> list[str]:
         """Every flat key, in the checkpoint's order."""
@@ -77,7 +77,7 @@ def flatten_like_dcp(obj: Mapping[str, Any]) -> dict[str, Any]:
 
 class _DcpSource:
     kind = "dcp"
-    weights_only = False
+    model_only = False
 
     def __init__(self, path: Path, check_crc: bool) -> None:
         self.path = path
@@ -102,7 +102,7 @@ class _DcpSource:
 
 class _TorchSaveSource:
     kind = "torch_save"
-    weights_only = False
+    model_only = False
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -128,7 +128,7 @@ class _TorchSaveSource:
 
 
 class _SafetensorsSource:
-    weights_only = True
+    model_only = True
 
     def __init__(self, path: Path, files: dict[str, Path], kind: str) -> None:
         self.path, self.kind = path, kind
