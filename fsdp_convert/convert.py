@@ -14,6 +14,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from fsdp_convert.compare import Difference, VerifyResult, verify
@@ -220,6 +221,10 @@ def _send_share(job: _ConsolidateJob, rank: int, transport: GlooTransport) -> No
         transport.drain()
 
 
+def _received(transport: GlooTransport, entry: TensorEntry, owner: int) -> tuple[torch.Tensor, None]:
+    return transport.recv(entry.shape, entry.dtype, owner), None
+
+
 def _write_single_file(job: _ConsolidateJob, transport: GlooTransport | None) -> int:
     """Rank 0 of a single-file output: read or receive every entry in order and write it."""
     plan = job.plan
@@ -231,10 +236,10 @@ def _write_single_file(job: _ConsolidateJob, transport: GlooTransport | None) ->
             if isinstance(entry, BytesEntry):
                 jobs.append((0, _counted(read_bar, entry.nbytes, partial(reader.read_value, entry))))
             elif owner == 0:
-                jobs.append((entry.nbytes, _counted(read_bar, entry.nbytes, partial(reader.read_tensor, entry))))
+                jobs.append((entry.nbytes, _counted(read_bar, entry.nbytes, partial(reader.read_tensor_with_crc, entry))))
             else:
                 assert transport is not None
-                recv = partial(transport.recv, entry.shape, entry.dtype, owner)
+                recv = partial(_received, transport, entry, owner)
                 jobs.append((entry.nbytes, _counted(read_bar, entry.nbytes, recv)))
         writer = _open_writer(plan, job.tmp_output)
         try:
@@ -242,7 +247,9 @@ def _write_single_file(job: _ConsolidateJob, transport: GlooTransport | None) ->
                 if isinstance(entry, BytesEntry):
                     writer.add_value(entry.path, value)
                 else:
-                    writer.add_tensor(entry.path, value)
+                    tensor, crc = value
+                    writer.add_tensor(entry.path, tensor, crc)
+                    del tensor
                 write_bar.update(entry.nbytes)
                 del value  # free the tensor before the read-ahead budget is given back
             return writer.finish()

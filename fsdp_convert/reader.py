@@ -20,6 +20,7 @@ from typing import IO, Any, NoReturn, cast
 
 import torch
 
+from fsdp_convert._crc import combine
 from fsdp_convert._signals import torch_call
 from fsdp_convert._zip import ZipFormatError, ZipRecord, read_records
 from fsdp_convert.errors import (
@@ -178,6 +179,7 @@ class ChunkReader:
         self.check_crc = check_crc
         self._files: dict[str, tuple[int, int]] = {}  # relative path -> (fd, size in bytes)
         self.bytes_read = 0
+        self._last_storage_crc: int | None = None
 
     def __enter__(self) -> ChunkReader:
         return self
@@ -234,7 +236,18 @@ class ChunkReader:
             raise payload.error
         self._check_crcs(payload, where)
         self.bytes_read += length
+        self._last_storage_crc = self._storage_crc(payload, value)
         return value
+
+    @staticmethod
+    def _storage_crc(payload: ByteRangeFile, value: Any) -> int | None:
+        """The checked CRC-32 of a tensor payload's one storage record, if it is exactly the tensor's bytes."""
+        if not isinstance(value, torch.Tensor) or not value.is_contiguous() or value.storage_offset() != 0:
+            return None
+        storages = [h for h in payload.hashes if h.record.short_name.startswith("data/")]
+        if len(storages) != 1 or storages[0].record.size != value.nbytes:
+            return None
+        return storages[0].crc
 
     def _check_crcs(self, payload: ByteRangeFile, where: str) -> None:
         for record, computed in payload.finish_crcs():
@@ -288,17 +301,36 @@ class ChunkReader:
         Raises:
             As ``read_chunk``. Coverage is checked by the planner (``plan.check_coverage``).
         """
-        if len(entry.chunks) == 1 and entry.chunks[0].sizes == entry.shape:
-            return self.read_chunk(entry, entry.chunks[0]).contiguous()
+        return self.read_tensor_with_crc(entry)[0]
+
+    def read_tensor_with_crc(self, entry: TensorEntry) -> tuple[torch.Tensor, int | None]:
+        """``read_tensor``, plus the CRC-32 of the full tensor's bytes when it comes for free.
+
+        With CRC checking on and chunks that split only dim 0 (so the full tensor is the chunks'
+        bytes back to back), the checked chunk CRCs are combined; otherwise the CRC is None.
+
+        Raises:
+            As ``read_chunk``.
+        """
+        chunks = sorted((c for c in entry.chunks if c.numel > 0), key=lambda c: c.offsets)
+        dim0_only = all(c.offsets[1:] == (0,) * (len(c.offsets) - 1) and c.sizes[1:] == entry.shape[1:] for c in chunks)
+        parts: list[tuple[int, int]] | None = [] if self.check_crc and dim0_only else None
+        if len(chunks) == 1 and chunks[0].sizes == entry.shape:
+            tensor = self.read_chunk(entry, chunks[0])
+            crc = self._last_storage_crc if parts is not None else None
+            return tensor.contiguous(), crc
         full = torch.empty(entry.shape, dtype=entry.dtype)
-        for chunk in entry.chunks:
-            if chunk.numel == 0:
-                continue
+        for chunk in chunks:
             box = full
             for dim, (offset, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
                 box = box.narrow(dim, offset, size)
             box.copy_(self.read_chunk(entry, chunk))
-        return full
+            if parts is not None:
+                if self._last_storage_crc is None:
+                    parts = None
+                else:
+                    parts.append((self._last_storage_crc, chunk.numel * entry.dtype.itemsize))
+        return full, (combine(parts) if parts else None)
 
     def read_value(self, entry: BytesEntry) -> Any:
         """Decode a bytes entry: the plain Python value (float, tuple, list of FQNs, ...).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,8 @@ def test_consolidate_pt_equals_ground_truth(fsdp2_ckpt: Sample, tmp_path: Path) 
     got = torch.load(out, weights_only=True, mmap=True)
     want = fsdp2_ckpt.truth()
     n = assert_same_state(got, want)
+    with zipfile.ZipFile(out) as z:  # CRCs combined from the checked chunk CRCs must be right
+        assert z.testzip() is None
     # every model tensor, and exp_avg/exp_avg_sq/step for every parameter
     assert n == len(want["model"]) * 4 == result.tensors
     assert got["optim"]["param_groups"] == want["optim"]["param_groups"]

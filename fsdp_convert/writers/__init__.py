@@ -22,8 +22,8 @@ __all__ = ["StateDictWriter", "TorchSaveWriter", "SafetensorsWriter", "atomic_ou
 class StateDictWriter(Protocol):
     """A single-file output fed one value at a time, in output order. Rank 0 only."""
 
-    def add_tensor(self, path: ObjPath, tensor: torch.Tensor) -> None:
-        """Write ``tensor`` (CPU) at ``path`` of the nested state dict; the caller may free it after."""
+    def add_tensor(self, path: ObjPath, tensor: torch.Tensor, crc32: int | None = None) -> None:
+        """Write ``tensor`` (CPU) at ``path``; ``crc32`` of its bytes if known. The caller may free it after."""
 
     def add_value(self, path: ObjPath, value: Any) -> None:
         """Record a plain value (float, tuple, list of FQNs) at ``path``."""

@@ -87,8 +87,10 @@ class SafetensorsWriter:
         self._next = 0
         self.tensor_bytes = 0
 
-    def add_tensor(self, path: ObjPath, tensor: torch.Tensor) -> None:
+    def add_tensor(self, path: ObjPath, tensor: torch.Tensor, crc32: int | None = None) -> None:
         """Append ``tensor``'s bytes; it must be the next one of ``layout`` (same path, dtype, shape).
+
+        ``crc32`` is accepted for the ``StateDictWriter`` protocol; safetensors stores none.
 
         Raises:
             ValueError: the tensor is not the one the header announced next.

@@ -148,17 +148,18 @@ class TorchSaveWriter:
         self._items: list[tuple[ObjPath, Any]] = []
         self.tensor_bytes = 0
 
-    def add_tensor(self, path: ObjPath, tensor: torch.Tensor) -> None:
+    def add_tensor(self, path: ObjPath, tensor: torch.Tensor, crc32: int | None = None) -> None:
         """Write ``tensor``'s storage record now; it appears at ``path`` in the loaded dict.
 
         Args:
             path: key path in the nested state dict (``("model", "layers.0.attn.wq.weight")``).
             tensor: CPU tensor of any shape and dtype; non-contiguous tensors are copied first.
+            crc32: CRC-32 of the tensor's bytes if the caller has it (saves a pass over them).
         """
         assert self._zip is not None, "writer is closed"
         tensor = dense(tensor)
         key = str(len(self._items))
-        self._crcs[f"data/{key}"] = zlib.crc32(byte_view(tensor))
+        self._crcs[f"data/{key}"] = zlib.crc32(byte_view(tensor)) if crc32 is None else crc32
         # the stub says Storage; torch.save passes an UntypedStorage here too
         with torch_call():
             self._zip.write_record(f"data/{key}", tensor.untyped_storage(), tensor.nbytes)  # type: ignore[arg-type]
