@@ -8,7 +8,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -242,8 +242,10 @@ def _write_single_file(job: _ConsolidateJob, transport: GlooTransport | None) ->
                 recv = partial(_received, transport, entry, owner)
                 jobs.append((entry.nbytes, _counted(read_bar, entry.nbytes, recv)))
         writer = _open_writer(plan, job.tmp_output)
+        # closing: on an error, stop the read-ahead thread here, not whenever the frame is freed
+        items = stack.enter_context(closing(prefetch(jobs, plan.memory_budget_bytes)))
         try:
-            for entry, value in zip(plan.entries, prefetch(jobs, plan.memory_budget_bytes), strict=True):
+            for entry, value in zip(plan.entries, items, strict=True):
                 if isinstance(entry, BytesEntry):
                     writer.add_value(entry.path, value)
                 else:
@@ -273,12 +275,13 @@ def _write_shards(job: _ConsolidateJob, rank: int, transport: GlooTransport | No
             entries = [plan.entries[i] for i in shard.entry_ids]
             tensors = [e for e in entries if isinstance(e, TensorEntry)]
             writer = SafetensorsWriter(job.tmp_output / shard.filename, [(e.path, e.dtype, e.shape) for e in tensors])
+            jobs = [(e.nbytes, partial(reader.read_tensor, e)) for e in tensors]
             try:
-                jobs = [(e.nbytes, partial(reader.read_tensor, e)) for e in tensors]
-                for entry, tensor in zip(tensors, prefetch(jobs, plan.memory_budget_bytes), strict=True):
-                    writer.add_tensor(entry.path, tensor)
-                    bar.update(entry.nbytes)
-                    del tensor
+                with closing(prefetch(jobs, plan.memory_budget_bytes)) as items:
+                    for entry, tensor in zip(tensors, items, strict=True):
+                        writer.add_tensor(entry.path, tensor)
+                        bar.update(entry.nbytes)
+                        del tensor
                 writer.finish()
             except BaseException:
                 writer.close()

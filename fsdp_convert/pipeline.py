@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from typing import Generic, TypeVar
 
 __all__ = ["ByteBudget", "prefetch", "JOIN_TIMEOUT_S"]
@@ -83,7 +83,7 @@ class _Channel(Generic[T]):
             return self.items.popleft()
 
 
-def prefetch(jobs: Iterable[tuple[int, Callable[[], T]]], budget_bytes: int) -> Iterator[T]:
+def prefetch(jobs: Iterable[tuple[int, Callable[[], T]]], budget_bytes: int) -> Generator[T, None, None]:
     """Run ``jobs`` in a background thread, in order, and yield their results in order.
 
     Each job is ``(nbytes, produce)``: room for ``nbytes`` is taken from the budget *before*
