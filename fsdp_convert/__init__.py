@@ -5,9 +5,11 @@ from fsdp_convert.convert import (
     Difference,
     EntrySummary,
     InspectResult,
+    ReshardResult,
     VerifyResult,
     consolidate,
     inspect_checkpoint,
+    reshard,
     verify,
 )
 from fsdp_convert.errors import (
@@ -35,6 +37,8 @@ __all__ = [
     "inspect_checkpoint",
     "inspect",
     "consolidate",
+    "reshard",
+    "ReshardResult",
     "verify",
     "VerifyResult",
     "Difference",

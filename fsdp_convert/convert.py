@@ -28,12 +28,15 @@ from fsdp_convert.plan import (
     DEFAULT_MEMORY_BUDGET_BYTES,
     HF_INDEX_FILENAME,
     Only,
+    ReshardPlan,
     WorkPlan,
     plan_consolidate,
+    plan_reshard,
 )
 from fsdp_convert.reader import ChunkReader, check_data_files
 from fsdp_convert.writers import SafetensorsWriter, StateDictWriter, TorchSaveWriter, atomic_output
 from fsdp_convert.writers._atomic import check_output_free, writing
+from fsdp_convert.writers.dcp import RankFileWriter, StoredChunk, rank_filename, write_metadata
 from fsdp_convert.writers.safetensors import safetensors_name
 
 __all__ = [
@@ -45,6 +48,8 @@ __all__ = [
     "inspect_checkpoint",
     "consolidate",
     "verify",
+    "reshard",
+    "ReshardResult",
 ]
 
 logger = logging.getLogger(__name__)
@@ -432,3 +437,124 @@ def consolidate(
         plan.nproc,
     )
     return result
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReshardResult:
+    """What ``reshard`` wrote.
+
+    Attributes:
+        output: the output DCP folder.
+        target_world_size: ranks it is laid out for (one data file each, if it holds chunks).
+        chunks: tensor chunks written.
+        file_bytes: size of the data files and ``.metadata``, in bytes.
+        nproc: writing workers.
+        seconds: wall time, in seconds.
+    """
+
+    output: Path
+    target_world_size: int
+    chunks: int
+    file_bytes: int
+    nproc: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _ReshardJob:
+    checkpoint_id: Path
+    plan: ReshardPlan
+    tmp_output: Path
+    check_crc: bool
+
+
+def _reshard_rank(job: _ReshardJob, worker: int, world_size: int, transport: GlooTransport | None) -> None:
+    """Write the rank files of ``worker``'s target ranks; their records go to ``.records-<rank>``."""
+    plan = job.plan
+    with ChunkReader(job.checkpoint_id, check_crc=job.check_crc) as reader, writing(job.tmp_output):
+        for rank in plan.ranks_of(worker):
+            out = RankFileWriter(job.tmp_output, rank)
+            try:
+                for entry, boxes in zip(plan.entries, plan.boxes, strict=True):
+                    for box_rank, offsets, sizes in boxes:
+                        if box_rank != rank:
+                            continue
+                        if isinstance(entry, BytesEntry):
+                            out.add_raw(entry.fqn, reader.read_raw(entry))
+                        else:
+                            out.add_box(entry.fqn, offsets, reader.read_box(entry, offsets, sizes))
+                out.finish()
+            except BaseException:
+                out.close()
+                raise
+            # our own records for the parent, which writes .metadata once every rank is done
+            records = [[c.fqn, c.offsets, c.relative_path, c.offset_bytes, c.length_bytes] for c in out.stored]
+            (job.tmp_output / f".records-{rank}").write_text(json.dumps(records))
+
+
+def reshard(
+    checkpoint_id: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    world_size: int,
+    nproc: int | None = None,
+    overwrite: bool = False,
+    check_crc: bool = True,
+) -> ReshardResult:
+    """Lay a DCP checkpoint out for ``world_size`` ranks: a new DCP folder any DCP loader reads.
+
+    Every tensor is split on dim 0 in ``torch.chunk(world_size)`` order, rank r's chunks in
+    ``__r_0.distcp`` (the layout of FSDP2's ``Shard(0)``), so at that world size each rank reads
+    only its own file; 0-dim and replicated tensors stay whole and bytes entries are carried over
+    unchanged, both in rank 0's file. ``.metadata`` is written last.
+
+    Args:
+        checkpoint_id: the source DCP folder (any world size).
+        output: the output folder.
+        world_size: the target world size.
+        nproc: writing workers (each writes whole rank files); default 1.
+        overwrite: replace an existing ``output`` (at the final rename only).
+        check_crc: check CRC-32s of the source payloads.
+
+    Raises:
+        As ``consolidate``, and InvalidOptionError for ``world_size < 1``.
+    """
+    start = time.monotonic()
+    output = Path(output)
+    index = read_index(checkpoint_id)
+    plan = plan_reshard(index, world_size, nproc=nproc)
+    check_output_free(output, overwrite=overwrite, directory=True)
+    check_data_files(index)
+    with atomic_output(output, overwrite=overwrite, directory=True) as tmp:
+        job = _ReshardJob(checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, check_crc=check_crc)
+        if plan.nproc == 1:
+            _reshard_rank(job, 0, 1, None)
+        else:
+            run_workers(_reshard_rank, job, plan.nproc, window_bytes=DEFAULT_MEMORY_BUDGET_BYTES)
+        stored = []
+        for rank in range(world_size):
+            records = tmp / f".records-{rank}"
+            stored += [
+                StoredChunk(fqn, None if off is None else tuple(off), rel, at, n)
+                for fqn, off, rel, at, n in json.loads(records.read_text())
+            ]
+            records.unlink()
+        for rank in range(world_size):  # a rank that holds nothing needs no file
+            data_file = tmp / rank_filename(rank)
+            if data_file.stat().st_size == 0:
+                data_file.unlink()
+        entries = [
+            (e.fqn, e.path, getattr(e, "dtype", None), getattr(e, "shape", None), [(o, sz) for _, o, sz in boxes])
+            for e, boxes in zip(plan.entries, plan.boxes, strict=True)
+        ]
+        write_metadata(tmp, entries, stored, index.version)
+        file_bytes = sum(p.stat().st_size for p in tmp.iterdir())
+    chunks = sum(len(b) for e, b in zip(plan.entries, plan.boxes, strict=True) if isinstance(e, TensorEntry))
+    return ReshardResult(
+        output=output,
+        target_world_size=world_size,
+        chunks=chunks,
+        file_bytes=file_bytes,
+        nproc=plan.nproc,
+        seconds=time.monotonic() - start,
+    )

@@ -18,6 +18,9 @@ from fsdp_convert.layout import Group, group_of, unflatten
 from fsdp_convert.metadata import METADATA_FILENAME, BytesEntry, CheckpointIndex, Entry, TensorEntry
 
 __all__ = [
+    "ReshardPlan",
+    "plan_reshard",
+    "dim0_boxes",
     "OutputFormat",
     "parse_size",
     "ShardPlan",
@@ -317,3 +320,79 @@ def plan_consolidate(
         output_format=fmt,
         memory_budget_bytes=memory_budget_bytes,
     )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReshardPlan:
+    """Target layout of a reshard: every entry's boxes per target rank, and who writes each rank.
+
+    Attributes:
+        entries: every entry of the source, in the producer's order.
+        boxes: per entry, ``(rank, offsets, sizes)`` of each target chunk, in elements; bytes
+            entries get ``(0, (), ())`` (rank 0 carries them).
+        target_world_size: ranks of the output.
+        nproc: workers; worker ``w`` writes the rank files ``w, w + nproc, ...``.
+    """
+
+    entries: tuple[Entry, ...]
+    boxes: tuple[tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...], ...]
+    target_world_size: int
+    nproc: int
+
+    def ranks_of(self, worker: int) -> list[int]:
+        """The target ranks whose files ``worker`` writes."""
+        return list(range(worker, self.target_world_size, self.nproc))
+
+
+def dim0_boxes(shape: tuple[int, ...], world_size: int) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """``torch.chunk(world_size)`` on dim 0, as FSDP2's ``Shard(0)`` and FSDP1 lay tensors out.
+
+    Chunks are ``ceil(shape[0] / world_size)`` rows; ranks past the last non-empty chunk get none.
+    Returns ``(rank, offsets, sizes)`` per chunk, in elements.
+    """
+    rows = shape[0]
+    step = -(-rows // world_size)
+    boxes = []
+    for rank in range(world_size):
+        start = rank * step
+        if start >= rows:
+            break
+        boxes.append((rank, (start, *(0,) * (len(shape) - 1)), (min(step, rows - start), *shape[1:])))
+    return boxes
+
+
+def plan_reshard(index: CheckpointIndex, target_world_size: int, *, nproc: int | None = None) -> ReshardPlan:
+    """Lay every entry of ``index`` out for ``target_world_size`` ranks.
+
+    Tensors are split on dim 0 in ``torch.chunk`` order (``dim0_boxes``). 0-dim tensors, empty
+    tensors, and tensors a multi-rank source stored whole (replicated, e.g. buffers) stay whole on
+    rank 0; bytes entries are carried to rank 0 unchanged.
+
+    Raises:
+        InvalidOptionError: ``target_world_size`` or ``nproc`` below 1.
+        CoverageError: a source tensor's chunks do not tile it.
+        NotADcpCheckpointError: inconsistent planner paths.
+    """
+    if target_world_size < 1:
+        raise InvalidOptionError(f"--world-size must be at least 1, got {target_world_size}")
+    if nproc is not None and nproc < 1:
+        raise InvalidOptionError(f"--nproc must be at least 1, got {nproc}")
+    try:
+        unflatten((e.path, None) for e in index.entries)
+    except ValueError as err:
+        raise NotADcpCheckpointError(f"{index.checkpoint_id / METADATA_FILENAME}: planner data is inconsistent: {err}") from err
+    Box = tuple[int, tuple[int, ...], tuple[int, ...]]
+    boxes: list[tuple[Box, ...]] = []
+    for e in index.entries:
+        if isinstance(e, BytesEntry):
+            boxes.append(((0, (), ()),))
+            continue
+        check_coverage(e)
+        full = [c for c in e.chunks if c.numel > 0]
+        replicated = index.world_size > 1 and len(full) == 1 and full[0].sizes == e.shape
+        if not e.shape or e.numel == 0 or replicated:
+            boxes.append(((0, (0,) * len(e.shape), e.shape),))
+        else:
+            boxes.append(tuple(dim0_boxes(e.shape, target_world_size)))
+    workers = min(nproc or 1, target_world_size)
+    return ReshardPlan(entries=index.entries, boxes=tuple(boxes), target_world_size=target_world_size, nproc=workers)

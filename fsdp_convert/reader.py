@@ -332,6 +332,44 @@ class ChunkReader:
                     parts.append((self._last_storage_crc, chunk.numel * entry.dtype.itemsize))
         return full, (combine(parts) if parts else None)
 
+    def read_box(self, entry: TensorEntry, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        """Read the box ``[offsets, offsets + sizes)`` (in elements) of ``entry`` from the chunks it meets.
+
+        Only chunks that intersect the box are read; each is freed once its part is copied.
+
+        Returns:
+            A contiguous tensor of shape ``sizes`` and dtype ``entry.dtype``.
+
+        Raises:
+            As ``read_chunk``.
+        """
+        box = torch.empty(sizes, dtype=entry.dtype)
+        for chunk in entry.chunks:
+            lo = [max(o, co) for o, co in zip(offsets, chunk.offsets, strict=True)]
+            hi = [min(o + s, co + cs) for o, s, co, cs in zip(offsets, sizes, chunk.offsets, chunk.sizes, strict=True)]
+            if chunk.numel == 0 or any(a >= b for a, b in zip(lo, hi, strict=True)):
+                continue
+            data = self.read_chunk(entry, chunk)
+            dst, src = box, data
+            for dim, (a, b) in enumerate(zip(lo, hi, strict=True)):
+                dst = dst.narrow(dim, a - offsets[dim], b - a)
+                src = src.narrow(dim, a - chunk.offsets[dim], b - a)
+            dst.copy_(src)
+        return box
+
+    def read_raw(self, entry: BytesEntry) -> bytes:
+        """A bytes entry's payload exactly as stored (to carry it over unchanged).
+
+        Raises:
+            MissingDataFileError, CorruptChunkError (truncated file).
+        """
+        fd, size = self._open(entry.relative_path)
+        where = self._where(entry.relative_path, entry.offset_bytes, entry.length_bytes, entry.fqn)
+        if entry.offset_bytes + entry.length_bytes > size:
+            raise CorruptChunkError(f"{where}: the range lies past the end of the file ({size} bytes); the file is truncated")
+        self.read_value(entry)  # decode once: refuses a hostile or corrupt payload before it is copied
+        return os.pread(fd, entry.length_bytes, entry.offset_bytes)
+
     def read_value(self, entry: BytesEntry) -> Any:
         """Decode a bytes entry: the plain Python value (float, tuple, list of FQNs, ...).
 

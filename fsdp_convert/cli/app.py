@@ -14,6 +14,7 @@ from fsdp_convert.cli._errors import set_debug
 from fsdp_convert.cli._output import err_console
 from fsdp_convert.cli.consolidate_cmd import consolidate_command
 from fsdp_convert.cli.inspect_cmd import inspect_command
+from fsdp_convert.cli.reshard_cmd import reshard_command
 from fsdp_convert.cli.verify_cmd import verify_command
 from fsdp_convert.errors import TerminatedError
 
@@ -27,7 +28,7 @@ was not given; 130/143 interrupted by SIGINT/SIGTERM.
 
 app = typer.Typer(
     name="fsdp-convert",
-    help="Inspect, consolidate and verify PyTorch distributed (DCP / FSDP) checkpoints.",
+    help="Inspect, consolidate, reshard and verify PyTorch distributed (DCP / FSDP) checkpoints.",
     epilog=EXIT_CODES,
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
@@ -49,6 +50,7 @@ def _global_options(
 
 app.command("inspect", epilog=EXIT_CODES)(inspect_command)
 app.command("consolidate", epilog=EXIT_CODES)(consolidate_command)
+app.command("reshard", epilog=EXIT_CODES)(reshard_command)
 app.command("verify", epilog=EXIT_CODES)(verify_command)
 
 

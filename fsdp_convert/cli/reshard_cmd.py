@@ -1,0 +1,63 @@
+"""``fsdp-convert reshard``: the same checkpoint laid out for a new world size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from fsdp_convert.cli._errors import handle_errors
+from fsdp_convert.cli._options import CheckpointArg, JsonOpt, NoCrcOpt, OverwriteOpt
+from fsdp_convert.cli._output import console, human_bytes, print_json
+from fsdp_convert.convert import reshard
+
+EXAMPLES = """
+Examples:
+
+  fsdp-convert reshard ckpt/step-1000 ckpt/step-1000-ws4 --world-size 4
+
+  fsdp-convert reshard ckpt/step-1000 ckpt/step-1000-ws1 --world-size 1 --overwrite
+"""
+
+OutDirArg = Annotated[Path, typer.Argument(metavar="OUT", help="Output DCP folder.", show_default=False)]
+WorldSizeOpt = Annotated[int, typer.Option("--world-size", min=1, help="Target world size (ranks of the new layout).")]
+WritersOpt = Annotated[
+    int | None,
+    typer.Option("--nproc", min=1, help="Workers writing rank files in parallel (torch's elastic launcher, gloo). [default: 1]"),
+]
+
+
+def reshard_command(
+    checkpoint: CheckpointArg,
+    output: OutDirArg,
+    world_size: WorldSizeOpt,
+    nproc: WritersOpt = None,
+    overwrite: OverwriteOpt = False,
+    no_crc: NoCrcOpt = False,
+    json_output: JsonOpt = False,
+) -> None:
+    """Write CHECKPOINT_DIR as a DCP checkpoint for --world-size ranks, each rank's chunks in its own file."""
+    with handle_errors():
+        result = reshard(checkpoint, output, world_size=world_size, nproc=nproc, overwrite=overwrite, check_crc=not no_crc)
+    if json_output:
+        print_json(
+            {
+                "schema_version": 1,
+                "output": str(result.output),
+                "world_size": result.target_world_size,
+                "chunks": result.chunks,
+                "file_bytes": result.file_bytes,
+                "nproc": result.nproc,
+                "seconds": round(result.seconds, 3),
+            }
+        )
+    else:
+        console.print(
+            f"wrote {result.output} (DCP, world size {result.target_world_size}, {result.chunks} chunks, "
+            f"{human_bytes(result.file_bytes)}) in {result.seconds:.1f} s",
+            highlight=False,
+        )
+
+
+reshard_command.__doc__ = (reshard_command.__doc__ or "") + "\n\n" + EXAMPLES

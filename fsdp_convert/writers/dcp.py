@@ -1,0 +1,130 @@
+"""DCP writer: a checkpoint folder laid out for a target world size, in DCP's own on-disk format.
+
+Mirrors what ``torch.distributed.checkpoint.FileSystemWriter`` writes
+(``torch/distributed/checkpoint/filesystem.py``): each rank's chunks are torch.save payloads
+appended to ``__<rank>_0.distcp``, and ``.metadata`` is a pickled
+``torch.distributed.checkpoint.metadata.Metadata`` naming every chunk's box and byte range. Each
+rank file is written by one worker; ``.metadata`` is written last, by the caller, so a folder
+without it is visibly incomplete.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from fsdp_convert._torch import StorageInfo
+from fsdp_convert.metadata import METADATA_FILENAME, ObjPath
+from fsdp_convert.writers._buffer import close_synced, dense
+
+__all__ = ["StoredChunk", "RankFileWriter", "write_metadata", "rank_filename"]
+
+
+def rank_filename(rank: int) -> str:
+    """``__<rank>_0.distcp``, the data file FileSystemWriter gives rank ``rank``."""
+    return f"__{rank}_0.distcp"
+
+
+@dataclass(frozen=True, slots=True)
+class StoredChunk:
+    """Where one payload went: the entry, its box (``None`` for a bytes entry) and byte range."""
+
+    fqn: str
+    offsets: tuple[int, ...] | None
+    relative_path: str
+    offset_bytes: int
+    length_bytes: int
+
+
+class RankFileWriter:
+    """Appends torch.save payloads (tensor boxes) and raw bytes payloads to one rank's data file.
+
+    Args:
+        folder: the output folder (normally a temporary sibling of the final one).
+        rank: the target rank whose file this is.
+    """
+
+    def __init__(self, folder: Path, rank: int) -> None:
+        self.relative_path = rank_filename(rank)
+        self._file: IO[bytes] = open(folder / self.relative_path, "xb")  # noqa: SIM115 (closed in finish/close)
+        self.stored: list[StoredChunk] = []
+
+    def add_box(self, fqn: str, offsets: tuple[int, ...], box: torch.Tensor) -> None:
+        """Append ``box`` (the chunk at ``offsets``, in elements) as its own torch.save payload."""
+        buf = io.BytesIO()
+        torch.save(dense(box), buf)  # dense: torch.save writes whole storages, never a view's
+        self._append(fqn, offsets, buf.getbuffer())
+
+    def add_raw(self, fqn: str, payload: bytes) -> None:
+        """Append a bytes entry's payload unchanged."""
+        self._append(fqn, None, payload)
+
+    def _append(self, fqn: str, offsets: tuple[int, ...] | None, data: bytes | memoryview) -> None:
+        at = self._file.tell()
+        self._file.write(data)
+        self.stored.append(StoredChunk(fqn, offsets, self.relative_path, at, len(data)))
+
+    def finish(self) -> int:
+        """Flush, fsync and close; return the file size in bytes."""
+        return close_synced(self._file)
+
+    def close(self) -> None:
+        """Close without completing (after an error)."""
+        self._file.close()
+
+
+def write_metadata(
+    folder: Path,
+    entries: list[tuple[str, ObjPath, torch.dtype | None, tuple[int, ...] | None, list[tuple[tuple[int, ...], tuple[int, ...]]]]],
+    stored: list[StoredChunk],
+    version: str | None,
+) -> None:
+    """Write ``.metadata`` for the stored chunks, last, and fsync it.
+
+    Args:
+        folder: the output folder.
+        entries: ``(fqn, path, dtype, shape, boxes)`` per entry in order; dtype and shape are
+            ``None`` for bytes entries; boxes are ``(offsets, sizes)`` in elements.
+        stored: every payload written, from all rank files.
+        version: DCP metadata version to record (the source's).
+    """
+    state_dict_metadata: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    for fqn, _path, dtype, shape, boxes in entries:
+        if dtype is None or shape is None:
+            state_dict_metadata[fqn] = BytesStorageMetadata()
+        else:
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in boxes]
+            state_dict_metadata[fqn] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=dtype), size=torch.Size(shape), chunks=chunks
+            )
+    storage_data = {
+        MetadataIndex(c.fqn, c.offsets): StorageInfo(relative_path=c.relative_path, offset=c.offset_bytes, length=c.length_bytes)
+        for c in stored
+    }
+    metadata = Metadata(
+        state_dict_metadata=state_dict_metadata,
+        planner_data={fqn: path for fqn, path, *_ in entries},
+        storage_data=storage_data,
+        storage_meta=StorageMeta(save_id=str(uuid.uuid4())),
+        version=version or "1.0.0",
+    )
+    with open(folder / METADATA_FILENAME, "xb") as f:
+        pickle.dump(metadata, f)
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,0 +1,134 @@
+"""reshard: FSDP2 at the new world size loads the result (each rank from its own file) bit for bit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+from typer.testing import CliRunner
+
+import fsdp_convert
+from fsdp_convert._sample import SampleConfig, Transformer
+from fsdp_convert.cli import app
+from fsdp_convert.convert import reshard
+from tests._compare import assert_same_state
+from tests._dist import run_ranks
+from tests.conftest import Sample
+
+CFG = SampleConfig()
+
+
+def _batch() -> torch.Tensor:
+    return torch.randint(0, CFG.vocab_size, (CFG.batch_size, CFG.seq_len + 1), generator=torch.Generator().manual_seed(99))
+
+
+def _losses(model: torch.nn.Module, optim: torch.optim.Optimizer) -> list[float]:
+    """Loss of one training step on a fixed batch, then the loss after that step."""
+    tokens = _batch()
+    losses = []
+    for step in range(2):
+        loss = F.cross_entropy(model(tokens[:, :-1]).float().reshape(-1, CFG.vocab_size), tokens[:, 1:].reshape(-1))
+        losses.append(loss.item())
+        if step == 0:
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+    return losses
+
+
+def _load_at_new_world_size(rank: int, world_size: int, checkpoint: Path, truth_path: Path, out: Path) -> None:
+    torch.manual_seed(1234)  # a different init: only the load can make the values right
+    model = Transformer(CFG)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model_sd, optim_sd = get_state_dict(model, optim)
+    # this rank sees only .metadata, its own file and rank 0's (which holds the replicated entries)
+    mine = out / f"rank{rank}"
+    mine.mkdir()
+    for name in {".metadata", f"__{rank}_0.distcp", "__0_0.distcp"}:
+        if (checkpoint / name).exists():
+            shutil.copy(checkpoint / name, mine / name)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=mine)
+    set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    got = {"model": get_model_state_dict(model, options=full), "optim": get_optimizer_state_dict(model, optim, options=full)}
+    if rank == 0:  # compare before the step: at world size 1 these can share storage with the parameters
+        truth = torch.load(truth_path, weights_only=True)
+        assert_same_state(got["model"], truth["model"])
+        assert_same_state(got["optim"], truth["optim"])
+    del got
+    losses = _losses(model, optim)
+    if rank == 0:
+        (out / "losses.json").write_text(json.dumps(losses))
+
+
+def _reference_losses(truth: dict) -> list[float]:  # type: ignore[type-arg]
+    """The same step in one process, without FSDP, from the ground truth."""
+    model = Transformer(CFG)
+    model.load_state_dict(truth["model"])
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ids = {fqn: i for i, (fqn, _) in enumerate(model.named_parameters())}
+    groups = [{**g, "params": [ids[f] for f in g["params"]]} for g in truth["optim"]["param_groups"]]
+    optim.load_state_dict({"state": {ids[f]: s for f, s in truth["optim"]["state"].items()}, "param_groups": groups})
+    return _losses(model, optim)
+
+
+@pytest.mark.parametrize("target", [1, 2, 4])
+def test_fsdp2_loads_resharded_checkpoint_from_own_files(ws3_ckpt: Sample, tmp_path: Path, target: int) -> None:
+    out = tmp_path / f"ws{target}"
+    result = reshard(ws3_ckpt.checkpoint, out, world_size=target)
+    assert result.target_world_size == target
+    assert sorted(p.name for p in out.iterdir()) == [".metadata", *(f"__{r}_0.distcp" for r in range(target))]
+    work = tmp_path / "load"
+    work.mkdir()
+    run_ranks(_load_at_new_world_size, target, out, ws3_ckpt.truth_path, work)
+    fsdp_losses = json.loads((work / "losses.json").read_text())
+    reference = _reference_losses(ws3_ckpt.truth())
+    assert all(torch.isfinite(torch.tensor(fsdp_losses)))
+    assert fsdp_losses == pytest.approx(reference, rel=1e-6)
+
+
+@pytest.mark.parametrize("target", [1, 4])
+def test_reshard_round_trip_consolidates_byte_identical(ws3_ckpt: Sample, tmp_path: Path, target: int) -> None:
+    fsdp_convert.consolidate(ws3_ckpt.checkpoint, tmp_path / "direct.pt", nproc=1)
+    reshard(ws3_ckpt.checkpoint, tmp_path / "resharded", world_size=target)
+    fsdp_convert.consolidate(tmp_path / "resharded", tmp_path / "via.pt", nproc=1)
+    assert (tmp_path / "direct.pt").read_bytes() == (tmp_path / "via.pt").read_bytes()
+
+
+def test_resharded_checkpoint_reads_with_torch_dcp_to_torch_save(ws3_ckpt: Sample, tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    reshard(ws3_ckpt.checkpoint, tmp_path / "r", world_size=2)
+    dcp_to_torch_save(tmp_path / "r", tmp_path / "torch.pt")
+    assert_same_state(torch.load(tmp_path / "torch.pt", weights_only=True)["model"], ws3_ckpt.truth()["model"])
+
+
+def test_reshard_cli_with_two_writers(runner: CliRunner, ws3_ckpt: Sample, tmp_path: Path) -> None:
+    out = tmp_path / "ws4"
+    result = runner.invoke(app, ["reshard", str(ws3_ckpt.checkpoint), str(out), "--world-size", "4", "--nproc", "2", "--json"])
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["world_size"] == 4 and doc["nproc"] == 2
+    one = tmp_path / "one"
+    reshard(ws3_ckpt.checkpoint, one, world_size=4, nproc=1)
+    for name in (f"__{r}_0.distcp" for r in range(4)):
+        assert (out / name).read_bytes() == (one / name).read_bytes(), name
+    assert fsdp_convert.verify(ws3_ckpt.checkpoint, out).equal
+    again = runner.invoke(app, ["reshard", str(ws3_ckpt.checkpoint), str(out), "--world-size", "4"])
+    assert again.exit_code == 4 and "--overwrite" in again.stderr
