@@ -21,7 +21,7 @@ from fsdp_convert.compare import Difference, VerifyResult, verify
 from fsdp_convert.errors import VerificationError
 from fsdp_convert.launch import GlooTransport, run_workers
 from fsdp_convert.layout import Group, detect_producer, group_of
-from fsdp_convert.metadata import BytesEntry, TensorEntry, dtype_name, read_index
+from fsdp_convert.metadata import METADATA_FILENAME, BytesEntry, TensorEntry, dtype_name, read_index
 from fsdp_convert.pipeline import prefetch
 from fsdp_convert.plan import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -34,6 +34,7 @@ from fsdp_convert.plan import (
     plan_reshard,
 )
 from fsdp_convert.reader import ChunkReader, check_data_files
+from fsdp_convert.sources import FileBoxReader, file_index
 from fsdp_convert.writers import SafetensorsWriter, StateDictWriter, TorchSaveWriter, atomic_output
 from fsdp_convert.writers._atomic import check_output_free, writing
 from fsdp_convert.writers.dcp import RankFileWriter, StoredChunk, rank_filename, write_metadata
@@ -471,7 +472,13 @@ class _ReshardJob:
 def _reshard_rank(job: _ReshardJob, worker: int, world_size: int, transport: GlooTransport | None) -> None:
     """Write the rank files of ``worker``'s target ranks; their records go to ``.records-<rank>``."""
     plan = job.plan
-    with ChunkReader(job.checkpoint_id, check_crc=job.check_crc) as reader, writing(job.tmp_output):
+    source = job.checkpoint_id
+    reader: FileBoxReader | ChunkReader
+    if (source / METADATA_FILENAME).is_file():
+        reader = ChunkReader(source, check_crc=job.check_crc)
+    else:
+        reader = FileBoxReader(source)
+    with reader, writing(job.tmp_output):
         for rank in plan.ranks_of(worker):
             out = RankFileWriter(job.tmp_output, rank)
             try:
@@ -501,7 +508,11 @@ def reshard(
     overwrite: bool = False,
     check_crc: bool = True,
 ) -> ReshardResult:
-    """Lay a DCP checkpoint out for ``world_size`` ranks: a new DCP folder any DCP loader reads.
+    """Lay a checkpoint out for ``world_size`` ranks: a new DCP folder any DCP loader reads.
+
+    The source is a DCP folder (any world size), or a full checkpoint: a torch.save file
+    (``.pt``/``.pth``/``.bin``, read with ``weights_only=True, mmap=True``), a safetensors file or
+    a Hugging Face folder, whose nesting (or flat names) the output keeps.
 
     Every tensor is split on dim 0 in ``torch.chunk(world_size)`` order, rank r's chunks in
     ``__r_0.distcp`` (the layout of FSDP2's ``Shard(0)``), so at that world size each rank reads
@@ -509,7 +520,7 @@ def reshard(
     unchanged, both in rank 0's file. ``.metadata`` is written last.
 
     Args:
-        checkpoint_id: the source DCP folder (any world size).
+        checkpoint_id: the source: a DCP folder, a full torch.save or safetensors file, or an HF folder.
         output: the output folder.
         world_size: the target world size.
         nproc: writing workers (each writes whole rank files); default 1.
@@ -521,7 +532,9 @@ def reshard(
     """
     start = time.monotonic()
     output = Path(output)
-    index = read_index(checkpoint_id)
+    source = Path(checkpoint_id)
+    is_dcp = source.is_dir() and (source / METADATA_FILENAME).exists()
+    index = read_index(source) if is_dcp or not source.exists() else file_index(source)
     plan = plan_reshard(index, world_size, nproc=nproc)
     check_output_free(output, overwrite=overwrite, directory=True)
     check_data_files(index)

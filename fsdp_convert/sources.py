@@ -10,6 +10,7 @@ are assembled one at a time, torch.save files are memory-mapped, safetensors are
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections.abc import Mapping
@@ -20,11 +21,19 @@ import torch
 from safetensors import safe_open
 
 from fsdp_convert.errors import CheckpointNotFoundError, CorruptChunkError, NotADcpCheckpointError, UnsafeContentError
-from fsdp_convert.metadata import METADATA_FILENAME, BytesEntry, Entry, read_index
+from fsdp_convert.metadata import (
+    METADATA_FILENAME,
+    BytesEntry,
+    CheckpointIndex,
+    ChunkEntry,
+    Entry,
+    TensorEntry,
+    read_index,
+)
 from fsdp_convert.plan import HF_INDEX_FILENAME, HF_SINGLE_FILENAME, SAFETENSORS_SUFFIXES, TORCH_SAVE_SUFFIXES, check_coverage
 from fsdp_convert.reader import ChunkReader, check_data_files
 
-__all__ = ["Source", "open_source", "flatten_like_dcp"]
+__all__ = ["Source", "open_source", "flatten_like_dcp", "flatten_with_paths", "FileBoxReader", "file_index"]
 
 MODEL_PREFIX = "model."
 
@@ -51,7 +60,12 @@ class Source(Protocol):
 
 def flatten_like_dcp(obj: Mapping[str, Any]) -> dict[str, Any]:
     """Flatten a nested state dict into dotted keys exactly as DCP's ``flatten_state_dict`` does."""
-    flat: dict[str, Any] = {}
+    return {key: value for key, (_, value) in flatten_with_paths(obj).items()}
+
+
+def flatten_with_paths(obj: Mapping[str, Any]) -> dict[str, tuple[tuple[str | int, ...], Any]]:
+    """Like ``flatten_like_dcp``, keeping each value's path in the nested dict (DCP's ``planner_data``)."""
+    flat: dict[str, tuple[tuple[str | int, ...], Any]] = {}
 
     def terminal(value: Any) -> bool:
         if isinstance(value, Mapping):
@@ -60,15 +74,15 @@ def flatten_like_dcp(obj: Mapping[str, Any]) -> dict[str, Any]:
             return True
         return not any(isinstance(v, torch.Tensor) or (isinstance(v, (Mapping, list)) and not terminal(v)) for v in value)
 
-    def visit(path: tuple[str, ...], value: Any) -> None:
+    def visit(path: tuple[str | int, ...], value: Any) -> None:
         if isinstance(value, Mapping):
             for k, v in value.items():
                 visit((*path, str(k)), v)
         elif terminal(value):
-            flat[".".join(path)] = value
+            flat[".".join(map(str, path))] = (path, value)
         else:
             for i, v in enumerate(value):
-                visit((*path, str(i)), v)
+                visit((*path, i), v)
 
     for key, value in obj.items():
         visit((str(key),), value)
@@ -115,7 +129,8 @@ class _TorchSaveSource:
             raise CorruptChunkError(f"{path}: not a readable torch.save file ({type(e).__name__})") from e
         if not isinstance(obj, Mapping):
             raise NotADcpCheckpointError(f"{path} holds a {type(obj).__name__}, not a state dict")
-        self._flat = flatten_like_dcp(obj)
+        self.flat_with_paths = flatten_with_paths(obj)
+        self._flat = {key: value for key, (_, value) in self.flat_with_paths.items()}
 
     def keys(self) -> list[str]:
         return list(self._flat)
@@ -125,6 +140,7 @@ class _TorchSaveSource:
 
     def close(self) -> None:
         self._flat = {}
+        self.flat_with_paths = {}
 
 
 class _SafetensorsSource:
@@ -207,3 +223,71 @@ def open_source(path: str | os.PathLike[str], *, check_crc: bool = True) -> Sour
 def _short(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+class FileBoxReader:
+    """Boxes of the tensors of a full (unsharded) checkpoint file, for ``reshard``.
+
+    Reads a torch.save file (``weights_only=True, mmap=True``), a safetensors file or a Hugging
+    Face folder; each box is a copy of a slice of the memory-mapped tensor.
+
+    Args:
+        path: the source.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self._source = open_source(path)
+
+    def __enter__(self) -> FileBoxReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._source.close()
+
+    def read_box(self, entry: TensorEntry, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        """The box ``[offsets, offsets + sizes)`` (elements) of the tensor, as a new contiguous tensor."""
+        tensor: torch.Tensor = self._source.get(self._key(entry.fqn))
+        for dim, (o, n) in enumerate(zip(offsets, sizes, strict=True)):
+            tensor = tensor.narrow(dim, o, n)
+        return tensor.contiguous().clone()
+
+    def _key(self, fqn: str) -> str:
+        # safetensors sources name their keys model.<name>; file_index drops that level
+        return MODEL_PREFIX + fqn if self._source.model_only else fqn
+
+    def read_raw(self, entry: BytesEntry) -> bytes:
+        """The value as DCP stores a bytes entry: its torch.save payload."""
+        buf = io.BytesIO()
+        torch.save(self._source.get(self._key(entry.fqn)), buf)
+        return buf.getvalue()
+
+
+def file_index(path: str | os.PathLike[str]) -> CheckpointIndex:
+    """An index for a full checkpoint file: one whole-tensor chunk per tensor, in the file's order.
+
+    Keys and paths follow DCP's flattening; safetensors names stand alone (no ``model.`` level),
+    as ``model.state_dict()`` has them. The index has no data files (world size 0).
+
+    Raises:
+        As ``open_source``.
+    """
+    p = Path(path)
+    source = open_source(p)
+    try:
+        entries: list[Entry] = []
+        if isinstance(source, _TorchSaveSource):
+            items = [(key, path_, value) for key, (path_, value) in source.flat_with_paths.items()]
+        else:
+            items = [
+                (key.removeprefix(MODEL_PREFIX), (key.removeprefix(MODEL_PREFIX),), source.get(key)) for key in source.keys()
+            ]
+        for key, obj_path, value in items:
+            if isinstance(value, torch.Tensor):
+                shape = tuple(value.shape)
+                whole = ChunkEntry(offsets=(0,) * len(shape), sizes=shape, relative_path=None, offset_bytes=0, length_bytes=0)
+                entries.append(TensorEntry(fqn=key, path=obj_path, shape=shape, dtype=value.dtype, chunks=(whole,)))
+            else:
+                entries.append(BytesEntry(fqn=key, path=obj_path, relative_path="", offset_bytes=0, length_bytes=0))
+    finally:
+        source.close()
+    return CheckpointIndex(checkpoint_id=p, entries=tuple(entries), data_files=())

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 from torch.distributed.fsdp import fully_shard
@@ -132,3 +133,42 @@ def test_reshard_cli_with_two_writers(runner: CliRunner, ws3_ckpt: Sample, tmp_p
     assert fsdp_convert.verify(ws3_ckpt.checkpoint, out).equal
     again = runner.invoke(app, ["reshard", str(ws3_ckpt.checkpoint), str(out), "--world-size", "4"])
     assert again.exit_code == 4 and "--overwrite" in again.stderr
+
+
+def _load_model_only(rank: int, world_size: int, checkpoint: Path, truth_path: Path, out: Path) -> None:
+    """FSDP2 at the new world size loads a reshard of a plain ``model.state_dict()`` file."""
+    torch.manual_seed(1234)
+    model = Transformer(CFG)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model_sd = get_model_state_dict(model)
+    dcp.load(model_sd, checkpoint_id=checkpoint)
+    set_model_state_dict(model, model_sd)
+    got = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        assert_same_state(got, torch.load(truth_path, weights_only=True)["model"])
+
+
+@pytest.mark.parametrize("source", ["state_dict.pt", "model.safetensors"])
+def test_full_file_resharded_to_three_loads_with_fsdp2(ws3_ckpt: Sample, tmp_path: Path, source: str) -> None:
+    src = tmp_path / source
+    if source.endswith(".pt"):
+        torch.save(ws3_ckpt.truth()["model"], src)  # what torch.save(model.state_dict()) writes
+    else:
+        fsdp_convert.consolidate(ws3_ckpt.checkpoint, src)
+    out = tmp_path / "ws3"
+    reshard(src, out, world_size=3)
+    assert sorted(p.name for p in out.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+    run_ranks(_load_model_only, 3, out, ws3_ckpt.truth_path, tmp_path)
+
+
+def test_consolidated_pt_resharded_loads_model_and_optimizer(ws3_ckpt: Sample, tmp_path: Path) -> None:
+    full = tmp_path / "full.pt"
+    fsdp_convert.consolidate(ws3_ckpt.checkpoint, full)
+    out = tmp_path / "ws2"
+    reshard(full, out, world_size=2)
+    work = tmp_path / "load"
+    work.mkdir()
+    run_ranks(_load_at_new_world_size, 2, out, ws3_ckpt.truth_path, work)
+    assert json.loads((work / "losses.json").read_text()) == pytest.approx(_reference_losses(ws3_ckpt.truth()), rel=1e-6)

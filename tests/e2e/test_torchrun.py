@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -70,3 +71,21 @@ def test_worker_error_reaches_the_parent(torchrun_sample: Path, tmp_path: Path) 
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "truncated" in lines[0] and "__1_0.distcp" in lines[0], proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_torchrun_job_loads_a_reshard_at_the_new_world_size(torchrun_sample: Path, tmp_path: Path) -> None:
+    """reshard 3 -> 2 with the CLI, then a torchrun job of 2 ranks loads it with FSDP2 and trains a step."""
+    out = tmp_path / "ws2"
+    proc = _run("-m", "fsdp_convert", "reshard", str(torchrun_sample / "checkpoint"), str(out), "--world-size", "2")
+    assert proc.returncode == 0, proc.stderr
+    work = tmp_path / "work"
+    work.mkdir()
+    root = Path(__file__).resolve().parents[2]
+    load = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "tests.e2e._load_resharded"]
+        + [str(out), str(torchrun_sample / "truth.pt"), str(work)],
+        env=ENV, capture_output=True, text=True, timeout=300, cwd=root,
+    )  # fmt: skip
+    assert load.returncode == 0, load.stderr[-3000:]
+    losses = json.loads((work / "losses.json").read_text())
+    assert all(math.isfinite(x) for x in losses)

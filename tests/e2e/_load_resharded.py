@@ -1,0 +1,19 @@
+"""Run under torchrun: load a resharded checkpoint into FSDP2 at this world size and check it.
+
+python -m torch.distributed.run --standalone --nproc-per-node=M -m tests.e2e._load_resharded CKPT TRUTH WORKDIR
+"""
+
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from tests.test_reshard import _load_at_new_world_size
+
+if __name__ == "__main__":
+    checkpoint, truth, work = map(Path, sys.argv[1:4])
+    dist.init_process_group("gloo")
+    try:
+        _load_at_new_world_size(dist.get_rank(), dist.get_world_size(), checkpoint, truth, work)
+    finally:
+        dist.destroy_process_group()
