@@ -23,6 +23,7 @@ def _child(fn: Callable[..., None], rank: int, world_size: int, port: int, args:
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         fn(rank, world_size, *args)
+        dist.barrier()  # tear gloo down together, not under a rank that is still checking
         dist.destroy_process_group()
     except BaseException:
         errors.put((rank, traceback.format_exc()))
