@@ -32,10 +32,12 @@ from fsdp_convert.metadata import (
 )
 from fsdp_convert.plan import HF_INDEX_FILENAME, HF_SINGLE_FILENAME, SAFETENSORS_SUFFIXES, TORCH_SAVE_SUFFIXES, check_coverage
 from fsdp_convert.reader import ChunkReader, check_data_files
+from fsdp_convert.writers.safetensors import SAFETENSORS_DTYPES
 
 __all__ = ["Source", "open_source", "flatten_like_dcp", "flatten_with_paths", "FileBoxReader", "file_index"]
 
 MODEL_PREFIX = "model."
+_SAFETENSORS_TO_TORCH = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
 class Source(Protocol):
@@ -184,6 +186,12 @@ class _SafetensorsSource:
         name = key.removeprefix(MODEL_PREFIX)
         return self._handle(self._files[name]).get_tensor(name)
 
+    def describe(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """Dtype and shape of ``key`` from the file header alone (no tensor data is read)."""
+        name = key.removeprefix(MODEL_PREFIX)
+        view = self._handle(self._files[name]).get_slice(name)
+        return _SAFETENSORS_TO_TORCH[view.get_dtype()], tuple(view.get_shape())
+
     def close(self) -> None:
         self._open.clear()
 
@@ -273,21 +281,26 @@ def file_index(path: str | os.PathLike[str]) -> CheckpointIndex:
     """
     p = Path(path)
     source = open_source(p)
+    # (fqn, path, (dtype, shape)) for a tensor, (fqn, path, None) for a plain value
+    items: list[tuple[str, tuple[str | int, ...], tuple[torch.dtype, tuple[int, ...]] | None]] = []
     try:
-        entries: list[Entry] = []
         if isinstance(source, _TorchSaveSource):
-            items = [(key, path_, value) for key, (path_, value) in source.flat_with_paths.items()]
+            for key, (obj_path, value) in source.flat_with_paths.items():
+                described = (value.dtype, tuple(value.shape)) if isinstance(value, torch.Tensor) else None
+                items.append((key, obj_path, described))
         else:
-            items = [
-                (key.removeprefix(MODEL_PREFIX), (key.removeprefix(MODEL_PREFIX),), source.get(key)) for key in source.keys()
-            ]
-        for key, obj_path, value in items:
-            if isinstance(value, torch.Tensor):
-                shape = tuple(value.shape)
-                whole = ChunkEntry(offsets=(0,) * len(shape), sizes=shape, relative_path=None, offset_bytes=0, length_bytes=0)
-                entries.append(TensorEntry(fqn=key, path=obj_path, shape=shape, dtype=value.dtype, chunks=(whole,)))
-            else:
-                entries.append(BytesEntry(fqn=key, path=obj_path, relative_path="", offset_bytes=0, length_bytes=0))
+            assert isinstance(source, _SafetensorsSource)
+            for key in source.keys():
+                name = key.removeprefix(MODEL_PREFIX)
+                items.append((name, (name,), source.describe(key)))  # from the header: no data read
     finally:
         source.close()
+    entries: list[Entry] = []
+    for key, obj_path, described in items:
+        if described is None:
+            entries.append(BytesEntry(fqn=key, path=obj_path, relative_path="", offset_bytes=0, length_bytes=0))
+            continue
+        dtype, shape = described
+        whole = ChunkEntry(offsets=(0,) * len(shape), sizes=shape, relative_path=None, offset_bytes=0, length_bytes=0)
+        entries.append(TensorEntry(fqn=key, path=obj_path, shape=shape, dtype=dtype, chunks=(whole,)))
     return CheckpointIndex(checkpoint_id=p, entries=tuple(entries), data_files=())
