@@ -47,10 +47,10 @@ def handle_errors() -> Iterator[None]:
         err_console.print(f"error: {e}", markup=False, highlight=False)
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
-        err_console.print("error: interrupted (SIGINT); no output was left behind", markup=False, highlight=False)
+        err_console.print("error: interrupted (SIGINT)", markup=False, highlight=False)
         raise typer.Exit(130) from None
     except TerminatedError as e:
-        err_console.print(f"error: {e}; no output was left behind", markup=False, highlight=False)
+        err_console.print(f"error: {e}", markup=False, highlight=False)
         raise typer.Exit(128 + e.signum) from None
     except Exception as e:
         if debug_enabled():
