@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fsdp_convert.layout import Group
+from fsdp_convert.layout import Group, group_of_top
 from fsdp_convert.metadata import dtype_name
 from fsdp_convert.plan import Only
 from fsdp_convert.sources import open_source
@@ -59,8 +59,7 @@ class VerifyResult:
 
 
 def _key_group(key: str) -> Group:
-    top = key.split(".", 1)[0]
-    return "model" if top == "model" else "optim" if top in ("optim", "optimizer") else "other"
+    return group_of_top(key.split(".", 1)[0])
 
 
 def _compare(a: Any, b: Any, atol: float | None, rtol: float | None) -> str | None:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from fsdp_convert.compare import Difference, VerifyResult, verify
 from fsdp_convert.errors import VerificationError
 from fsdp_convert.launch import GlooTransport, run_workers
-from fsdp_convert.layout import Group, detect_producer, group_of
+from fsdp_convert.layout import GROUPS, Group, detect_producer, group_of
 from fsdp_convert.metadata import METADATA_FILENAME, BytesEntry, TensorEntry, dtype_name, read_index
 from fsdp_convert.pipeline import prefetch
 from fsdp_convert.plan import (
@@ -93,7 +93,7 @@ class InspectResult:
 
     def to_json_dict(self) -> dict[str, Any]:
         """JSON-ready form: dtypes as strings, shapes as lists, ``schema_version`` 1."""
-        groups: dict[str, list[dict[str, Any]]] = {g: [] for g in ("model", "optim", "other")}
+        groups: dict[str, list[dict[str, Any]]] = {g: [] for g in GROUPS}
         for e in self.entries:
             groups[e.group].append(
                 {

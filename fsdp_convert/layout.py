@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from fsdp_convert.metadata import CheckpointIndex, Entry, ObjPath
 
-__all__ = ["Group", "GROUPS", "group_of", "detect_producer", "unflatten"]
+__all__ = ["Group", "GROUPS", "group_of", "group_of_top", "detect_producer", "unflatten"]
 
 Group = Literal["model", "optim", "other"]
 GROUPS: tuple[Group, ...] = ("model", "optim", "other")
@@ -18,7 +18,11 @@ GROUPS: tuple[Group, ...] = ("model", "optim", "other")
 
 def group_of(entry: Entry) -> Group:
     """``model`` or ``optim`` by the entry's top-level key, else ``other``."""
-    top = entry.path[0]
+    return group_of_top(entry.path[0])
+
+
+def group_of_top(top: str | int) -> Group:
+    """The group of a top-level state dict key (``model``, ``optim``/``optimizer``, anything else)."""
     if top == "model":
         return "model"
     if top in ("optim", "optimizer"):

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from fsdp_convert.errors import CoverageError, InvalidOptionError, NotADcpCheckpointError
-from fsdp_convert.layout import Group, group_of, unflatten
+from fsdp_convert.layout import GROUPS, Group, group_of, unflatten
 from fsdp_convert.metadata import METADATA_FILENAME, BytesEntry, CheckpointIndex, Entry, TensorEntry
 
 __all__ = [
@@ -165,11 +165,6 @@ class WorkPlan:
         """Bytes of tensor data and bytes payloads to produce."""
         return sum(e.nbytes for e in self.entries)
 
-    @property
-    def largest_tensor_bytes(self) -> int:
-        """Size of the largest selected tensor, in bytes."""
-        return max((e.nbytes for e in self.entries if isinstance(e, TensorEntry)), default=0)
-
     def bytes_per_rank(self) -> list[int]:
         """Bytes assigned to each rank to read, in bytes."""
         loads = [0] * self.nproc
@@ -281,7 +276,7 @@ def plan_consolidate(
         if only == "optim":
             raise InvalidOptionError(f"{output}: safetensors holds model weights only; use a .pt output for optimizer state")
         only = "model"  # safetensors implies --only model
-    wanted: set[Group] = {"model", "optim", "other"} if only == "all" else {only}
+    wanted: set[Group] = set(GROUPS) if only == "all" else {only}
     entries = tuple(e for e in index.entries if group_of(e) in wanted)
     if not entries:
         raise InvalidOptionError(f"{index.checkpoint_id}: no {only} entries to write")

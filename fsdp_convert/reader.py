@@ -169,16 +169,12 @@ class ChunkReader:
     Args:
         checkpoint_id: the checkpoint folder.
         check_crc: check every zip record's CRC-32 of every payload read (torch.load does not).
-
-    Attributes:
-        bytes_read: payload bytes read so far.
     """
 
     def __init__(self, checkpoint_id: str | os.PathLike[str], *, check_crc: bool = True) -> None:
         self.root = Path(checkpoint_id)
         self.check_crc = check_crc
         self._files: dict[str, tuple[int, int]] = {}  # relative path -> (fd, size in bytes)
-        self.bytes_read = 0
         self._last_storage_crc: int | None = None
 
     def __enter__(self) -> ChunkReader:
@@ -235,7 +231,6 @@ class ChunkReader:
         if payload.error is not None:
             raise payload.error
         self._check_crcs(payload, where)
-        self.bytes_read += length
         self._last_storage_crc = self._storage_crc(payload, value)
         return value
 

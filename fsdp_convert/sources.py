@@ -34,7 +34,7 @@ from fsdp_convert.plan import HF_INDEX_FILENAME, HF_SINGLE_FILENAME, SAFETENSORS
 from fsdp_convert.reader import ChunkReader, check_data_files
 from fsdp_convert.writers.safetensors import SAFETENSORS_DTYPES
 
-__all__ = ["Source", "open_source", "flatten_like_dcp", "flatten_with_paths", "FileBoxReader", "file_index"]
+__all__ = ["Source", "open_source", "flatten_with_paths", "FileBoxReader", "file_index"]
 
 MODEL_PREFIX = "model."
 _SAFETENSORS_TO_TORCH = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
@@ -60,13 +60,11 @@ class Source(Protocol):
         ...
 
 
-def flatten_like_dcp(obj: Mapping[str, Any]) -> dict[str, Any]:
-    """Flatten a nested state dict into dotted keys exactly as DCP's ``flatten_state_dict`` does."""
-    return {key: value for key, (_, value) in flatten_with_paths(obj).items()}
-
-
 def flatten_with_paths(obj: Mapping[str, Any]) -> dict[str, tuple[tuple[str | int, ...], Any]]:
-    """Like ``flatten_like_dcp``, keeping each value's path in the nested dict (DCP's ``planner_data``)."""
+    """Flatten a nested state dict as DCP's ``flatten_state_dict`` does: dotted key -> (path, value).
+
+    The path is the value's place in the nested dict, as DCP records it in ``planner_data``.
+    """
     flat: dict[str, tuple[tuple[str | int, ...], Any]] = {}
 
     def terminal(value: Any) -> bool:
