@@ -13,6 +13,7 @@ from fsdp_convert.layout import Group, group_of_top
 from fsdp_convert.metadata import dtype_name
 from fsdp_convert.plan import Only
 from fsdp_convert.sources import open_source
+from fsdp_convert.transform import TransformOptions
 
 __all__ = ["Difference", "VerifyResult", "verify"]
 
@@ -93,6 +94,7 @@ def verify(
     rtol: float | None = None,
     only: Only = "all",
     check_crc: bool = True,
+    options: TransformOptions | None = None,
 ) -> VerifyResult:
     """Compare two checkpoints of any formats (DCP, .pt, safetensors, HF folder) key by key.
 
@@ -109,6 +111,7 @@ def verify(
         rtol: relative tolerance for floating tensors.
         only: compare only this top-level group (``model``, ``optim``) or ``all``.
         check_crc: check CRC-32s of DCP payloads while reading.
+        options: the transforms a DCP side is seen through (see ``sources.open_source``).
 
     Returns:
         The keys compared and every difference (``missing``: only in A; ``extra``: only in B).
@@ -117,9 +120,9 @@ def verify(
         CheckpointNotFoundError, NotADcpCheckpointError, UnsafeContentError, CorruptChunkError,
         MissingDataFileError, CoverageError: a side cannot be read.
     """
-    source_a = open_source(a, check_crc=check_crc)
+    source_a = open_source(a, check_crc=check_crc, options=options)
     try:
-        source_b = open_source(b, check_crc=check_crc)
+        source_b = open_source(b, check_crc=check_crc, options=options)
     except BaseException:
         source_a.close()
         raise

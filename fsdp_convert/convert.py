@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -20,21 +21,26 @@ from tqdm import tqdm
 from fsdp_convert.compare import Difference, VerifyResult, verify
 from fsdp_convert.errors import VerificationError
 from fsdp_convert.launch import GlooTransport, run_workers
-from fsdp_convert.layout import GROUPS, Group, detect_producer, group_of
-from fsdp_convert.metadata import METADATA_FILENAME, BytesEntry, TensorEntry, dtype_name, read_index
+from fsdp_convert.layout import GROUPS, Group, classify, detect_producer
+from fsdp_convert.metadata import METADATA_FILENAME, BytesEntry, CheckpointIndex, TensorEntry, dtype_name, read_index
 from fsdp_convert.pipeline import prefetch
 from fsdp_convert.plan import (
     DEFAULT_MAX_SHARD_BYTES,
     DEFAULT_MEMORY_BUDGET_BYTES,
     HF_INDEX_FILENAME,
+    FilePlan,
     Only,
+    RequestedFormat,
     ReshardPlan,
     WorkPlan,
+    groups_for,
     plan_consolidate,
     plan_reshard,
 )
+from fsdp_convert.plan import output_format as plan_output_format
 from fsdp_convert.reader import ChunkReader, check_data_files
 from fsdp_convert.sources import FileBoxReader, file_index
+from fsdp_convert.transform import OutputItem, TransformOptions, build_items, dcp_key, needs_group_values
 from fsdp_convert.writers import SafetensorsWriter, StateDictWriter, TorchSaveWriter, atomic_output
 from fsdp_convert.writers._atomic import check_output_free, writing
 from fsdp_convert.writers.dcp import RankFileWriter, StoredChunk, rank_filename, write_metadata
@@ -132,12 +138,12 @@ def inspect_checkpoint(checkpoint_id: str | os.PathLike[str]) -> InspectResult:
     """
     index = read_index(checkpoint_id)
     rows = []
-    for e in index.entries:
+    for e, slot in zip(index.entries, classify(index), strict=True):
         if isinstance(e, TensorEntry):
             rows.append(
                 EntrySummary(
                     fqn=e.fqn,
-                    group=group_of(e),
+                    group=slot.group_name,
                     kind="tensor",
                     shape=e.shape,
                     dtype=dtype_name(e.dtype),
@@ -147,7 +153,7 @@ def inspect_checkpoint(checkpoint_id: str | os.PathLike[str]) -> InspectResult:
             )
         else:
             rows.append(
-                EntrySummary(fqn=e.fqn, group=group_of(e), kind="bytes", shape=None, dtype=None, chunks=1, nbytes=e.nbytes)
+                EntrySummary(fqn=e.fqn, group=slot.group_name, kind="bytes", shape=None, dtype=None, chunks=1, nbytes=e.nbytes)
             )
     return InspectResult(
         checkpoint_id=index.checkpoint_id,
@@ -216,49 +222,71 @@ def _counted(bar: tqdm, nbytes: int, produce: Callable[[], Any]) -> Callable[[],
     return run
 
 
-def _send_share(job: _ConsolidateJob, rank: int, transport: GlooTransport) -> None:
-    """Non-zero ranks of a single-file output: read this rank's tensors in plan order, send to rank 0."""
+def _read_item(reader: ChunkReader, item: OutputItem) -> tuple[torch.Tensor, int | None]:
+    """The item's full tensor in its output dtype, and the CRC-32 of its bytes when known."""
+    assert isinstance(item.entry, TensorEntry)
+    tensor, crc = reader.read_tensor_with_crc(item.entry)
+    if item.dtype is not None and item.dtype != tensor.dtype:
+        return tensor.to(item.dtype), None
+    return tensor, crc
+
+
+def _send_share(job: _ConsolidateJob, file: FilePlan, rank: int, transport: GlooTransport) -> None:
+    """Non-zero ranks, for a file rank 0 writes: read this rank's tensors in file order, send to rank 0."""
     plan = job.plan
     with ChunkReader(job.checkpoint_id, check_crc=job.check_crc) as reader:
-        for entry, owner in zip(plan.entries, plan.owners, strict=True):
-            if owner == rank and isinstance(entry, TensorEntry):
-                transport.make_room(entry.nbytes)  # the tensor about to be read counts against the window
-                transport.send(reader.read_tensor(entry))
+        for i in file.item_ids:
+            item = plan.items[i]
+            if plan.owners[i] == rank and item.is_tensor:
+                transport.make_room(item.read_bytes)  # the tensor about to be read counts against the window
+                transport.send(_read_item(reader, item)[0])
         transport.drain()
 
 
-def _received(transport: GlooTransport, entry: TensorEntry, owner: int) -> tuple[torch.Tensor, None]:
-    return transport.recv(entry.shape, entry.dtype, owner), None
+def _received(transport: GlooTransport, item: OutputItem, owner: int) -> tuple[torch.Tensor, None]:
+    assert item.dtype is not None
+    return transport.recv(item.shape, item.dtype, owner), None
 
 
-def _write_single_file(job: _ConsolidateJob, transport: GlooTransport | None) -> int:
-    """Rank 0 of a single-file output: read or receive every entry in order and write it."""
+def _value_job(reader: ChunkReader, item: OutputItem) -> Callable[[], Any]:
+    if item.constant:
+        return lambda: item.value
+    assert isinstance(item.entry, BytesEntry)
+    return partial(reader.read_value, item.entry)
+
+
+def _write_file(job: _ConsolidateJob, file: FilePlan, transport: GlooTransport | None) -> int:
+    """Rank 0: read or receive every item of ``file`` in order and write it; returns its size in bytes."""
     plan = job.plan
+    items = [plan.items[i] for i in file.item_ids]
+    owners = [plan.owners[i] for i in file.item_ids]
+    total = sum(item.nbytes for item in items)
+    path = job.tmp_output if file.filename is None else job.tmp_output / file.filename
     with ChunkReader(job.checkpoint_id, check_crc=job.check_crc) as reader, ExitStack() as stack:
-        read_bar = stack.enter_context(_bar("read", plan.total_bytes, job.progress, 0))
-        write_bar = stack.enter_context(_bar("write", plan.total_bytes, job.progress, 1))
+        read_bar = stack.enter_context(_bar("read", total, job.progress, 0))
+        write_bar = stack.enter_context(_bar("write", total, job.progress, 1))
         jobs: list[tuple[int, Callable[[], Any]]] = []
-        for entry, owner in zip(plan.entries, plan.owners, strict=True):
-            if isinstance(entry, BytesEntry):
-                jobs.append((0, _counted(read_bar, entry.nbytes, partial(reader.read_value, entry))))
+        for item, owner in zip(items, owners, strict=True):
+            if not item.is_tensor:
+                jobs.append((0, _counted(read_bar, item.nbytes, _value_job(reader, item))))
             elif owner == 0:
-                jobs.append((entry.nbytes, _counted(read_bar, entry.nbytes, partial(reader.read_tensor_with_crc, entry))))
+                jobs.append((item.read_bytes, _counted(read_bar, item.nbytes, partial(_read_item, reader, item))))
             else:
                 assert transport is not None
-                recv = partial(_received, transport, entry, owner)
-                jobs.append((entry.nbytes, _counted(read_bar, entry.nbytes, recv)))
-        writer = _open_writer(plan, job.tmp_output)
+                jobs.append((item.nbytes, _counted(read_bar, item.nbytes, partial(_received, transport, item, owner))))
+        writer = _open_writer(file.output_format, path, items, file.strip)
         # closing: on an error, stop the read-ahead thread here, not whenever the frame is freed
-        items = stack.enter_context(closing(prefetch(jobs, plan.memory_budget_bytes)))
+        values = stack.enter_context(closing(prefetch(jobs, plan.memory_budget_bytes)))
         try:
-            for entry, value in zip(plan.entries, items, strict=True):
-                if isinstance(entry, BytesEntry):
-                    writer.add_value(entry.path, value)
+            for item, value in zip(items, values, strict=True):
+                out_path = item.path[file.strip :]
+                if not item.is_tensor:
+                    writer.add_value(out_path, value)
                 else:
                     tensor, crc = value
-                    writer.add_tensor(entry.path, tensor, crc)
+                    writer.add_tensor(out_path, tensor, crc)
                     del tensor
-                write_bar.update(entry.nbytes)
+                write_bar.update(item.nbytes)
                 del value  # free the tensor before the read-ahead budget is given back
             return writer.finish()
         except BaseException:
@@ -266,11 +294,8 @@ def _write_single_file(job: _ConsolidateJob, transport: GlooTransport | None) ->
             raise
 
 
-def _write_shards(job: _ConsolidateJob, rank: int, transport: GlooTransport | None) -> int | None:
-    """Folder output: write this rank's safetensors shards; rank 0 then writes the index.
-
-    No tensor goes through rank 0. Returns the folder's total size in bytes on rank 0.
-    """
+def _write_shards(job: _ConsolidateJob, rank: int) -> None:
+    """Folder output: write this rank's safetensors shards. No tensor goes through rank 0."""
     plan = job.plan
     mine = [s for s in plan.shards if s.owner == rank]
     with (
@@ -278,60 +303,100 @@ def _write_shards(job: _ConsolidateJob, rank: int, transport: GlooTransport | No
         _bar("write", sum(s.tensor_bytes for s in mine), job.progress, 0) as bar,
     ):
         for shard in mine:
-            entries = [plan.entries[i] for i in shard.entry_ids]
-            tensors = [e for e in entries if isinstance(e, TensorEntry)]
-            writer = SafetensorsWriter(job.tmp_output / shard.filename, [(e.path, e.dtype, e.shape) for e in tensors])
-            jobs = [(e.nbytes, partial(reader.read_tensor, e)) for e in tensors]
+            items = [plan.items[i] for i in shard.item_ids]
+            writer = _open_writer("safetensors", job.tmp_output / shard.filename, items, 0)
+            jobs = [(item.read_bytes, partial(_read_item, reader, item)) for item in items]
             try:
-                with closing(prefetch(jobs, plan.memory_budget_bytes)) as items:
-                    for entry, tensor in zip(tensors, items, strict=True):
-                        writer.add_tensor(entry.path, tensor)
-                        bar.update(entry.nbytes)
+                with closing(prefetch(jobs, plan.memory_budget_bytes)) as values:
+                    for item, (tensor, _) in zip(items, values, strict=True):
+                        writer.add_tensor(item.path, tensor)
+                        bar.update(item.nbytes)
                         del tensor
                 writer.finish()
             except BaseException:
                 writer.close()
                 raise
-    if transport is not None:
-        transport.barrier()
-    if rank != 0:
-        return None
-    if len(plan.shards) > 1:
-        weight_map = {safetensors_name(plan.entries[i].path): shard.filename for shard in plan.shards for i in shard.entry_ids}
-        index = {"metadata": {"total_size": sum(s.tensor_bytes for s in plan.shards)}, "weight_map": weight_map}
-        with open(job.tmp_output / HF_INDEX_FILENAME, "x") as f:
-            f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-    return sum(p.stat().st_size for p in job.tmp_output.iterdir())
 
 
-def _open_writer(plan: WorkPlan, path: Path) -> StateDictWriter:
-    if plan.output_format == "safetensors":
-        layout = [(e.path, e.dtype, e.shape) for e in plan.entries if isinstance(e, TensorEntry)]
-        return SafetensorsWriter(path, layout)
+def _write_hf_index(job: _ConsolidateJob) -> None:
+    plan = job.plan
+    if len(plan.shards) <= 1:
+        return
+    weight_map = {safetensors_name(plan.items[i].path): shard.filename for shard in plan.shards for i in shard.item_ids}
+    index = {"metadata": {"total_size": sum(s.tensor_bytes for s in plan.shards)}, "weight_map": weight_map}
+    with open(job.tmp_output / HF_INDEX_FILENAME, "x") as f:
+        f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _open_writer(fmt: str, path: Path, items: list[OutputItem], strip: int) -> StateDictWriter:
+    if fmt == "safetensors":
+        return SafetensorsWriter(path, [(item.path[strip:], item.dtype, item.shape) for item in items])
     return TorchSaveWriter(path)
 
 
 def _consolidate_rank(job: _ConsolidateJob, rank: int, world_size: int, transport: GlooTransport | None) -> int | None:
     """One rank's share of a consolidation. Called on every rank.
 
-    Single-file outputs: rank 0 walks the plan in output order, reading its own tensors and
-    receiving the others from their owners, and alone writes; the other ranks read their
-    tensors in the same order and send them to rank 0. Folder outputs: each rank writes its own
-    shard files.
+    Folder outputs: each rank first writes its own safetensors shards. Files rank 0 writes (the
+    single-file output, or a folder's ``optimizer.pt``): rank 0 walks the file's items in order,
+    reading its own and receiving the others from their owners, and alone writes; the other ranks
+    read their tensors in the same order and send them to rank 0.
 
     Returns:
         On rank 0, the output's size in bytes; ``None`` elsewhere.
     """
+    plan = job.plan
     with writing(job.tmp_output):
-        if job.plan.output_format == "hf_dir":
-            return _write_shards(job, rank, transport)
+        if plan.shards:
+            _write_shards(job, rank)
+        size = 0
+        for file in plan.files:
+            if rank != 0:
+                assert transport is not None
+                _send_share(job, file, rank, transport)
+            else:
+                size += _write_file(job, file, transport)
+        if transport is not None:
+            transport.barrier()
         if rank != 0:
-            assert transport is not None
-            _send_share(job, rank, transport)
             return None
-        return _write_single_file(job, transport)
+        if plan.output_format != "hf_dir":
+            return size
+        _write_hf_index(job)
+        return sum(p.stat().st_size for p in job.tmp_output.iterdir())
+
+
+def _value_reader(index: CheckpointIndex, check_crc: bool) -> ChunkReader | FileBoxReader:
+    if index.data_files or (index.checkpoint_id / METADATA_FILENAME).is_file():
+        return ChunkReader(index.checkpoint_id, check_crc=check_crc)
+    return FileBoxReader(index.checkpoint_id)
+
+
+def prepare_items(
+    index: CheckpointIndex,
+    options: TransformOptions,
+    groups: tuple[Group, ...],
+    *,
+    check_crc: bool = True,
+    keep_layout: bool = False,
+) -> tuple[OutputItem, ...]:
+    """Classify the entries, read the small param group values the transform needs, build the items.
+
+    Raises:
+        As ``transform.build_items``, and the read errors of ``ChunkReader.read_value``.
+    """
+    slots = classify(index)
+    wanted = needs_group_values(slots) if "optim" in groups else []
+    values: dict[int, Any] = {}
+    if wanted:
+        with _value_reader(index, check_crc) as reader:
+            for i in wanted:
+                entry = index.entries[i]
+                assert isinstance(entry, BytesEntry)
+                values[i] = reader.read_value(entry)
+    return build_items(index, slots, options, values, groups=groups, keep_layout=keep_layout)
 
 
 def consolidate(
@@ -340,6 +405,8 @@ def consolidate(
     *,
     nproc: int | None = None,
     only: Only = "all",
+    options: TransformOptions | None = None,
+    output_format: RequestedFormat = "auto",
     overwrite: bool = False,
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -349,29 +416,36 @@ def consolidate(
 ) -> ConsolidateResult:
     """Write a DCP checkpoint as one full (unsharded) state dict: a file, or a folder of shards.
 
-    Steps: read the index; plan (select entries, check coverage, balance tensors over workers
-    by bytes); check the data files exist; read chunks into full tensors on the workers, overlapping
-    reading with writing; write into a temporary sibling of ``output``; rename it into place.
+    Steps: read the index; classify its entries by producer layout and build the output items
+    (wrapper names removed, renames, filters, optimizer re-keying, casts); plan (check coverage,
+    balance tensors over workers by bytes); check the data files exist; read chunks into full
+    tensors on the workers, overlapping reading with writing; write into a temporary sibling of
+    ``output``; rename it into place.
 
     Args:
-        checkpoint_id: the DCP checkpoint folder.
+        checkpoint_id: the DCP checkpoint folder (or accelerate's parent folder of
+            ``pytorch_model_fsdp_0/`` and ``optimizer_0/``).
         output: ``.pt``/``.pth``/``.bin`` for torch.save of the nested state dict
             (``{"model": {fqn: tensor}, "optim": {"state": {fqn: {...}}, "param_groups": [...]},
             ...}``, as ``get_model_state_dict``/``get_optimizer_state_dict`` with
             ``full_state_dict=True`` give it); ``.safetensors`` for the model weights in one file;
             a folder (no suffix) for the model weights as Hugging Face safetensors shards with
-            ``model.safetensors.index.json``.
+            ``model.safetensors.index.json``, plus ``optimizer.pt`` (the optimizer state dict) and
+            ``extra_state.pt`` (other entries) when ``only`` is ``all``.
         nproc: reading workers; 1 runs in this process, more start workers with torch's
             elastic launcher (gloo on CPU). ``None``: ``plan.default_nproc`` (one per two CPU
             cores for a file, one per core for a folder; at most one per data file and 256 MiB).
-        only: ``all``, ``model`` or ``optim``: which top-level groups to write.
+        only: ``all``, ``model`` or ``optim``: which groups to write.
+        options: key and dtype transforms (``TransformOptions``); default: wrapper names removed,
+            optimizer state keyed by FQN, dtypes kept.
+        output_format: ``auto`` (by suffix), ``torch`` or ``safetensors`` (see ``plan.output_format``).
         overwrite: replace an existing ``output`` (at the final rename only).
         memory_budget_bytes: read-ahead and transfer buffers each process may hold, in bytes.
             Peak memory per process is about this plus the largest tensor.
         max_shard_bytes: largest shard of a folder output, in bytes.
         check_crc: check the CRC-32 of every zip record of every payload read (torch does not).
-        verify_output: read the written output back and compare it with the checkpoint, key by
-            key, before moving it into place.
+        verify_output: read the written output back and compare it with the checkpoint (through
+            the same transforms), key by key, before moving it into place.
         progress: show tqdm bars (bytes, rate, ETA) on stderr.
 
     Returns:
@@ -379,30 +453,35 @@ def consolidate(
 
     Raises:
         CheckpointNotFoundError, NotADcpCheckpointError, UnsafeContentError: unreadable index.
-        InvalidOptionError: unknown suffix, optimizer state into safetensors, bad ``nproc``.
+        InvalidOptionError: unknown suffix, optimizer state into a safetensors file, bad ``nproc``,
+            two keys renamed to one.
+        UnsupportedTransformError: ``optim_keys="ids"`` without param groups listing the parameters.
         OutputExistsError: ``output`` exists and ``overwrite`` is false.
-        MissingDataFileError, CorruptChunkError, CoverageError, ShapeMismatchError,
-        UnsupportedTransformError: bad data files.
+        MissingDataFileError, CorruptChunkError, CoverageError, ShapeMismatchError: bad data files.
         OutputWriteError: the output cannot be written.
         WorkerFailedError: a worker died.
         VerificationError: ``verify_output`` found a difference (nothing is left at ``output``).
     """
     start = time.monotonic()
     output = Path(output)
+    options = options or TransformOptions()
     index = read_index(checkpoint_id)
+    fmt = plan_output_format(output, output_format)
+    groups = groups_for(fmt, only)
+    check_output_free(output, overwrite=overwrite, directory=fmt == "hf_dir")
+    check_data_files(index)
+    items = prepare_items(index, options, groups, check_crc=check_crc)
     plan = plan_consolidate(
         index,
+        items,
         output,
-        only=only,
+        fmt=fmt,
         nproc=nproc,
         memory_budget_bytes=memory_budget_bytes,
         max_shard_bytes=max_shard_bytes,
         cpus=len(os.sched_getaffinity(0)),
     )
-    directory = plan.output_format == "hf_dir"
-    check_output_free(output, overwrite=overwrite, directory=directory)
-    check_data_files(index)
-    with atomic_output(output, overwrite=overwrite, directory=directory) as tmp:
+    with atomic_output(output, overwrite=overwrite, directory=fmt == "hf_dir") as tmp:
         job = _ConsolidateJob(
             checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, progress=progress, check_crc=check_crc
         )
@@ -411,20 +490,20 @@ def consolidate(
         else:
             file_bytes = run_workers(_consolidate_rank, job, plan.nproc, window_bytes=plan.memory_budget_bytes)
         if verify_output:
-            check = verify(index.checkpoint_id, tmp, only=only, check_crc=check_crc)
+            check = verify(index.checkpoint_id, tmp, only=only, check_crc=check_crc, options=options)
             if not check.equal:
                 d = check.differences[0]
                 raise VerificationError(
                     f"{output}: read back, {d.key} {d.detail} ({len(check.differences)} difference(s)); nothing was written"
                 )
     assert file_bytes is not None
-    tensors = [e for e in plan.entries if isinstance(e, TensorEntry)]
+    tensors = [item for item in plan.items if item.is_tensor]
     result = ConsolidateResult(
         output=output,
         output_format=plan.output_format,
         tensors=len(tensors),
-        values=len(plan.entries) - len(tensors),
-        tensor_bytes=sum(e.nbytes for e in tensors),
+        values=len(plan.items) - len(tensors),
+        tensor_bytes=sum(item.nbytes for item in tensors),
         file_bytes=file_bytes,
         nproc=plan.nproc,
         seconds=time.monotonic() - start,
@@ -469,6 +548,13 @@ class _ReshardJob:
     check_crc: bool
 
 
+def _payload(value: Any) -> bytes:
+    """A plain value as DCP stores a bytes entry: a torch.save payload."""
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
 def _reshard_rank(job: _ReshardJob, worker: int, world_size: int, transport: GlooTransport | None) -> None:
     """Write the rank files of ``worker``'s target ranks; their records go to ``.records-<rank>``."""
     plan = job.plan
@@ -482,14 +568,18 @@ def _reshard_rank(job: _ReshardJob, worker: int, world_size: int, transport: Glo
         for rank in plan.ranks_of(worker):
             out = RankFileWriter(job.tmp_output, rank)
             try:
-                for entry, boxes in zip(plan.entries, plan.boxes, strict=True):
+                for item, boxes in zip(plan.items, plan.boxes, strict=True):
                     for box_rank, offsets, sizes in boxes:
                         if box_rank != rank:
                             continue
-                        if isinstance(entry, BytesEntry):
-                            out.add_raw(entry.fqn, reader.read_raw(entry))
+                        fqn = dcp_key(item.path)
+                        if item.constant:
+                            out.add_raw(fqn, _payload(item.value))
+                        elif isinstance(item.entry, BytesEntry):
+                            out.add_raw(fqn, reader.read_raw(item.entry))
                         else:
-                            out.add_box(entry.fqn, offsets, reader.read_box(entry, offsets, sizes))
+                            box = reader.read_box(item.entry, offsets, sizes)
+                            out.add_box(fqn, offsets, box if box.dtype == item.dtype else box.to(item.dtype))
                 out.finish()
             except BaseException:
                 out.close()
@@ -505,6 +595,7 @@ def reshard(
     *,
     world_size: int,
     nproc: int | None = None,
+    options: TransformOptions | None = None,
     overwrite: bool = False,
     check_crc: bool = True,
 ) -> ReshardResult:
@@ -524,6 +615,9 @@ def reshard(
         output: the output folder.
         world_size: the target world size.
         nproc: writing workers (each writes whole rank files); default 1.
+        options: key and dtype transforms, as for ``consolidate``; the output keeps the source's
+            nesting (``{"model": ..., "optim": ...}``, torchtitan's top-level weights...), so the
+            producer's own loader reads it.
         overwrite: replace an existing ``output`` (at the final rename only).
         check_crc: check CRC-32s of the source payloads.
 
@@ -535,9 +629,10 @@ def reshard(
     source = Path(checkpoint_id)
     is_dcp = source.is_dir() and (source / METADATA_FILENAME).exists()
     index = read_index(source) if is_dcp or not source.exists() else file_index(source)
-    plan = plan_reshard(index, world_size, nproc=nproc)
     check_output_free(output, overwrite=overwrite, directory=True)
     check_data_files(index)
+    items = prepare_items(index, options or TransformOptions(), GROUPS, check_crc=check_crc, keep_layout=True)
+    plan = plan_reshard(index, items, world_size, nproc=nproc)
     with atomic_output(output, overwrite=overwrite, directory=True) as tmp:
         job = _ReshardJob(checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, check_crc=check_crc)
         if plan.nproc == 1:
@@ -557,12 +652,18 @@ def reshard(
             if data_file.stat().st_size == 0:
                 data_file.unlink()
         entries = [
-            (e.fqn, e.path, getattr(e, "dtype", None), getattr(e, "shape", None), [(o, sz) for _, o, sz in boxes])
-            for e, boxes in zip(plan.entries, plan.boxes, strict=True)
+            (
+                dcp_key(item.path),
+                item.path,
+                item.dtype if item.is_tensor else None,
+                item.shape if item.is_tensor else None,
+                [(o, sz) for _, o, sz in boxes],
+            )
+            for item, boxes in zip(plan.items, plan.boxes, strict=True)
         ]
         write_metadata(tmp, entries, stored, index.version)
         file_bytes = sum(p.stat().st_size for p in tmp.iterdir())
-    chunks = sum(len(b) for e, b in zip(plan.entries, plan.boxes, strict=True) if isinstance(e, TensorEntry))
+    chunks = sum(len(b) for item, b in zip(plan.items, plan.boxes, strict=True) if item.is_tensor)
     return ReshardResult(
         output=output,
         target_world_size=world_size,

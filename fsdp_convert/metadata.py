@@ -162,6 +162,8 @@ class CheckpointIndex:
         data_files: the data files that hold at least one payload, sorted.
         version: DCP's metadata version string, if recorded.
         save_id: DCP's save id, if recorded.
+        producer: the producer when the folder's files name it (``accelerate``, ``lightning``),
+            else None and ``layout.detect_producer`` judges by the keys.
     """
 
     checkpoint_id: Path
@@ -169,6 +171,7 @@ class CheckpointIndex:
     data_files: tuple[str, ...]
     version: str | None = None
     save_id: str | None = None
+    producer: str | None = None
 
     @property
     def writer_ranks(self) -> tuple[int, ...]:

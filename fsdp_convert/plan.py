@@ -16,6 +16,7 @@ from typing import Literal
 from fsdp_convert.errors import CoverageError, InvalidOptionError, NotADcpCheckpointError
 from fsdp_convert.layout import GROUPS, Group, group_of, unflatten
 from fsdp_convert.metadata import METADATA_FILENAME, BytesEntry, CheckpointIndex, Entry, TensorEntry
+from fsdp_convert.transform import OutputItem
 
 __all__ = [
     "ReshardPlan",
@@ -35,12 +36,17 @@ __all__ = [
     "output_format",
     "check_coverage",
     "WorkPlan",
+    "FilePlan",
+    "groups_for",
+    "OPTIMIZER_FILENAME",
+    "EXTRA_STATE_FILENAME",
     "plan_consolidate",
     "assign_owners",
 ]
 
 OutputFormat = Literal["torch_save", "safetensors", "hf_dir"]
 Only = Literal["all", "model", "optim"]
+RequestedFormat = Literal["auto", "torch", "safetensors"]
 TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin")
 SAFETENSORS_SUFFIXES = (".safetensors",)
 DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30
@@ -48,6 +54,8 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # "5GB", transformers' save_pretrained defa
 MIN_BYTES_PER_WORKER = 256 << 20  # below this a worker's start-up (~2 s) costs more than it saves
 HF_INDEX_FILENAME = "model.safetensors.index.json"
 HF_SINGLE_FILENAME = "model.safetensors"
+OPTIMIZER_FILENAME = "optimizer.pt"  # beside HF shards, as transformers' Trainer names it
+EXTRA_STATE_FILENAME = "extra_state.pt"
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -75,23 +83,35 @@ def parse_size(text: str) -> int:
     return value
 
 
-def output_format(output: Path) -> OutputFormat:
-    """The writer an output path asks for: by suffix, or a folder for sharded safetensors.
+def output_format(output: Path, requested: RequestedFormat = "auto") -> OutputFormat:
+    """The writer an output path (and ``--format``) asks for.
 
-    ``.pt``/``.pth``/``.bin``: one torch.save file; ``.safetensors``: one safetensors file; no
-    suffix, or an existing folder: a Hugging Face folder of safetensors shards plus index.
+    ``auto``: ``.pt``/``.pth``/``.bin`` is one torch.save file; ``.safetensors`` one safetensors
+    file; no suffix, or an existing folder, a Hugging Face folder (safetensors shards plus index).
+    ``safetensors``: a ``.safetensors`` file, or else a Hugging Face folder. ``torch``: a torch.save
+    file, which needs one of the torch suffixes.
 
     Raises:
-        InvalidOptionError: any other suffix.
+        InvalidOptionError: an unknown suffix, or one that contradicts ``requested``.
     """
     suffix = output.suffix.lower()
+    known = ", ".join(TORCH_SAVE_SUFFIXES + SAFETENSORS_SUFFIXES)
+    if requested not in ("auto", "torch", "safetensors"):
+        raise InvalidOptionError(f"--format {requested!r}: use auto, torch or safetensors")
+    if requested == "torch":
+        if suffix not in TORCH_SAVE_SUFFIXES:
+            raise InvalidOptionError(f"{output}: --format torch writes one torch.save file; name it with {', '.join(TORCH_SAVE_SUFFIXES)}")
+        return "torch_save"
+    if requested == "safetensors":
+        if suffix in TORCH_SAVE_SUFFIXES:
+            raise InvalidOptionError(f"{output}: --format safetensors needs a .safetensors name or a folder, not {output.suffix!r}")
+        return "safetensors" if suffix in SAFETENSORS_SUFFIXES else "hf_dir"
     if suffix in TORCH_SAVE_SUFFIXES:
         return "torch_save"
     if suffix in SAFETENSORS_SUFFIXES:
         return "safetensors"
     if suffix == "" or output.is_dir():
         return "hf_dir"
-    known = ", ".join(TORCH_SAVE_SUFFIXES + SAFETENSORS_SUFFIXES)
     raise InvalidOptionError(f"{output}: unknown output suffix {output.suffix!r}; use one of {known}, or a folder name")
 
 
@@ -125,51 +145,72 @@ def check_coverage(entry: TensorEntry) -> None:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ShardPlan:
-    """One file of a sharded output and the entries it holds, written by one rank.
+    """One safetensors file of a folder output and the items it holds, read and written by one rank.
 
     Attributes:
         filename: file name inside the output folder (``model-00001-of-00003.safetensors``).
-        entry_ids: indices into ``WorkPlan.entries``, in file order.
-        owner: the rank that reads these entries and writes the file.
+        item_ids: indices into ``WorkPlan.items``, in file order.
+        owner: the rank that reads these items and writes the file.
         tensor_bytes: tensor data in the file, in bytes.
     """
 
     filename: str
-    entry_ids: tuple[int, ...]
+    item_ids: tuple[int, ...]
     owner: int
     tensor_bytes: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class WorkPlan:
-    """What a consolidation writes, in output order, and which worker reads each tensor.
+class FilePlan:
+    """One file written by rank 0 from items every rank reads (a torch.save or safetensors file).
 
     Attributes:
-        entries: the selected entries in the producer's order (the output's order).
-        owners: for each entry, the rank that reads it; bytes entries are read by rank 0.
-        nproc: number of workers.
-        output_format: the writer to use.
-        memory_budget_bytes: what each process may hold in read-ahead and send buffers, in bytes.
-        shards: for ``hf_dir`` outputs, the shard files and their writers; empty otherwise.
+        filename: name inside the output folder, or None for the output path itself.
+        item_ids: indices into ``WorkPlan.items``, in file order.
+        strip: leading path elements dropped in the file (1 for ``optimizer.pt``, which holds the
+            optimizer state dict itself, not ``{"optim": ...}``).
+        output_format: ``torch_save`` or ``safetensors``.
     """
 
-    entries: tuple[Entry, ...]
+    filename: str | None
+    item_ids: tuple[int, ...]
+    strip: int
+    output_format: OutputFormat
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkPlan:
+    """What a consolidation writes, in output order, and which worker reads each item.
+
+    Attributes:
+        items: the output items (see ``transform.build_items``), in output order.
+        owners: for each item, the rank that reads it; values are read by rank 0.
+        nproc: number of workers.
+        output_format: ``torch_save`` or ``safetensors`` (one file), or ``hf_dir`` (a folder).
+        memory_budget_bytes: what each process may hold in read-ahead and send buffers, in bytes.
+        shards: the safetensors shards of an ``hf_dir`` output; empty otherwise.
+        files: the files rank 0 writes: the output itself, or an ``hf_dir``'s ``optimizer.pt``
+            and ``extra_state.pt``.
+    """
+
+    items: tuple[OutputItem, ...]
     owners: tuple[int, ...]
     nproc: int
     output_format: OutputFormat
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
     shards: tuple[ShardPlan, ...] = ()
+    files: tuple[FilePlan, ...] = ()
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of tensor data and bytes payloads to produce."""
-        return sum(e.nbytes for e in self.entries)
+        """Bytes of tensor data and value payloads to produce."""
+        return sum(item.nbytes for item in self.items)
 
     def bytes_per_rank(self) -> list[int]:
         """Bytes assigned to each rank to read, in bytes."""
         loads = [0] * self.nproc
-        for entry, owner in zip(self.entries, self.owners, strict=True):
-            loads[owner] += entry.nbytes
+        for item, owner in zip(self.items, self.owners, strict=True):
+            loads[owner] += item.nbytes
         return loads
 
 
@@ -184,22 +225,22 @@ def _balance(weights: list[int], nproc: int, rank0_start: int = 0) -> list[int]:
     return owners
 
 
-def assign_owners(entries: tuple[Entry, ...], nproc: int) -> tuple[int, ...]:
+def assign_owners(items: tuple[OutputItem, ...], nproc: int) -> tuple[int, ...]:
     """Balance tensors over ``nproc`` ranks by bytes (largest first onto the least loaded rank).
 
-    Deterministic, so every process computes the same plan. Bytes entries go to rank 0, which
-    writes them, and count against its share.
+    Deterministic, so every process computes the same plan. Values go to rank 0, which writes
+    them, and count against its share.
     """
-    tensor_ids = [i for i, e in enumerate(entries) if isinstance(e, TensorEntry)]
-    values_bytes = sum(e.nbytes for e in entries if isinstance(e, BytesEntry))
-    tensor_owners = _balance([entries[i].nbytes for i in tensor_ids], nproc, values_bytes)
-    owners = [0] * len(entries)
+    tensor_ids = [i for i, item in enumerate(items) if item.is_tensor]
+    values_bytes = sum(item.nbytes for item in items if not item.is_tensor)
+    tensor_owners = _balance([items[i].nbytes for i in tensor_ids], nproc, values_bytes)
+    owners = [0] * len(items)
     for i, owner in zip(tensor_ids, tensor_owners, strict=True):
         owners[i] = owner
     return tuple(owners)
 
 
-def plan_shards(entries: tuple[Entry, ...], max_shard_bytes: int, nproc: int) -> tuple[ShardPlan, ...]:
+def plan_shards(items: tuple[OutputItem, ...], item_ids: list[int], max_shard_bytes: int, nproc: int) -> tuple[ShardPlan, ...]:
     """Pack tensors into shard files in order, as transformers' ``save_pretrained`` does.
 
     A new shard starts when the next tensor would take the current one past ``max_shard_bytes``;
@@ -208,19 +249,20 @@ def plan_shards(entries: tuple[Entry, ...], max_shard_bytes: int, nproc: int) ->
     """
     groups: list[list[int]] = []
     size = 0
-    for i, e in enumerate(entries):
-        if not groups or (size + e.nbytes > max_shard_bytes and size > 0):
+    for i in item_ids:
+        nbytes = items[i].nbytes
+        if not groups or (size + nbytes > max_shard_bytes and size > 0):
             groups.append([])
             size = 0
         groups[-1].append(i)
-        size += e.nbytes
-    sizes = [sum(entries[i].nbytes for i in g) for g in groups]
+        size += nbytes
+    sizes = [sum(items[i].nbytes for i in g) for g in groups]
     owners = _balance(sizes, nproc)
     n = len(groups)
     return tuple(
         ShardPlan(
             filename=HF_SINGLE_FILENAME if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors",
-            entry_ids=tuple(g),
+            item_ids=tuple(g),
             owner=owners[k],
             tensor_bytes=sizes[k],
         )
@@ -240,96 +282,116 @@ def default_nproc(total_bytes: int, data_files: int, cpus: int, *, single_file: 
     return max(1, min(cores, data_files, -(-total_bytes // MIN_BYTES_PER_WORKER)))
 
 
+def groups_for(fmt: OutputFormat, only: Only) -> tuple[Group, ...]:
+    """The groups an output holds: safetensors files hold model weights only; a folder holds the
+    model as shards and, with ``only="all"``, the optimizer in ``optimizer.pt`` and the rest in
+    ``extra_state.pt``.
+
+    Raises:
+        InvalidOptionError: optimizer state asked of a safetensors file.
+    """
+    if fmt == "safetensors":
+        if only == "optim":
+            raise InvalidOptionError("a .safetensors file holds model weights only; use a .pt file or a folder for optimizer state")
+        return ("model",)
+    return GROUPS if only == "all" else (only,)
+
+
 def plan_consolidate(
     index: CheckpointIndex,
+    items: tuple[OutputItem, ...],
     output: Path,
     *,
-    only: Only = "all",
+    fmt: OutputFormat,
     nproc: int | None = None,
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     cpus: int = 1,
 ) -> WorkPlan:
-    """Plan a consolidation of ``index`` into ``output``.
+    """Plan a consolidation of ``index``'s ``items`` into ``output``.
 
     Args:
         index: the checkpoint's index.
-        output: ``.pt``/``.pth``/``.bin``: torch.save of the nested state dict; ``.safetensors``:
-            model weights only; a folder (no suffix): model weights as Hugging Face safetensors
-            shards of at most ``max_shard_bytes`` plus ``model.safetensors.index.json``.
-        only: which top-level groups to keep: ``all`` (model, optimizer and other entries),
-            ``model`` or ``optim``.
+        items: what to write (``transform.build_items``), already restricted to ``groups_for(fmt, only)``.
+        output: the output path.
+        fmt: ``torch_save`` (one file of the nested state dict), ``safetensors`` (model weights in
+            one file), ``hf_dir`` (model weights as Hugging Face safetensors shards of at most
+            ``max_shard_bytes`` plus ``model.safetensors.index.json``; optimizer state in
+            ``optimizer.pt``, other entries in ``extra_state.pt``).
         nproc: workers that will read; ``None`` picks ``default_nproc`` (with ``cpus``).
         memory_budget_bytes: read-ahead and send buffers each process may hold, in bytes.
         max_shard_bytes: largest shard file of a folder output, in bytes.
         cpus: CPU cores available, for the default ``nproc``.
 
     Raises:
-        InvalidOptionError: unknown suffix, optimizer state asked of safetensors, ``nproc < 1``,
-            or nothing left to write.
+        InvalidOptionError: ``nproc < 1``, nothing left to write, or a value for a safetensors file.
         CoverageError: a selected tensor's chunks do not tile it.
+        NotADcpCheckpointError: inconsistent planner paths.
     """
-    fmt = output_format(output)
     if nproc is not None and nproc < 1:
         raise InvalidOptionError(f"--nproc must be at least 1, got {nproc}")
+    if not items:
+        raise InvalidOptionError(f"{index.checkpoint_id}: nothing to write (no entries are left after --only/--include/--exclude)")
+    model_ids = [i for i, item in enumerate(items) if item.group == "model"]
     if fmt != "torch_save":
-        if only == "optim":
-            raise InvalidOptionError(f"{output}: safetensors holds model weights only; use a .pt output for optimizer state")
-        only = "model"  # safetensors implies --only model
-    wanted: set[Group] = set(GROUPS) if only == "all" else {only}
-    entries = tuple(e for e in index.entries if group_of(e) in wanted)
-    if not entries:
-        raise InvalidOptionError(f"{index.checkpoint_id}: no {only} entries to write")
-    if fmt != "torch_save":
-        for e in entries:
-            if isinstance(e, BytesEntry):
-                raise InvalidOptionError(f"{e.fqn} is not a tensor; safetensors holds tensors only (use a .pt output)")
+        for i in model_ids:
+            if not items[i].is_tensor:
+                raise InvalidOptionError(f"{items[i].entry.fqn} is not a tensor; safetensors holds tensors only (use a .pt output)")
     try:
-        unflatten((e.path, None) for e in entries)
+        unflatten((item.path, None) for item in items)
     except ValueError as err:
         raise NotADcpCheckpointError(f"{index.checkpoint_id / METADATA_FILENAME}: planner data is inconsistent: {err}") from err
-    for e in entries:
-        if isinstance(e, TensorEntry):
-            check_coverage(e)
-    total = sum(e.nbytes for e in entries)
+    for item in items:
+        if item.is_tensor:
+            assert isinstance(item.entry, TensorEntry)
+            check_coverage(item.entry)
+    total = sum(item.nbytes for item in items)
     if nproc is None:
-        nproc = default_nproc(total, len(index.data_files), cpus, single_file=fmt != "hf_dir")
-    if fmt == "hf_dir":
-        shards = plan_shards(entries, max_shard_bytes, nproc)
-        owners = [0] * len(entries)
-        for shard in shards:
-            for i in shard.entry_ids:
-                owners[i] = shard.owner
+        nproc = default_nproc(total, len(index.data_files) or 1, cpus, single_file=fmt != "hf_dir")
+    if fmt != "hf_dir":
+        everything = FilePlan(filename=None, item_ids=tuple(range(len(items))), strip=0, output_format=fmt)
         return WorkPlan(
-            entries=entries,
-            owners=tuple(owners),
+            items=items,
+            owners=assign_owners(items, nproc),
             nproc=nproc,
             output_format=fmt,
             memory_budget_bytes=memory_budget_bytes,
-            shards=shards,
+            files=(everything,),
         )
+    shards = plan_shards(items, model_ids, max_shard_bytes, nproc) if model_ids else ()
+    owners = list(assign_owners(items, nproc))
+    for shard in shards:
+        for i in shard.item_ids:
+            owners[i] = shard.owner
+    files = []
+    for group, filename, strip in (("optim", OPTIMIZER_FILENAME, 1), ("other", EXTRA_STATE_FILENAME, 0)):
+        ids = tuple(i for i, item in enumerate(items) if item.group == group)
+        if ids:
+            files.append(FilePlan(filename=filename, item_ids=ids, strip=strip, output_format="torch_save"))
     return WorkPlan(
-        entries=entries,
-        owners=assign_owners(entries, nproc),
+        items=items,
+        owners=tuple(owners),
         nproc=nproc,
         output_format=fmt,
         memory_budget_bytes=memory_budget_bytes,
+        shards=shards,
+        files=tuple(files),
     )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReshardPlan:
-    """Target layout of a reshard: every entry's boxes per target rank, and who writes each rank.
+    """Target layout of a reshard: every item's boxes per target rank, and who writes each rank.
 
     Attributes:
-        entries: every entry of the source, in the producer's order.
-        boxes: per entry, ``(rank, offsets, sizes)`` of each target chunk, in elements; bytes
-            entries get ``(0, (), ())`` (rank 0 carries them).
+        items: the output items (``transform.build_items``), in output order.
+        boxes: per item, ``(rank, offsets, sizes)`` of each target chunk, in elements; values get
+            ``(0, (), ())`` (rank 0 carries them).
         target_world_size: ranks of the output.
         nproc: workers; worker ``w`` writes the rank files ``w, w + nproc, ...``.
     """
 
-    entries: tuple[Entry, ...]
+    items: tuple[OutputItem, ...]
     boxes: tuple[tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...], ...]
     target_world_size: int
     nproc: int
@@ -356,15 +418,17 @@ def dim0_boxes(shape: tuple[int, ...], world_size: int) -> list[tuple[int, tuple
     return boxes
 
 
-def plan_reshard(index: CheckpointIndex, target_world_size: int, *, nproc: int | None = None) -> ReshardPlan:
-    """Lay every entry of ``index`` out for ``target_world_size`` ranks.
+def plan_reshard(
+    index: CheckpointIndex, items: tuple[OutputItem, ...], target_world_size: int, *, nproc: int | None = None
+) -> ReshardPlan:
+    """Lay every item out for ``target_world_size`` ranks.
 
     Tensors are split on dim 0 in ``torch.chunk`` order (``dim0_boxes``). 0-dim tensors, empty
     tensors, and tensors a multi-rank source stored whole (replicated, e.g. buffers) stay whole on
-    rank 0; bytes entries are carried to rank 0 unchanged.
+    rank 0; values are carried to rank 0.
 
     Raises:
-        InvalidOptionError: ``target_world_size`` or ``nproc`` below 1.
+        InvalidOptionError: ``target_world_size`` or ``nproc`` below 1, or nothing to write.
         CoverageError: a source tensor's chunks do not tile it.
         NotADcpCheckpointError: inconsistent planner paths.
     """
@@ -372,16 +436,20 @@ def plan_reshard(index: CheckpointIndex, target_world_size: int, *, nproc: int |
         raise InvalidOptionError(f"--world-size must be at least 1, got {target_world_size}")
     if nproc is not None and nproc < 1:
         raise InvalidOptionError(f"--nproc must be at least 1, got {nproc}")
+    if not items:
+        raise InvalidOptionError(f"{index.checkpoint_id}: nothing to write (no entries are left after --include/--exclude)")
     try:
-        unflatten((e.path, None) for e in index.entries)
+        unflatten((item.path, None) for item in items)
     except ValueError as err:
         raise NotADcpCheckpointError(f"{index.checkpoint_id / METADATA_FILENAME}: planner data is inconsistent: {err}") from err
     Box = tuple[int, tuple[int, ...], tuple[int, ...]]
     boxes: list[tuple[Box, ...]] = []
-    for e in index.entries:
-        if isinstance(e, BytesEntry):
+    for item in items:
+        e = item.entry
+        if not item.is_tensor:
             boxes.append(((0, (), ()),))
             continue
+        assert isinstance(e, TensorEntry)
         check_coverage(e)
         full = [c for c in e.chunks if c.numel > 0]
         replicated = index.world_size > 1 and len(full) == 1 and full[0].sizes == e.shape
@@ -390,4 +458,4 @@ def plan_reshard(index: CheckpointIndex, target_world_size: int, *, nproc: int |
         else:
             boxes.append(tuple(dim0_boxes(e.shape, target_world_size)))
     workers = min(nproc or 1, target_world_size)
-    return ReshardPlan(entries=index.entries, boxes=tuple(boxes), target_world_size=target_world_size, nproc=workers)
+    return ReshardPlan(items=items, boxes=tuple(boxes), target_world_size=target_world_size, nproc=workers)

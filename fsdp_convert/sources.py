@@ -30,8 +30,18 @@ from fsdp_convert.metadata import (
     TensorEntry,
     read_index,
 )
-from fsdp_convert.plan import HF_INDEX_FILENAME, HF_SINGLE_FILENAME, SAFETENSORS_SUFFIXES, TORCH_SAVE_SUFFIXES, check_coverage
+from fsdp_convert.layout import GROUPS
+from fsdp_convert.plan import (
+    EXTRA_STATE_FILENAME,
+    HF_INDEX_FILENAME,
+    HF_SINGLE_FILENAME,
+    OPTIMIZER_FILENAME,
+    SAFETENSORS_SUFFIXES,
+    TORCH_SAVE_SUFFIXES,
+    check_coverage,
+)
 from fsdp_convert.reader import ChunkReader, check_data_files
+from fsdp_convert.transform import OutputItem, TransformOptions, dcp_key
 from fsdp_convert.writers.safetensors import SAFETENSORS_DTYPES
 
 __all__ = ["Source", "open_source", "flatten_with_paths", "FileBoxReader", "file_index"]
@@ -90,25 +100,35 @@ def flatten_with_paths(obj: Mapping[str, Any]) -> dict[str, tuple[tuple[str | in
 
 
 class _DcpSource:
+    """A DCP checkpoint seen through ``transform`` items: the canonical nested layout's keys
+    (wrapper names removed, ``optimizer`` as ``optim``, flattened optimizer state nested)."""
+
     kind = "dcp"
     model_only = False
 
-    def __init__(self, path: Path, check_crc: bool) -> None:
+    def __init__(self, path: Path, check_crc: bool, options: TransformOptions | None) -> None:
+        from fsdp_convert.convert import prepare_items  # the transform needs the read stage
+
         self.path = path
         self.index = read_index(path)
         check_data_files(self.index)
-        self._entries: dict[str, Entry] = {e.fqn: e for e in self.index.entries}
+        items = prepare_items(self.index, options or TransformOptions(), GROUPS, check_crc=check_crc)
+        self._items: dict[str, OutputItem] = {dcp_key(item.path): item for item in items}
         self._reader = ChunkReader(path, check_crc=check_crc)
 
     def keys(self) -> list[str]:
-        return list(self._entries)
+        return list(self._items)
 
     def get(self, key: str) -> Any:
-        entry = self._entries[key]
+        item = self._items[key]
+        if item.constant:
+            return item.value
+        entry = item.entry
         if isinstance(entry, BytesEntry):
             return self._reader.read_value(entry)
         check_coverage(entry)
-        return self._reader.read_tensor(entry)
+        tensor = self._reader.read_tensor(entry)
+        return tensor if item.dtype in (None, tensor.dtype) else tensor.to(item.dtype)
 
     def close(self) -> None:
         self._reader.close()
@@ -118,7 +138,7 @@ class _TorchSaveSource:
     kind = "torch_save"
     model_only = False
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, prefix: tuple[str, ...] = ()) -> None:
         self.path = path
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -129,6 +149,8 @@ class _TorchSaveSource:
             raise CorruptChunkError(f"{path}: not a readable torch.save file ({type(e).__name__})") from e
         if not isinstance(obj, Mapping):
             raise NotADcpCheckpointError(f"{path} holds a {type(obj).__name__}, not a state dict")
+        for top in reversed(prefix):  # optimizer.pt holds the optimizer state dict itself
+            obj = {top: obj}
         self.flat_with_paths = flatten_with_paths(obj)
         self._flat = {key: value for key, (_, value) in self.flat_with_paths.items()}
 
@@ -150,6 +172,7 @@ class _SafetensorsSource:
         self.path, self.kind = path, kind
         self._files = files  # tensor name -> file
         self._open: dict[Path, Any] = {}
+        self._sides: list[_TorchSaveSource] = []
 
     @classmethod
     def from_file(cls, path: Path) -> _SafetensorsSource:
@@ -178,11 +201,21 @@ class _SafetensorsSource:
         return self._open[file]
 
     def keys(self) -> list[str]:
-        return [MODEL_PREFIX + n for n in self._files]
+        return [MODEL_PREFIX + n for n in self._files] + [k for side in self._sides for k in side.keys()]
 
     def get(self, key: str) -> Any:
+        for side in self._sides:
+            if key in side._flat:
+                return side.get(key)
         name = key.removeprefix(MODEL_PREFIX)
         return self._handle(self._files[name]).get_tensor(name)
+
+    def add_side_files(self) -> None:
+        """A Hugging Face folder's ``optimizer.pt`` (as ``optim``) and ``extra_state.pt``, if present."""
+        for filename, prefix in ((OPTIMIZER_FILENAME, ("optim",)), (EXTRA_STATE_FILENAME, ())):
+            if (self.path / filename).is_file():
+                self._sides.append(_TorchSaveSource(self.path / filename, prefix))
+        self.model_only = not self._sides
 
     def describe(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
         """Dtype and shape of ``key`` from the file header alone (no tensor data is read)."""
@@ -192,14 +225,19 @@ class _SafetensorsSource:
 
     def close(self) -> None:
         self._open.clear()
+        for side in self._sides:
+            side.close()
 
 
-def open_source(path: str | os.PathLike[str], *, check_crc: bool = True) -> Source:
+def open_source(path: str | os.PathLike[str], *, check_crc: bool = True, options: TransformOptions | None = None) -> Source:
     """Open a checkpoint of any supported format by what the path holds.
 
     A folder with ``.metadata`` is DCP; a folder with ``model.safetensors.index.json`` or
     ``model.safetensors`` is a Hugging Face folder; ``.pt``/``.pth``/``.bin`` is torch.save
     (loaded with ``weights_only=True, mmap=True``); ``.safetensors`` is one safetensors file.
+    A DCP checkpoint's keys are those of its ``transform`` items under ``options`` (default:
+    wrapper names removed, optimizer state keyed by FQN); a Hugging Face folder's
+    ``optimizer.pt`` and ``extra_state.pt`` come in as ``optim.*`` and their own keys.
 
     Raises:
         CheckpointNotFoundError: the path does not exist.
@@ -211,9 +249,11 @@ def open_source(path: str | os.PathLike[str], *, check_crc: bool = True) -> Sour
         raise CheckpointNotFoundError(f"{p} does not exist")
     if p.is_dir():
         if (p / METADATA_FILENAME).is_file():
-            return _DcpSource(p, check_crc)
+            return _DcpSource(p, check_crc, options)
         if (p / HF_INDEX_FILENAME).is_file() or (p / HF_SINGLE_FILENAME).is_file():
-            return _SafetensorsSource.from_folder(p)
+            folder = _SafetensorsSource.from_folder(p)
+            folder.add_side_files()
+            return folder
         raise NotADcpCheckpointError(f"{p} holds neither {METADATA_FILENAME} nor {HF_INDEX_FILENAME}; not a checkpoint")
     suffix = p.suffix.lower()
     if suffix in TORCH_SAVE_SUFFIXES:
@@ -261,10 +301,14 @@ class FileBoxReader:
         # safetensors sources name their keys model.<name>; file_index drops that level
         return MODEL_PREFIX + fqn if self._source.model_only else fqn
 
+    def read_value(self, entry: BytesEntry) -> Any:
+        """A plain value of the file (param group field, train state)."""
+        return self._source.get(self._key(entry.fqn))
+
     def read_raw(self, entry: BytesEntry) -> bytes:
         """The value as DCP stores a bytes entry: its torch.save payload."""
         buf = io.BytesIO()
-        torch.save(self._source.get(self._key(entry.fqn)), buf)
+        torch.save(self.read_value(entry), buf)
         return buf.getvalue()
 
 

@@ -95,7 +95,13 @@ def test_consolidate_folder_writes_hf_shards_and_index(ws3_ckpt: Sample, tmp_pat
     assert sorted(got) == sorted(want) == sorted(index["weight_map"])
     for fqn, tensor in want.items():
         assert got[fqn].dtype == tensor.dtype and torch.equal(got[fqn], tensor), fqn
-    assert index["metadata"] == {"total_size": sum(t.nbytes for t in want.values())} == {"total_size": result.tensor_bytes}
+    assert index["metadata"] == {"total_size": sum(t.nbytes for t in want.values())}
+    # beside the shards, as transformers' Trainer keeps them: the optimizer state dict itself, and the rest
+    truth = ws3_ckpt.truth()
+    assert_same_state(torch.load(out / "optimizer.pt", weights_only=True), truth["optim"])
+    assert torch.load(out / "extra_state.pt", weights_only=True) == {"train_state": truth["train_state"]}
+    optim_bytes = sum(t.nbytes for s in truth["optim"]["state"].values() for t in s.values())
+    assert result.tensor_bytes == index["metadata"]["total_size"] + optim_bytes
     shards = sorted(out.glob("model-*.safetensors"))
     assert len(shards) > 3 and shards[0].name == f"model-00001-of-{len(shards):05d}.safetensors"
     for shard in shards:
@@ -125,9 +131,9 @@ def test_verify_equal_across_formats(ws3_ckpt: Sample, tmp_path: Path) -> None:
     full = fsdp_convert.verify(ws3_ckpt.checkpoint, pt)
     assert full.equal and full.compared == len(fsdp_convert.inspect_checkpoint(ws3_ckpt.checkpoint).entries)
     assert fsdp_convert.verify(ws3_ckpt.truth_path, pt).equal
-    for a, b in [(ws3_ckpt.checkpoint, st), (pt, hf), (st, hf)]:
+    for a, b, compared in [(ws3_ckpt.checkpoint, st, 31), (pt, hf, full.compared), (st, hf, 31)]:
         result = fsdp_convert.verify(a, b)
-        assert result.equal and result.compared == 31, (a, b, result.differences[:3])
+        assert result.equal and result.compared == compared, (a, b, result.differences[:3])
 
 
 def test_verify_reports_differing_missing_and_extra(ws3_ckpt: Sample, tmp_path: Path) -> None:

@@ -7,10 +7,30 @@ from typing import Annotated
 
 import typer
 
-__all__ = ["CheckpointArg", "OutputArg", "JsonOpt", "OverwriteOpt", "NprocOpt", "MemoryBudgetOpt", "ProgressOpt", "NoCrcOpt"]
+from fsdp_convert.errors import InvalidOptionError
+from fsdp_convert.transform import TransformOptions, parse_dtype, parse_rename
+
+__all__ = [
+    "CheckpointArg",
+    "OutputArg",
+    "JsonOpt",
+    "OverwriteOpt",
+    "NprocOpt",
+    "MemoryBudgetOpt",
+    "ProgressOpt",
+    "NoCrcOpt",
+    "OptimKeysOpt",
+    "KeepWrapperNamesOpt",
+    "RenameOpt",
+    "IncludeOpt",
+    "ExcludeOpt",
+    "DtypeOpt",
+    "OptimDtypeOpt",
+    "transform_options",
+]
 
 CheckpointArg = Annotated[
-    Path, typer.Argument(metavar="CHECKPOINT_DIR", help="DCP checkpoint folder (the one holding .metadata).", show_default=False)
+    Path, typer.Argument(metavar="CHECKPOINT_DIR", help="DCP checkpoint folder (the one holding .metadata, or a folder of them such as accelerate's).", show_default=False)
 ]
 OutputArg = Annotated[
     Path,
@@ -49,3 +69,74 @@ ProgressOpt = Annotated[
 NoCrcOpt = Annotated[
     bool, typer.Option("--no-crc", help="Skip checking the CRC-32 of every payload record (torch itself never checks them).")
 ]
+
+OptimKeysOpt = Annotated[
+    str,
+    typer.Option(
+        "--optim-keys",
+        help="Key optimizer state by parameter FQN (names, as get_optimizer_state_dict) or by integer id in "
+        "param-group order (ids, as torch.optim.Optimizer.state_dict, for load_state_dict on a plain model).",
+    ),
+]
+KeepWrapperNamesOpt = Annotated[
+    bool,
+    typer.Option(
+        "--keep-wrapper-names",
+        help="Keep _fsdp_wrapped_module., _checkpoint_wrapped_module., _orig_mod. and a leading module. in FQNs.",
+    ),
+]
+RenameOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--rename",
+        metavar="REGEX=REPLACEMENT",
+        help="Rename parameter FQNs (model and optimizer) with re.sub; repeatable, applied in order.",
+        show_default=False,
+    ),
+]
+IncludeOpt = Annotated[
+    list[str] | None,
+    typer.Option("--include", metavar="GLOB", help="Keep only model FQNs matching a glob (before renames); repeatable.", show_default=False),
+]
+ExcludeOpt = Annotated[
+    list[str] | None,
+    typer.Option("--exclude", metavar="GLOB", help="Drop model FQNs matching a glob (before renames); repeatable.", show_default=False),
+]
+DtypeOpt = Annotated[
+    str | None,
+    typer.Option("--dtype", help="Cast floating-point model tensors: fp32, bf16 or fp16. [default: keep]", show_default=False),
+]
+OptimDtypeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--optim-dtype", help="Cast floating-point optimizer state (never step): fp32, bf16 or fp16. [default: keep]", show_default=False
+    ),
+]
+
+
+def transform_options(
+    *,
+    optim_keys: str,
+    keep_wrapper_names: bool,
+    rename: list[str] | None,
+    include: list[str] | None,
+    exclude: list[str] | None,
+    dtype: str | None,
+    optim_dtype: str | None,
+) -> TransformOptions:
+    """The ``TransformOptions`` the command line asks for.
+
+    Raises:
+        InvalidOptionError: a bad ``--optim-keys``, ``--rename`` or dtype name.
+    """
+    if optim_keys not in ("names", "ids"):
+        raise InvalidOptionError(f"--optim-keys {optim_keys!r}: use names or ids")
+    return TransformOptions(
+        optim_keys=optim_keys,  # type: ignore[arg-type]
+        keep_wrapper_names=keep_wrapper_names,
+        renames=tuple(parse_rename(r) for r in rename or ()),
+        include=tuple(include or ()),
+        exclude=tuple(exclude or ()),
+        dtype=None if dtype is None else parse_dtype(dtype),
+        optim_dtype=None if optim_dtype is None else parse_dtype(optim_dtype),
+    )

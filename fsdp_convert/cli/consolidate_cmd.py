@@ -10,13 +10,21 @@ import typer
 from fsdp_convert.cli._errors import handle_errors
 from fsdp_convert.cli._options import (
     CheckpointArg,
+    DtypeOpt,
+    ExcludeOpt,
+    IncludeOpt,
     JsonOpt,
+    KeepWrapperNamesOpt,
     MemoryBudgetOpt,
     NoCrcOpt,
     NprocOpt,
+    OptimDtypeOpt,
+    OptimKeysOpt,
     OutputArg,
     OverwriteOpt,
     ProgressOpt,
+    RenameOpt,
+    transform_options,
 )
 from fsdp_convert.cli._output import console, human_bytes, print_json
 from fsdp_convert.convert import consolidate
@@ -32,14 +40,30 @@ Examples:
   fsdp-convert consolidate ckpt/step-1000 hf-model/ --max-shard-size 2GB
 
   fsdp-convert consolidate ckpt/step-1000 optim.pt --only optim --overwrite
+
+  fsdp-convert consolidate ckpt/step-1000 plain.pt --optim-keys ids --dtype bf16
+
+  fsdp-convert consolidate ckpt/step-1000 hf-model/ --rename '^=model.' --exclude 'lm_head.weight'
 """
 
 MaxShardSizeOpt = Annotated[
     str, typer.Option("--max-shard-size", help="Largest shard of a folder output (decimal GB as in transformers, or GiB).")
 ]
+FormatOpt = Annotated[
+    str,
+    typer.Option(
+        "--format",
+        help="auto (by OUT's suffix: .pt/.pth/.bin torch.save, .safetensors, folder = HF shards), torch, or safetensors.",
+    ),
+]
 OnlyOpt = Annotated[
     str,
-    typer.Option("--only", help="Which part to write: all, model or optim (.safetensors implies model).", show_default=True),
+    typer.Option(
+        "--only",
+        help="Which part to write: all, model or optim (a .safetensors file holds the model only; "
+        "a folder holds the model as shards, the optimizer state in optimizer.pt).",
+        show_default=True,
+    ),
 ]
 
 
@@ -48,6 +72,14 @@ def consolidate_command(
     output: OutputArg,
     nproc: NprocOpt = None,
     only: OnlyOpt = "all",
+    output_format: FormatOpt = "auto",
+    optim_keys: OptimKeysOpt = "names",
+    keep_wrapper_names: KeepWrapperNamesOpt = False,
+    rename: RenameOpt = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
+    dtype: DtypeOpt = None,
+    optim_dtype: OptimDtypeOpt = None,
     overwrite: OverwriteOpt = False,
     memory_budget: MemoryBudgetOpt = "1GiB",
     max_shard_size: MaxShardSizeOpt = "5GB",
@@ -65,11 +97,22 @@ def consolidate_command(
     only_value: Literal["all", "model", "optim"] = only  # type: ignore[assignment]
     show_progress = progress if progress is not None else (not json_output and sys.stderr.isatty())
     with handle_errors():
+        options = transform_options(
+            optim_keys=optim_keys,
+            keep_wrapper_names=keep_wrapper_names,
+            rename=rename,
+            include=include,
+            exclude=exclude,
+            dtype=dtype,
+            optim_dtype=optim_dtype,
+        )
         result = consolidate(
             checkpoint,
             output,
             nproc=nproc,
             only=only_value,
+            options=options,
+            output_format=output_format,  # type: ignore[arg-type]
             overwrite=overwrite,
             memory_budget_bytes=parse_size(memory_budget),
             max_shard_bytes=parse_size(max_shard_size),

@@ -8,7 +8,20 @@ from typing import Annotated
 import typer
 
 from fsdp_convert.cli._errors import handle_errors
-from fsdp_convert.cli._options import CheckpointArg, JsonOpt, NoCrcOpt, OverwriteOpt
+from fsdp_convert.cli._options import (
+    CheckpointArg,
+    DtypeOpt,
+    ExcludeOpt,
+    IncludeOpt,
+    JsonOpt,
+    KeepWrapperNamesOpt,
+    NoCrcOpt,
+    OptimDtypeOpt,
+    OptimKeysOpt,
+    OverwriteOpt,
+    RenameOpt,
+    transform_options,
+)
 from fsdp_convert.cli._output import console, human_bytes, print_json
 from fsdp_convert.convert import reshard
 
@@ -33,13 +46,31 @@ def reshard_command(
     output: OutDirArg,
     world_size: WorldSizeOpt,
     nproc: WritersOpt = None,
+    optim_keys: OptimKeysOpt = "names",
+    keep_wrapper_names: KeepWrapperNamesOpt = False,
+    rename: RenameOpt = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
+    dtype: DtypeOpt = None,
+    optim_dtype: OptimDtypeOpt = None,
     overwrite: OverwriteOpt = False,
     no_crc: NoCrcOpt = False,
     json_output: JsonOpt = False,
 ) -> None:
     """Write CHECKPOINT_DIR as a DCP checkpoint for --world-size ranks, each rank's chunks in its own file."""
     with handle_errors():
-        result = reshard(checkpoint, output, world_size=world_size, nproc=nproc, overwrite=overwrite, check_crc=not no_crc)
+        options = transform_options(
+            optim_keys=optim_keys,
+            keep_wrapper_names=keep_wrapper_names,
+            rename=rename,
+            include=include,
+            exclude=exclude,
+            dtype=dtype,
+            optim_dtype=optim_dtype,
+        )
+        result = reshard(
+            checkpoint, output, world_size=world_size, nproc=nproc, options=options, overwrite=overwrite, check_crc=not no_crc
+        )
     if json_output:
         print_json(
             {

@@ -96,7 +96,7 @@ def test_consolidate_refuses_existing_output(runner: CliRunner, ws3_ckpt: Sample
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["--only", "optim", "OUT.safetensors"], "safetensors holds model weights only"),
+        (["--only", "optim", "OUT.safetensors"], "holds model weights only"),
         (["OUT.txt"], "unknown output suffix"),
     ],
 )

@@ -9,13 +9,29 @@ import torch
 
 from fsdp_convert.errors import CoverageError, InvalidOptionError
 from fsdp_convert.metadata import BytesEntry, ChunkEntry, TensorEntry, read_index
-from fsdp_convert.plan import assign_owners, check_coverage, default_nproc, parse_size, plan_consolidate, plan_shards
+from fsdp_convert.convert import prepare_items
+from fsdp_convert.plan import (
+    assign_owners,
+    check_coverage,
+    default_nproc,
+    groups_for,
+    output_format,
+    parse_size,
+    plan_consolidate,
+    plan_shards,
+)
+from fsdp_convert.transform import OutputItem, TransformOptions
 from tests.conftest import Sample
 
 
 def _entry(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], fqn: str = "model.w") -> TensorEntry:
     chunks = tuple(ChunkEntry(offsets=o, sizes=s, relative_path="__0_0.distcp", offset_bytes=0, length_bytes=1) for o, s in boxes)
     return TensorEntry(fqn=fqn, path=("model", fqn), shape=shape, dtype=torch.float32, chunks=chunks)
+
+
+def _item(entry: TensorEntry | BytesEntry) -> OutputItem:
+    dtype = entry.dtype if isinstance(entry, TensorEntry) else None
+    return OutputItem(entry=entry, path=entry.path, group="model" if entry.path[0] == "model" else "optim", dtype=dtype)
 
 
 def test_coverage_accepts_2d_tiling_and_empty_chunks() -> None:
@@ -45,22 +61,31 @@ def test_owners_balance_bytes_and_keep_bytes_entries_on_rank0() -> None:
         ),
         _entry((50,), [((0,), (50,))], "c"),
     )
-    owners = assign_owners(entries, 2)
+    items = tuple(_item(e) for e in entries)
+    owners = assign_owners(items, 2)
     assert owners == (0, 1, 0, 1)
-    assert assign_owners(entries, 2) == owners  # deterministic
+    assert assign_owners(items, 2) == owners  # deterministic
 
 
 def test_plan_rejects_bad_options(ws3_ckpt: Sample, tmp_path: Path) -> None:
     index = read_index(ws3_ckpt.checkpoint)
-    with pytest.raises(InvalidOptionError, match="safetensors holds model weights only"):
-        plan_consolidate(index, tmp_path / "x.safetensors", only="optim")
+    with pytest.raises(InvalidOptionError, match="holds model weights only"):
+        groups_for(output_format(tmp_path / "x.safetensors"), "optim")
     with pytest.raises(InvalidOptionError, match="unknown output suffix"):
-        plan_consolidate(index, tmp_path / "x.txt")
-    plan = plan_consolidate(index, tmp_path / "x.safetensors")
-    assert {e.path[0] for e in plan.entries} == {"model"}
-    plan = plan_consolidate(index, tmp_path / "x.pt", nproc=3)
+        output_format(tmp_path / "x.txt")
+    with pytest.raises(InvalidOptionError, match="--format torch"):
+        output_format(tmp_path / "folder", "torch")
+    assert output_format(tmp_path / "folder", "safetensors") == "hf_dir"
+    groups = groups_for("safetensors", "all")
+    items = prepare_items(index, TransformOptions(), groups)
+    plan = plan_consolidate(index, items, tmp_path / "x.safetensors", fmt="safetensors")
+    assert {item.path[0] for item in plan.items} == {"model"}
+    items = prepare_items(index, TransformOptions(), groups_for("torch_save", "all"))
+    plan = plan_consolidate(index, items, tmp_path / "x.pt", fmt="torch_save", nproc=3)
     loads = plan.bytes_per_rank()
-    assert max(loads) - min(loads) <= max(e.nbytes for e in plan.entries)
+    assert max(loads) - min(loads) <= max(item.nbytes for item in plan.items)
+    with pytest.raises(InvalidOptionError, match="nothing to write"):
+        plan_consolidate(index, (), tmp_path / "x.pt", fmt="torch_save")
 
 
 @pytest.mark.parametrize(
@@ -78,13 +103,14 @@ def test_parse_size_rejects(text: str) -> None:
 
 
 def test_shards_pack_in_order_like_save_pretrained() -> None:
-    entries = tuple(_entry((n,), [((0,), (n,))], f"t{i}") for i, n in enumerate([10, 10, 30, 5, 5, 40]))  # x4 bytes
-    shards = plan_shards(entries, max_shard_bytes=80, nproc=2)
-    assert [s.entry_ids for s in shards] == [(0, 1), (2,), (3, 4), (5,)]
+    items = tuple(_item(_entry((n,), [((0,), (n,))], f"t{i}")) for i, n in enumerate([10, 10, 30, 5, 5, 40]))  # x4 bytes
+    ids = list(range(len(items)))
+    shards = plan_shards(items, ids, max_shard_bytes=80, nproc=2)
+    assert [s.item_ids for s in shards] == [(0, 1), (2,), (3, 4), (5,)]
     assert [s.filename for s in shards] == [f"model-0000{k}-of-00004.safetensors" for k in (1, 2, 3, 4)]
     assert [s.tensor_bytes for s in shards] == [80, 120, 40, 160]  # a tensor over the limit gets a shard of its own
     assert sorted({s.owner for s in shards}) == [0, 1]
-    assert [s.filename for s in plan_shards(entries, 10**9, 1)] == ["model.safetensors"]
+    assert [s.filename for s in plan_shards(items, ids, 10**9, 1)] == ["model.safetensors"]
 
 
 def test_default_nproc_is_capped_by_cores_files_and_size() -> None:

@@ -1,0 +1,400 @@
+"""Transform stage: checkpoint entries to output items, with FQNs cleaned, renamed, filtered, re-keyed and cast.
+
+Pure functions over an index, its ``layout.Slot`` per entry, and the few small param group values
+the caller has read (the ``params`` lists, and every field of a flattened optimizer state dict).
+The output is always the nested layout ``{"model": {fqn: tensor}, "optim": {"state": {...},
+"param_groups": [...]}, <other top-level keys as saved>}``, whatever nesting the producer used.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from fsdp_convert.errors import InvalidOptionError, UnsupportedTransformError
+from fsdp_convert.layout import Group, Slot
+from fsdp_convert.metadata import BytesEntry, CheckpointIndex, Entry, ObjPath, TensorEntry
+
+__all__ = [
+    "WRAPPER_NAMES",
+    "OptimKeys",
+    "TransformOptions",
+    "OutputItem",
+    "parse_rename",
+    "parse_dtype",
+    "clean_fqn",
+    "dcp_key",
+    "needs_group_values",
+    "build_items",
+]
+
+# Module names that wrappers insert into FQNs: FSDP1, activation checkpointing, torch.compile.
+WRAPPER_NAMES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+DDP_PREFIX = "module"
+OptimKeys = Literal["names", "ids"]
+
+_DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+}  # fmt: skip
+
+
+def parse_dtype(text: str) -> torch.dtype:
+    """``fp32``/``bf16``/``fp16`` (or ``float32``, ``bfloat16``, ``float16``) to a torch dtype.
+
+    Raises:
+        InvalidOptionError: any other name.
+    """
+    dtype = _DTYPES.get(text.strip().lower())
+    if dtype is None:
+        raise InvalidOptionError(f"{text!r} is not a dtype; use fp32, bf16 or fp16")
+    return dtype
+
+
+def parse_rename(text: str) -> tuple[str, str]:
+    """``REGEX=REPLACEMENT`` to a pair; the last ``=`` separates them (a regex may hold ``(?=``).
+
+    The replacement follows ``re.sub``: ``\\1`` or ``\\g<name>`` refer to groups.
+
+    Raises:
+        InvalidOptionError: no ``=``, or the regex does not compile.
+    """
+    pattern, sep, replacement = text.rpartition("=")
+    if not sep or not pattern:
+        raise InvalidOptionError(f"--rename {text!r}: expected REGEX=REPLACEMENT, e.g. '^layers\\.=model.layers.'")
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise InvalidOptionError(f"--rename {text!r}: bad regex ({e})") from e
+    return pattern, replacement
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransformOptions:
+    """How checkpoint keys and dtypes become the output's (``consolidate`` and ``reshard``).
+
+    Attributes:
+        optim_keys: ``names`` keys optimizer state by parameter FQN (as
+            ``get_optimizer_state_dict`` does); ``ids`` by integer in param-group order, with each
+            group's ``params`` a list of those integers (as ``torch.optim.Optimizer.state_dict``).
+        keep_wrapper_names: keep ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``,
+            ``_orig_mod.`` and a leading ``module.`` in FQNs (they are removed by default).
+        renames: ``(regex, replacement)`` pairs applied in order with ``re.sub`` to every
+            parameter FQN, model and optimizer alike, after wrapper names are removed.
+        include: glob patterns (``fnmatch``); when given, only model FQNs matching one are kept.
+        exclude: glob patterns; model FQNs matching one are dropped. Both match the FQN after
+            wrapper names are removed and before renames.
+        dtype: cast floating-point model tensors to this dtype; None keeps them.
+        optim_dtype: cast floating-point optimizer state (but never ``step``) to this dtype.
+    """
+
+    optim_keys: OptimKeys = "names"
+    keep_wrapper_names: bool = False
+    renames: tuple[tuple[str, str], ...] = ()
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    dtype: torch.dtype | None = None
+    optim_dtype: torch.dtype | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OutputItem:
+    """One value of the output: where it goes, and where it comes from.
+
+    Attributes:
+        entry: the checkpoint entry read for it (for a ``constant``, the entry it replaces, named
+            in errors).
+        path: its place in the output's nested state dict.
+        group: ``model``, ``optim`` or ``other``.
+        dtype: output dtype of a tensor (a cast when it differs from ``entry.dtype``); None for values.
+        constant: True when ``value`` is written instead of reading ``entry`` (a param group's
+            ``params`` after renaming or re-keying, a regrouped param group field).
+        value: the constant's value.
+    """
+
+    entry: Entry
+    path: ObjPath
+    group: Group
+    dtype: torch.dtype | None = None
+    constant: bool = False
+    value: Any = None
+
+    @property
+    def is_tensor(self) -> bool:
+        """True for a tensor read from the checkpoint."""
+        return isinstance(self.entry, TensorEntry) and not self.constant
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Global shape of a tensor item, in elements."""
+        assert isinstance(self.entry, TensorEntry)
+        return self.entry.shape
+
+    @property
+    def nbytes(self) -> int:
+        """Output size of a tensor (elements x output item size), or the payload size of a value, in bytes."""
+        if self.is_tensor:
+            assert isinstance(self.entry, TensorEntry) and self.dtype is not None
+            return self.entry.numel * self.dtype.itemsize
+        return 0 if self.constant else self.entry.nbytes
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes held while this item is read and converted: the larger of source and output size."""
+        return max(self.nbytes, self.entry.nbytes) if not self.constant else 0
+
+
+def dcp_key(path: ObjPath) -> str:
+    """DCP's flattened key of a nested path: its elements joined by dots (``optim.param_groups.0.lr``)."""
+    return ".".join(str(p) for p in path)
+
+
+def clean_fqn(fqn: str, *, keep_wrapper_names: bool = False) -> str:
+    """Remove wrapper module names from an FQN, as ``model.state_dict()`` of the unwrapped model has it.
+
+    ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.`` and ``_orig_mod.`` go wherever they
+    stand; ``module.`` only at the start (DDP). ``layers.0._checkpoint_wrapped_module.attn.weight``
+    becomes ``layers.0.attn.weight``.
+    """
+    if keep_wrapper_names:
+        return fqn
+    parts = [p for p in fqn.split(".") if p not in WRAPPER_NAMES]
+    if len(parts) > 1 and parts[0] == DDP_PREFIX:
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def needs_group_values(slots: tuple[Slot, ...]) -> list[int]:
+    """Indices of the entries whose values ``build_items`` needs: param group ``params`` lists and
+    every per-parameter field of a flattened optimizer state dict (all small plain values)."""
+    return [
+        i for i, s in enumerate(slots) if s.role == "optim_group" and (s.key == "params" or s.group is None)
+    ]
+
+
+def _param_namer(options: TransformOptions) -> Callable[[str], str]:
+    compiled = [(re.compile(p), r) for p, r in options.renames]
+
+    def name(fqn: str) -> str:
+        out = clean_fqn(fqn, keep_wrapper_names=options.keep_wrapper_names)
+        for pattern, replacement in compiled:
+            try:
+                out = pattern.sub(replacement, out)
+            except (re.error, IndexError) as e:
+                raise InvalidOptionError(f"--rename {pattern.pattern}={replacement}: {e} (on {fqn})") from e
+        return out
+
+    return name
+
+
+def _selected(fqn: str, options: TransformOptions) -> bool:
+    if options.include and not any(fnmatch.fnmatchcase(fqn, g) for g in options.include):
+        return False
+    return not any(fnmatch.fnmatchcase(fqn, g) for g in options.exclude)
+
+
+def _cast(entry: Entry, dtype: torch.dtype | None, keep: bool = False) -> torch.dtype | None:
+    if not isinstance(entry, TensorEntry):
+        return None
+    if dtype is None or keep or not entry.dtype.is_floating_point:
+        return entry.dtype
+    return dtype
+
+
+@dataclass
+class _ParamGroup:
+    """A param group being rebuilt: its fields in order (entry index, value) and its params."""
+
+    fields: dict[str, tuple[int, Any]]
+    params: list[str | int]
+
+
+def _nested_groups(
+    index: CheckpointIndex, slots: tuple[Slot, ...], values: Mapping[int, Any]
+) -> dict[int, _ParamGroup]:
+    groups: dict[int, _ParamGroup] = {}
+    for i, slot in enumerate(slots):
+        if slot.role != "optim_group" or slot.group is None:
+            continue
+        group = groups.setdefault(slot.group, _ParamGroup({}, []))
+        assert slot.key is not None
+        group.fields[slot.key] = (i, None)
+        if slot.key == "params":
+            params = values[i]
+            if not isinstance(params, (list, tuple)) or not all(isinstance(p, (str, int)) for p in params):
+                raise UnsupportedTransformError(
+                    f"{index.entries[i].fqn}: a param group's params should be a list of FQNs or ids, "
+                    f"got {type(params).__name__}"
+                )
+            group.params = list(params)
+    return groups
+
+
+def _flattened_groups(index: CheckpointIndex, slots: tuple[Slot, ...], values: Mapping[int, Any]) -> dict[int, _ParamGroup]:
+    """Regroup ``param_groups.<fqn>.<field>`` values: consecutive parameters with equal fields share a group.
+
+    torch's ``_flatten_optim_state_dict`` copies every field of a group to each of its parameters,
+    in group order, so this restores the groups (two adjacent groups with identical fields become
+    one, which loads the same).
+    """
+    per_param: dict[str, dict[str, tuple[int, Any]]] = {}
+    for i, slot in enumerate(slots):
+        if slot.role == "optim_group" and slot.group is None:
+            assert isinstance(slot.param, str) and slot.key is not None
+            per_param.setdefault(slot.param, {})[slot.key] = (i, values[i])
+    groups: dict[int, _ParamGroup] = {}
+    previous: dict[str, Any] | None = None
+    for fqn, fields in per_param.items():
+        plain = {k: v for k, (_, v) in fields.items()}
+        if previous is None or plain != previous:
+            groups[len(groups)] = _ParamGroup(dict(fields), [])
+            previous = plain
+        groups[len(groups) - 1].params.append(fqn)
+    return groups
+
+
+def build_items(
+    index: CheckpointIndex,
+    slots: tuple[Slot, ...],
+    options: TransformOptions,
+    values: Mapping[int, Any],
+    *,
+    groups: tuple[Group, ...] = ("model", "optim", "other"),
+    keep_layout: bool = False,
+) -> tuple[OutputItem, ...]:
+    """The output items of a conversion, in output order: model, optimizer state, param groups, other.
+
+    With ``keep_layout`` false (``consolidate``) the output has the nested layout ``{"model": ...,
+    "optim": {"state": ..., "param_groups": [...]}}``. With it true (``reshard``) every item keeps
+    its producer's nesting (top-level weights, ``optimizer``, a flattened optimizer state dict) so
+    the producer's own loader reads the output; only FQNs, ids and dtypes change.
+
+    Args:
+        index: the checkpoint.
+        slots: ``layout.classify(index)``.
+        options: renames, filters, re-keying, casts.
+        values: the value of every entry ``needs_group_values`` lists, by entry index.
+        groups: which groups to produce.
+
+    Raises:
+        InvalidOptionError: two FQNs become the same output key (names both).
+        UnsupportedTransformError: ``ids`` asked of optimizer state whose parameters no param
+            group lists, or a ``params`` value that is not a list of FQNs or ids.
+    """
+    name = _param_namer(options)
+    items: list[OutputItem] = []
+    if "model" in groups:
+        seen: dict[str, str] = {}
+        for i, slot in enumerate(slots):
+            if slot.role != "model":
+                continue
+            entry = index.entries[i]
+            assert isinstance(slot.param, str)
+            if not _selected(clean_fqn(slot.param, keep_wrapper_names=options.keep_wrapper_names), options):
+                continue
+            out = name(slot.param)
+            if out in seen:
+                raise InvalidOptionError(f"{seen[out]} and {entry.fqn} would both be written as model key {out!r}")
+            seen[out] = entry.fqn
+            prefix = entry.path[:1] if keep_layout and entry.path[0] == "model" else () if keep_layout else ("model",)
+            items.append(OutputItem(entry=entry, path=(*prefix, out), group="model", dtype=_cast(entry, options.dtype)))
+    if "optim" in groups:
+        items += _optim_items(index, slots, options, values, name, keep_layout)
+    if "other" in groups:
+        for i, slot in enumerate(slots):
+            if slot.role == "other":
+                entry = index.entries[i]
+                items.append(OutputItem(entry=entry, path=entry.path, group="other", dtype=_cast(entry, None)))
+    return tuple(items)
+
+
+def _optim_items(
+    index: CheckpointIndex,
+    slots: tuple[Slot, ...],
+    options: TransformOptions,
+    values: Mapping[int, Any],
+    name: Callable[[str], str],
+    keep_layout: bool,
+) -> list[OutputItem]:
+    flattened = any(s.role == "optim_group" and s.group is None for s in slots)
+    if flattened and keep_layout and options.optim_keys == "ids":
+        raise UnsupportedTransformError(
+            "a flattened optimizer state dict (flatten_optimizer_state_dict=True, as torchtitan saves) "
+            "is keyed by FQN only; reshard it with --optim-keys names"
+        )
+    groups = _flattened_groups(index, slots, values) if flattened else _nested_groups(index, slots, values)
+    order = [p for g in sorted(groups) for p in groups[g].params]
+    ids = {p: k for k, p in enumerate(order)}
+
+    def state_key(param: str | int, entry: Entry) -> str | int:
+        if options.optim_keys == "ids":
+            if isinstance(param, int):
+                return param
+            if param not in ids:
+                raise UnsupportedTransformError(
+                    f"{entry.fqn}: no param group lists parameter {param!r}, so it has no id; use --optim-keys names"
+                )
+            return ids[param]
+        return name(param) if isinstance(param, str) else param
+
+    state: list[tuple[int, OutputItem]] = []
+    seen: dict[tuple[Any, ...], str] = {}
+    for i, slot in enumerate(slots):
+        if slot.role != "optim_state":
+            continue
+        entry = index.entries[i]
+        assert slot.param is not None and slot.key is not None
+        key = state_key(slot.param, entry)
+        tail: ObjPath = entry.path[3:] if len(entry.path) >= 4 else (slot.key,)
+        if (key, *tail) in seen:
+            raise InvalidOptionError(f"{seen[(key, *tail)]} and {entry.fqn} would both be written as optimizer state {key!r}")
+        seen[(key, *tail)] = entry.fqn
+        dtype = _cast(entry, options.optim_dtype, keep=slot.key == "step")
+        if not keep_layout:
+            path: ObjPath = ("optim", "state", key, *tail)
+        elif len(entry.path) == 2:  # flattened: "state.<fqn>.<name>"
+            path = (entry.path[0], f"state.{key}.{slot.key}")
+        else:
+            path = (entry.path[0], "state", key, *tail)
+        item = OutputItem(entry=entry, path=path, group="optim", dtype=dtype)
+        state.append((key if isinstance(key, int) and options.optim_keys == "ids" else len(state), item))
+    items = [item for _, item in sorted(state, key=lambda pair: pair[0])]  # stable: ids order, else as saved
+
+    if flattened and keep_layout:  # each parameter's copy of its group's fields, renamed
+        for i, slot in enumerate(slots):
+            if slot.role == "optim_group":
+                entry = index.entries[i]
+                assert isinstance(slot.param, str)
+                path = (entry.path[0], f"param_groups.{name(slot.param)}.{slot.key}")
+                items.append(OutputItem(entry=entry, path=path, group="optim"))
+        return items
+    for g, group in ((k, groups[k]) for k in sorted(groups)):
+        first = sum(len(groups[k].params) for k in groups if k < g)
+        fields = dict(group.fields)
+        if "params" not in fields and group.params:
+            fields["params"] = next(iter(fields.values()))  # flattened: params is made, named after a field
+        for key, (i, value) in fields.items():
+            entry = index.entries[i]
+            path = (entry.path[0] if keep_layout else "optim", "param_groups", g, key)
+            if key == "params":
+                if options.optim_keys == "ids":
+                    params: list[str | int] = list(range(first, first + len(group.params)))
+                else:
+                    params = [name(p) if isinstance(p, str) else p for p in group.params]
+                items.append(OutputItem(entry=entry, path=path, group="optim", constant=True, value=params))
+            elif flattened:
+                items.append(OutputItem(entry=entry, path=path, group="optim", constant=True, value=value))
+            else:
+                items.append(OutputItem(entry=entry, path=path, group="optim", dtype=_cast(entry, None)))
+    return items
+
+
+def is_bytes(item: OutputItem) -> bool:
+    """True for a plain value (read from a bytes entry, or a constant)."""
+    return item.constant or isinstance(item.entry, BytesEntry)
