@@ -22,6 +22,8 @@ __all__ = [
     "classify",
     "detect_producer",
     "unflatten",
+    "DictKey",
+    "plain_path",
 ]
 
 Group = Literal["model", "optim", "other"]
@@ -132,8 +134,10 @@ def detect_producer(index: CheckpointIndex) -> str:
         accelerate's ``pytorch_model_fsdp_0/`` + ``optimizer_0/``, Lightning's ``meta.pt``);
         ``"fsdp1"`` when keys carry FSDP1 wrapper names (``_fsdp_wrapped_module``, ``_flat_param``);
         ``"torchtitan"`` for model weights at the top level beside ``optimizer``/``train_state``;
-        ``"fsdp2"`` for the ``{"model", "optim"}`` layout of ``get_state_dict`` with FQN-keyed
-        optimizer state; ``"dcp"`` for any other DCP checkpoint.
+        ``"fsdp2"`` or ``"fsdp1"`` for the ``{"model", "optim"}`` layout with FQN-keyed optimizer
+        state (FSDP2 ``get_state_dict``, FSDP1 ``SHARDED_STATE_DICT`` + ``FSDP.optim_state_dict``),
+        told apart by the empty chunks FSDP2 records for small tensors; ``"fsdp"`` when no tensor
+        is small enough to tell; ``"dcp"`` for any other DCP checkpoint.
     """
     if index.producer is not None:
         return index.producer
@@ -146,16 +150,36 @@ def detect_producer(index: CheckpointIndex) -> str:
     optim_fqn_keyed = any(
         len(e.path) >= 4 and e.path[:2] == ("optim", "state") and isinstance(e.path[2], str) for e in index.entries
     )
-    if {"model", "optim"} <= tops and optim_fqn_keyed:
+    if not ({"model", "optim"} <= tops and optim_fqn_keyed):
+        return "dcp"
+    # FSDP2 records an empty chunk for each rank past the end of a small tensor; FSDP1's sharded
+    # state dict leaves them out. With no tensor smaller than the world size, the layouts agree.
+    small = [e for e in index.tensors() if e.shape and e.shape[0] < index.world_size]
+    if any(c.numel == 0 for e in small for c in e.chunks):
         return "fsdp2"
-    return "dcp"
+    return "fsdp1" if small else "fsdp"
+
+
+class DictKey(int):
+    """An ``int`` path element that keys a dict rather than indexing a list (optimizer state by id).
+
+    DCP's paths cannot tell ``{"state": {0: ...}}`` from a list; the transform marks the ids it
+    makes, and ``unflatten`` returns them as plain ``int`` keys.
+    """
+
+    __slots__ = ()
+
+
+def plain_path(path: ObjPath) -> ObjPath:
+    """``path`` with ``DictKey`` elements as plain ``int`` (for pickles other tools read)."""
+    return tuple(int(p) if isinstance(p, DictKey) else p for p in path)
 
 
 def unflatten(items: Iterable[tuple[ObjPath, Any]]) -> dict[str, Any]:
     """Rebuild the nested state dict from (path, value) pairs, as DCP's ``unflatten_state_dict``.
 
     A path element that is an ``int`` indexes a list (``("optim", "param_groups", 0, "lr")``);
-    a ``str`` element keys a dict. Lists come out dense, in index order.
+    a ``str`` or ``DictKey`` element keys a dict. Lists come out dense, in index order.
 
     Raises:
         ValueError: two paths disagree on whether a level is a list or a dict, a path is given
@@ -166,9 +190,10 @@ def unflatten(items: Iterable[tuple[ObjPath, Any]]) -> dict[str, Any]:
     for path, value in items:
         node = root
         for i, key in enumerate(path):
-            if node and isinstance(key, int) != (id(node) in list_nodes):
+            is_index = isinstance(key, int) and not isinstance(key, DictKey)
+            if node and is_index != (id(node) in list_nodes):
                 raise ValueError(f"path {path!r} mixes list and dict keys at level {i}")
-            if isinstance(key, int):
+            if is_index:
                 list_nodes.add(id(node))
             if i == len(path) - 1:
                 if key in node:
@@ -197,4 +222,4 @@ def _densify(node: Any, list_nodes: set[int]) -> Any:
         if keys != list(range(len(keys))):
             raise ValueError(f"list indices {keys} are not 0..{len(keys) - 1}")
         return [_densify(node[k], list_nodes) for k in keys]
-    return {k: _densify(v, list_nodes) for k, v in node.items()}
+    return {int(k) if isinstance(k, DictKey) else k: _densify(v, list_nodes) for k, v in node.items()}

@@ -8,6 +8,8 @@ dtypes and layouts, paths and plain values, and every field is type-checked afte
 
 from __future__ import annotations
 
+import dataclasses
+
 import io
 import math
 import os
@@ -53,6 +55,9 @@ SUPPORTED_DTYPES = frozenset(
     }
 )  # fmt: skip
 _DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+# accelerate's FSDP checkpoint folder: one DCP folder for the model, one per optimizer
+_ACCELERATE_DIR_RE = re.compile(r"^(pytorch_model_fsdp|optimizer)_\d+$")
+LIGHTNING_META_FILENAME = "meta.pt"  # Lightning Fabric's FSDP strategy: user metadata beside .metadata
 
 ObjPath = tuple[str | int, ...]
 
@@ -176,7 +181,7 @@ class CheckpointIndex:
     @property
     def writer_ranks(self) -> tuple[int, ...]:
         """Ranks that wrote data files, parsed from ``__<rank>_<n>.distcp`` names."""
-        ranks = {int(m.group(1)) for f in self.data_files if (m := _DATA_FILE_RE.match(f))}
+        ranks = {int(m.group(1)) for f in self.data_files if (m := _DATA_FILE_RE.match(Path(f).name))}
         return tuple(sorted(ranks))
 
     @property
@@ -477,5 +482,62 @@ def read_index(checkpoint_id: str | os.PathLike[str]) -> CheckpointIndex:
         raise NotADcpCheckpointError(f"{root} is not a folder; a DCP checkpoint is a folder with {METADATA_FILENAME}")
     meta_path = root / METADATA_FILENAME
     if not meta_path.is_file():
-        raise NotADcpCheckpointError(f"{root} has no {METADATA_FILENAME}; not a DCP checkpoint")
-    return build_index(load_metadata(meta_path), root)
+        return _read_parent_folder(root)
+    index = build_index(load_metadata(meta_path), root)
+    if (root / LIGHTNING_META_FILENAME).is_file():
+        index = dataclasses.replace(index, producer="lightning")
+    return index
+
+
+def _read_parent_folder(root: Path) -> CheckpointIndex:
+    """A folder without ``.metadata``: accelerate's checkpoint folder, or a hint one level down."""
+    try:
+        subs = sorted(d for d in root.iterdir() if (d / METADATA_FILENAME).is_file())
+    except OSError as e:
+        raise NotADcpCheckpointError(f"{root} cannot be listed ({e.strerror})") from e
+    parts = [d for d in subs if _ACCELERATE_DIR_RE.match(d.name)]
+    if parts:
+        return _merge_indexes(root, [build_index(load_metadata(d / METADATA_FILENAME), d) for d in parts], "accelerate")
+    if len(subs) == 1:
+        raise NotADcpCheckpointError(f"{root} has no {METADATA_FILENAME}, but {subs[0]} has: pass that folder")
+    if subs:
+        newest = max(subs, key=lambda d: (len(d.name), d.name))  # step-10 after step-9
+        names = ", ".join(d.name for d in subs[:5]) + (", ..." if len(subs) > 5 else "")
+        raise NotADcpCheckpointError(
+            f"{root} has no {METADATA_FILENAME}; it holds {len(subs)} checkpoints ({names}): pass one, e.g. {newest}"
+        )
+    raise NotADcpCheckpointError(f"{root} has no {METADATA_FILENAME}; not a DCP checkpoint")
+
+
+def _merge_indexes(root: Path, parts: list[CheckpointIndex], producer: str) -> CheckpointIndex:
+    """One index over several DCP folders inside ``root``; data file paths become relative to ``root``.
+
+    Raises:
+        NotADcpCheckpointError: two folders hold the same key.
+    """
+    entries: list[Entry] = []
+    owner: dict[str, Path] = {}
+    files: list[str] = []
+    for part in parts:
+        prefix = part.checkpoint_id.name
+        for e in part.entries:
+            if e.fqn in owner:
+                raise NotADcpCheckpointError(f"{e.fqn} is in both {owner[e.fqn]} and {part.checkpoint_id}")
+            owner[e.fqn] = part.checkpoint_id
+            if isinstance(e, TensorEntry):
+                chunks = tuple(
+                    c if c.relative_path is None else dataclasses.replace(c, relative_path=f"{prefix}/{c.relative_path}")
+                    for c in e.chunks
+                )
+                entries.append(dataclasses.replace(e, chunks=chunks))
+            else:
+                entries.append(dataclasses.replace(e, relative_path=f"{prefix}/{e.relative_path}"))
+        files += [f"{prefix}/{f}" for f in part.data_files]
+    return CheckpointIndex(
+        checkpoint_id=root,
+        entries=tuple(entries),
+        data_files=tuple(sorted(files)),
+        version=parts[0].version,
+        save_id=parts[0].save_id,
+        producer=producer,
+    )

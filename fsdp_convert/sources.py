@@ -248,13 +248,11 @@ def open_source(path: str | os.PathLike[str], *, check_crc: bool = True, options
     if not p.exists():
         raise CheckpointNotFoundError(f"{p} does not exist")
     if p.is_dir():
-        if (p / METADATA_FILENAME).is_file():
-            return _DcpSource(p, check_crc, options)
-        if (p / HF_INDEX_FILENAME).is_file() or (p / HF_SINGLE_FILENAME).is_file():
+        if not (p / METADATA_FILENAME).is_file() and ((p / HF_INDEX_FILENAME).is_file() or (p / HF_SINGLE_FILENAME).is_file()):
             folder = _SafetensorsSource.from_folder(p)
             folder.add_side_files()
             return folder
-        raise NotADcpCheckpointError(f"{p} holds neither {METADATA_FILENAME} nor {HF_INDEX_FILENAME}; not a checkpoint")
+        return _DcpSource(p, check_crc, options)  # read_index names what is wrong with any other folder
     suffix = p.suffix.lower()
     if suffix in TORCH_SAVE_SUFFIXES:
         return _TorchSaveSource(p)

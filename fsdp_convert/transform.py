@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 
 from fsdp_convert.errors import InvalidOptionError, UnsupportedTransformError
-from fsdp_convert.layout import Group, Slot
+from fsdp_convert.layout import DictKey, Group, Slot
 from fsdp_convert.metadata import BytesEntry, CheckpointIndex, Entry, ObjPath, TensorEntry
 
 __all__ = [
@@ -329,19 +329,25 @@ def _optim_items(
             "is keyed by FQN only; reshard it with --optim-keys names"
         )
     groups = _flattened_groups(index, slots, values) if flattened else _nested_groups(index, slots, values)
+    if options.optim_keys == "ids":
+        # Ids follow the parameters' order in the model, as torch.optim numbers model.parameters();
+        # FSDP1 with use_orig_params=False lists a group's params in flat-parameter order instead.
+        model_order = {clean_fqn(str(s.param)): k for k, s in enumerate(slots) if s.role == "model"}
+        for group in groups.values():
+            group.params.sort(key=lambda p: model_order.get(clean_fqn(str(p)), len(model_order)))
     order = [p for g in sorted(groups) for p in groups[g].params]
     ids = {p: k for k, p in enumerate(order)}
 
     def state_key(param: str | int, entry: Entry) -> str | int:
+        if isinstance(param, int):
+            return DictKey(param)
         if options.optim_keys == "ids":
-            if isinstance(param, int):
-                return param
             if param not in ids:
                 raise UnsupportedTransformError(
                     f"{entry.fqn}: no param group lists parameter {param!r}, so it has no id; use --optim-keys names"
                 )
-            return ids[param]
-        return name(param) if isinstance(param, str) else param
+            return DictKey(ids[param])
+        return name(param)
 
     state: list[tuple[int, OutputItem]] = []
     seen: dict[tuple[Any, ...], str] = {}

@@ -94,3 +94,23 @@ def big_sample(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("big")
     run_ranks(train_and_save, 2, out, SampleConfig(dim=256, n_layers=8, vocab_size=4096, steps=1))
     return out
+
+
+@pytest.fixture(scope="session")
+def fsdp2_layouts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One FSDP2 run on 2 ranks saved as torchtitan, accelerate, Lightning and wrapper-named layouts (see tests/_producers.py)."""
+    from tests._producers import fsdp2_layouts as write
+
+    out = tmp_path_factory.mktemp("fsdp2_layouts")
+    run_ranks(write, 2, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def fsdp1_layouts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """FSDP1 runs on 2 ranks (use_orig_params True and False) saved with SHARDED_STATE_DICT (see tests/_producers.py)."""
+    from tests._producers import fsdp1_layouts as write
+
+    out = tmp_path_factory.mktemp("fsdp1_layouts")
+    run_ranks(write, 2, out)
+    return out

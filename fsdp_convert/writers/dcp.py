@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from fsdp_convert._torch import StorageInfo
+from fsdp_convert.layout import plain_path
 from fsdp_convert.metadata import METADATA_FILENAME, ObjPath
 from fsdp_convert.writers._buffer import close_synced, dense
 
@@ -119,7 +120,7 @@ def write_metadata(
     }
     metadata = Metadata(
         state_dict_metadata=state_dict_metadata,
-        planner_data={fqn: path for fqn, path, *_ in entries},
+        planner_data={fqn: plain_path(path) for fqn, path, *_ in entries},
         storage_data=storage_data,
         storage_meta=StorageMeta(save_id=str(uuid.uuid4())),
         version=version or "1.0.0",
