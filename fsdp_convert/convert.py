@@ -28,6 +28,7 @@ from fsdp_convert.plan import (
     DEFAULT_MAX_SHARD_BYTES,
     DEFAULT_MEMORY_BUDGET_BYTES,
     HF_INDEX_FILENAME,
+    HF_SINGLE_FILENAME,
     FilePlan,
     Only,
     RequestedFormat,
@@ -369,9 +370,9 @@ def _consolidate_rank(job: _ConsolidateJob, rank: int, world_size: int, transpor
 
 
 def _value_reader(index: CheckpointIndex, check_crc: bool) -> ChunkReader | FileBoxReader:
-    if index.data_files or (index.checkpoint_id / METADATA_FILENAME).is_file():
+    if index.data_files:
         return ChunkReader(index.checkpoint_id, check_crc=check_crc)
-    return FileBoxReader(index.checkpoint_id)
+    return FileBoxReader(index.checkpoint_id)  # a full checkpoint file (file_index)
 
 
 def prepare_items(
@@ -546,6 +547,7 @@ class _ReshardJob:
     plan: ReshardPlan
     tmp_output: Path
     check_crc: bool
+    chunked: bool  # the source has data files (ChunkReader), else it is one full file (FileBoxReader)
 
 
 def _payload(value: Any) -> bytes:
@@ -558,12 +560,7 @@ def _payload(value: Any) -> bytes:
 def _reshard_rank(job: _ReshardJob, worker: int, world_size: int, transport: GlooTransport | None) -> None:
     """Write the rank files of ``worker``'s target ranks; their records go to ``.records-<rank>``."""
     plan = job.plan
-    source = job.checkpoint_id
-    reader: FileBoxReader | ChunkReader
-    if (source / METADATA_FILENAME).is_file():
-        reader = ChunkReader(source, check_crc=job.check_crc)
-    else:
-        reader = FileBoxReader(source)
+    reader = ChunkReader(job.checkpoint_id, check_crc=job.check_crc) if job.chunked else FileBoxReader(job.checkpoint_id)
     with reader, writing(job.tmp_output):
         for rank in plan.ranks_of(worker):
             out = RankFileWriter(job.tmp_output, rank)
@@ -627,14 +624,20 @@ def reshard(
     start = time.monotonic()
     output = Path(output)
     source = Path(checkpoint_id)
-    is_dcp = source.is_dir() and (source / METADATA_FILENAME).exists()
-    index = read_index(source) if is_dcp or not source.exists() else file_index(source)
+    full_file = source.is_file() or (
+        source.is_dir()
+        and not (source / METADATA_FILENAME).exists()
+        and any((source / name).is_file() for name in (HF_INDEX_FILENAME, HF_SINGLE_FILENAME))
+    )
+    index = file_index(source) if full_file else read_index(source)
     check_output_free(output, overwrite=overwrite, directory=True)
     check_data_files(index)
     items = prepare_items(index, options or TransformOptions(), GROUPS, check_crc=check_crc, keep_layout=True)
     plan = plan_reshard(index, items, world_size, nproc=nproc)
     with atomic_output(output, overwrite=overwrite, directory=True) as tmp:
-        job = _ReshardJob(checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, check_crc=check_crc)
+        job = _ReshardJob(
+            checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, check_crc=check_crc, chunked=bool(index.data_files)
+        )
         if plan.nproc == 1:
             _reshard_rank(job, 0, 1, None)
         else:

@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
@@ -60,6 +60,7 @@ _ACCELERATE_DIR_RE = re.compile(r"^(pytorch_model_fsdp|optimizer)_\d+$")
 LIGHTNING_META_FILENAME = "meta.pt"  # Lightning Fabric's FSDP strategy: user metadata beside .metadata
 
 ObjPath = tuple[str | int, ...]
+ChunkEncoding = Literal["dcp", "raw", "rank_file"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,6 +75,11 @@ class ChunkEntry:
         offset_bytes: start of the payload in the data file, in bytes.
         length_bytes: length of the payload, in bytes (a torch.save zip of the box).
         transform_descriptors: stream transforms applied on write (e.g. compression), in order.
+        encoding: how the bytes hold the box: ``dcp`` (a torch.save payload, as DCP's
+            ``FileSystemWriter`` writes), ``raw`` (the box's elements, row-major little-endian, as
+            in a safetensors file) or ``rank_file`` (a tensor inside a per-rank torch.save file,
+            found by ``record``; see ``rank_files``).
+        record: for ``rank_file``, the tensor's path inside the loaded file.
     """
 
     offsets: tuple[int, ...]
@@ -82,6 +88,8 @@ class ChunkEntry:
     offset_bytes: int
     length_bytes: int
     transform_descriptors: tuple[str, ...] = ()
+    encoding: ChunkEncoding = "dcp"
+    record: ObjPath = ()
 
     @property
     def numel(self) -> int:
@@ -134,6 +142,9 @@ class BytesEntry:
         offset_bytes: start of the payload in the data file, in bytes.
         length_bytes: length of the payload, in bytes.
         transform_descriptors: stream transforms applied on write, in order.
+        encoding: ``dcp`` (a torch.save payload) or ``rank_file`` (a value inside a per-rank
+            torch.save file, at ``record``).
+        record: for ``rank_file``, the value's path inside the loaded file.
     """
 
     fqn: str
@@ -142,6 +153,8 @@ class BytesEntry:
     offset_bytes: int
     length_bytes: int
     transform_descriptors: tuple[str, ...] = ()
+    encoding: ChunkEncoding = "dcp"
+    record: ObjPath = ()
 
     @property
     def nbytes(self) -> int:
@@ -167,8 +180,10 @@ class CheckpointIndex:
         data_files: the data files that hold at least one payload, sorted.
         version: DCP's metadata version string, if recorded.
         save_id: DCP's save id, if recorded.
-        producer: the producer when the folder's files name it (``accelerate``, ``lightning``),
-            else None and ``layout.detect_producer`` judges by the keys.
+        producer: the producer when the folder's files name it (``accelerate``, ``lightning``,
+            ``verl``, ``hf_storage``...), else None and ``layout.detect_producer`` judges by the keys.
+        ranks: the producer's world size when the data file names do not follow DCP's
+            ``__<rank>_<n>.distcp`` (per-rank torch.save files, safetensors shards).
     """
 
     checkpoint_id: Path
@@ -177,6 +192,7 @@ class CheckpointIndex:
     version: str | None = None
     save_id: str | None = None
     producer: str | None = None
+    ranks: int | None = None
 
     @property
     def writer_ranks(self) -> tuple[int, ...]:
@@ -190,7 +206,7 @@ class CheckpointIndex:
 
         A rank that wrote nothing (possible only in tiny checkpoints) is not counted.
         """
-        return len(self.writer_ranks)
+        return self.ranks if self.ranks is not None else len(self.writer_ranks)
 
     @property
     def total_bytes(self) -> int:
@@ -496,6 +512,14 @@ def _read_parent_folder(root: Path) -> CheckpointIndex:
     except OSError as e:
         raise NotADcpCheckpointError(f"{root} cannot be listed ({e.strerror})") from e
     parts = [d for d in subs if _ACCELERATE_DIR_RE.match(d.name)]
+    if not subs:
+        from fsdp_convert.hf_storage import describe_safetensors_dcp, has_sharding_info
+        from fsdp_convert.rank_files import find_rank_files, rank_files_index
+
+        if find_rank_files(root):
+            return rank_files_index(root)
+        if has_sharding_info(root):
+            return describe_safetensors_dcp(root)
     if parts:
         return _merge_indexes(root, [build_index(load_metadata(d / METADATA_FILENAME), d) for d in parts], "accelerate")
     if len(subs) == 1:

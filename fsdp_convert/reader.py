@@ -31,6 +31,7 @@ from fsdp_convert.errors import (
     UnsupportedTransformError,
 )
 from fsdp_convert.metadata import BytesEntry, CheckpointIndex, ChunkEntry, TensorEntry
+from fsdp_convert.rank_files import load_rank_file, local_value
 
 __all__ = ["check_data_files", "ChunkReader", "ByteRangeFile"]
 
@@ -175,6 +176,7 @@ class ChunkReader:
         self.root = Path(checkpoint_id)
         self.check_crc = check_crc
         self._files: dict[str, tuple[int, int]] = {}  # relative path -> (fd, size in bytes)
+        self._rank_files: dict[str, Any] = {}  # relative path -> loaded per-rank torch.save file
         self._last_storage_crc: int | None = None
 
     def __enter__(self) -> ChunkReader:
@@ -188,6 +190,7 @@ class ChunkReader:
         for fd, _ in self._files.values():
             os.close(fd)
         self._files.clear()
+        self._rank_files.clear()
 
     def _open(self, relative_path: str) -> tuple[int, int]:
         opened = self._files.get(relative_path)
@@ -274,7 +277,13 @@ class ChunkReader:
         if chunk.relative_path is None:
             return torch.empty(chunk.sizes, dtype=entry.dtype)
         args = (chunk.relative_path, chunk.offset_bytes, chunk.length_bytes)
-        tensor = self._load(*args, chunk.transform_descriptors, entry.fqn)
+        if chunk.encoding == "raw":
+            return self._read_raw_box(entry, chunk)
+        if chunk.encoding == "rank_file":
+            self._last_storage_crc = None
+            tensor = local_value(self._rank_file(chunk.relative_path), chunk.record)
+        else:
+            tensor = self._load(*args, chunk.transform_descriptors, entry.fqn)
         if not isinstance(tensor, torch.Tensor):
             raise ShapeMismatchError(f"{self._where(*args, entry.fqn)}: payload is a {type(tensor).__name__}, not a tensor")
         if tuple(tensor.shape) != chunk.sizes or tensor.dtype != entry.dtype:
@@ -352,12 +361,41 @@ class ChunkReader:
             dst.copy_(src)
         return box
 
+    def _rank_file(self, relative_path: str) -> Any:
+        """A per-rank torch.save file, loaded once (memory-mapped) and kept while the reader is open."""
+        loaded = self._rank_files.get(relative_path)
+        if loaded is None:
+            path = self.root / relative_path
+            if not path.is_file():
+                raise MissingDataFileError(f"cannot open {path}: No such file")
+            loaded = self._rank_files[relative_path] = load_rank_file(path)
+        return loaded
+
+    def _read_raw_box(self, entry: TensorEntry, chunk: ChunkEntry) -> torch.Tensor:
+        """A box stored as its bare elements (a safetensors tensor's data), read with one pread."""
+        assert chunk.relative_path is not None
+        fd, size = self._open(chunk.relative_path)
+        where = self._where(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, entry.fqn)
+        if chunk.length_bytes != chunk.numel * entry.dtype.itemsize:
+            raise ShapeMismatchError(f"{where}: {chunk.length_bytes} bytes cannot hold {entry.dtype} {list(chunk.sizes)}")
+        if chunk.offset_bytes + chunk.length_bytes > size:
+            raise CorruptChunkError(f"{where}: the range lies past the end of the file ({size} bytes); the file is truncated")
+        self._last_storage_crc = None
+        buffer = bytearray(chunk.length_bytes)
+        if chunk.length_bytes and os.preadv(fd, [buffer], chunk.offset_bytes) != chunk.length_bytes:
+            raise CorruptChunkError(f"{where}: short read; the file changed while it was read")
+        return torch.frombuffer(buffer, dtype=entry.dtype).reshape(chunk.sizes) if chunk.length_bytes else torch.empty(chunk.sizes, dtype=entry.dtype)
+
     def read_raw(self, entry: BytesEntry) -> bytes:
         """A bytes entry's payload exactly as stored (to carry it over unchanged).
 
         Raises:
             MissingDataFileError, CorruptChunkError (truncated file).
         """
+        if entry.encoding == "rank_file":
+            buf = io.BytesIO()
+            torch.save(self.read_value(entry), buf)
+            return buf.getvalue()
         fd, size = self._open(entry.relative_path)
         where = self._where(entry.relative_path, entry.offset_bytes, entry.length_bytes, entry.fqn)
         if entry.offset_bytes + entry.length_bytes > size:
@@ -371,6 +409,8 @@ class ChunkReader:
         Raises:
             MissingDataFileError, CorruptChunkError, UnsupportedTransformError, UnsafeContentError.
         """
+        if entry.encoding == "rank_file":
+            return local_value(self._rank_file(entry.relative_path), entry.record)
         return self._load(entry.relative_path, entry.offset_bytes, entry.length_bytes, entry.transform_descriptors, entry.fqn)
 
 

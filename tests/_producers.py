@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     get_state_dict,
 )
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import StateDictType, fully_shard
@@ -70,6 +71,11 @@ def fsdp2_layouts(rank: int, world_size: int, out: Path) -> None:
     - ``wrapped``: ``{"model": torch.compile(model).state_dict(), "optim": ...}``: a compiled
       module's own state dict puts ``_orig_mod.`` before every key (activation checkpointing's
       wrapper removes its own name from state dicts; torch.compile's does not).
+    - ``hf_storage``: the model state dict through torch's ``HuggingFaceStorageWriter``
+      (``save_distributed=True``): per-rank safetensors shards, no ``.metadata``.
+    - ``verl``: not DCP: per-rank ``torch.save`` of ``model.state_dict()`` (DTensors) and
+      ``optim.state_dict()`` (id-keyed) as ``model_world_size_2_rank_{r}.pt`` / ``optim_...`` /
+      ``extra_state_...``, as verl's FSDP checkpoint manager writes them.
 
     ``truth.pt``: ``model`` and ``optim`` (full, FQN-keyed), and for the resume test the fixed
     ``batch`` every rank then trains on and the full ``next_model`` after that step.
@@ -98,6 +104,12 @@ def fsdp2_layouts(rank: int, world_size: int, out: Path) -> None:
     dcp_save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=out / "lightning")
     # torch.compile wraps lazily (nothing compiles until a call), and its state dict says _orig_mod.
     dcp_save({"model": torch.compile(model).state_dict(), "optim": optim_sd}, checkpoint_id=out / "wrapped")
+    dcp_save(model_sd, storage_writer=HuggingFaceStorageWriter(str(out / "hf_storage"), save_distributed=True))
+    verl = out / "verl"
+    verl.mkdir(exist_ok=True)
+    torch.save(model.state_dict(), verl / f"model_world_size_{world_size}_rank_{rank}.pt")
+    torch.save(optim.state_dict(), verl / f"optim_world_size_{world_size}_rank_{rank}.pt")
+    torch.save({"lr_scheduler": {"last_epoch": cfg.steps}}, verl / f"extra_state_world_size_{world_size}_rank_{rank}.pt")
 
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     # cloned: on CPU the "offloaded" state shares the live step tensors, which the next step bumps
@@ -114,7 +126,8 @@ def fsdp2_layouts(rank: int, world_size: int, out: Path) -> None:
 def fsdp1_layouts(rank: int, world_size: int, out: Path) -> None:
     """FSDP1 training saved with ``SHARDED_STATE_DICT``: ``{"model": model.state_dict(), "optim":
     FSDP.optim_state_dict(model, optim)}``, once with ``use_orig_params=True`` and once with
-    ``False`` (``orig_params_true/``, ``orig_params_false/``), each with ``truth.pt`` from
+    ``False`` (``orig_params_true/``, ``orig_params_false/``), as DCP (``checkpoint/``) and as
+    per-rank torch.save files (``rank_files/model_rank_{r}.pt``, ``optim_rank_{r}.pt``), each with ``truth.pt`` from
     ``get_model_state_dict``/``get_optimizer_state_dict(full_state_dict=True)`` (no CPU offload:
     FSDP1's offloaded full optimizer state can reuse a gather buffer on this torch).
 
@@ -136,6 +149,10 @@ def fsdp1_layouts(rank: int, world_size: int, out: Path) -> None:
         with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
             state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
         dcp_save(state, checkpoint_id=folder / "checkpoint")
+        rank_files = folder / "rank_files"  # the same state, torch.save rank by rank (ShardedTensor values)
+        rank_files.mkdir(exist_ok=True)
+        torch.save(state["model"], rank_files / f"model_rank_{rank}.pt")
+        torch.save(state["optim"], rank_files / f"optim_rank_{rank}.pt")
         opts = StateDictOptions(full_state_dict=True)
         truth = {
             "model": _clone(get_model_state_dict(model, options=opts)),

@@ -1,0 +1,139 @@
+"""Index stage for DCP checkpoints written as safetensors: torch's ``HuggingFaceStorageWriter``.
+
+``torch/distributed/checkpoint/hf_storage.py`` writes each rank's chunks as tensors of a
+safetensors file (``shard-00001-model-00001-of-00001.safetensors``) with no ``.metadata``; the
+header's ``__metadata__["DCP_SHARDING_INFO"]`` is a JSON string mapping each FQN to
+``{"saved_offsets": [...]}``, the chunk's offsets in the global tensor. The global shape is not
+stored: like torch's ``HuggingFaceStorageReader``, it is the largest offset + size per dim. A
+safetensors file without sharding info (a consolidated or plain Hugging Face file) holds whole
+tensors. Only headers are read here; chunk bytes are read later as raw elements.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+from fsdp_convert.errors import CorruptChunkError, NotADcpCheckpointError
+from fsdp_convert.metadata import CheckpointIndex, ChunkEntry, Entry, TensorEntry
+from fsdp_convert.writers.safetensors import SAFETENSORS_DTYPES
+
+__all__ = ["SHARDING_INFO_KEY", "read_header", "safetensors_files", "has_sharding_info", "describe_safetensors_dcp"]
+
+SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors refuses larger headers
+_SHARD_FILE_RE = re.compile(r"^shard-(\d+)-")  # shard-<rank + 1>-model-<i>-of-<n>.safetensors
+_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], int]:
+    """The JSON header of a safetensors file and where its data starts, in bytes.
+
+    Format: an 8-byte little-endian header length N, N bytes of JSON, then the data.
+
+    Raises:
+        CorruptChunkError: truncated file, oversized or malformed header.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise CorruptChunkError(f"{path}: truncated safetensors file (no header length)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise CorruptChunkError(f"{path}: safetensors header length {n} does not fit the file ({size} bytes)")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as e:
+        raise CorruptChunkError(f"{path}: not a readable safetensors file ({e})") from e
+    if not isinstance(header, dict):
+        raise CorruptChunkError(f"{path}: safetensors header is not a JSON object")
+    return header, 8 + n
+
+
+def safetensors_files(root: Path) -> list[Path]:
+    """The ``*.safetensors`` files directly in ``root``, sorted."""
+    return sorted(p for p in root.iterdir() if p.suffix == ".safetensors" and p.is_file())
+
+
+def has_sharding_info(root: Path) -> bool:
+    """True when a safetensors file in ``root`` carries DCP sharding info (``HuggingFaceStorageWriter``)."""
+    for path in safetensors_files(root):
+        meta = read_header(path)[0].get("__metadata__") or {}
+        if isinstance(meta, dict) and SHARDING_INFO_KEY in meta:
+            return True
+    return False
+
+
+def _sharding_info(path: Path, header: dict[str, Any]) -> dict[str, list[int]]:
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or SHARDING_INFO_KEY not in meta:
+        return {}
+    try:
+        info = json.loads(meta[SHARDING_INFO_KEY])
+        return {str(fqn): [int(o) for o in v["saved_offsets"]] for fqn, v in info.items()}
+    except (ValueError, TypeError, KeyError) as e:
+        raise NotADcpCheckpointError(f"{path}: malformed {SHARDING_INFO_KEY} ({e})") from e
+
+
+def describe_safetensors_dcp(root: Path) -> CheckpointIndex:
+    """Index the safetensors files of ``root`` as DCP chunks (see the module docstring).
+
+    Keys stand at the top level, as the state dict given to ``dcp.save`` had them (a model's
+    FQNs), so they are model weights.
+
+    Raises:
+        NotADcpCheckpointError: no safetensors file, a malformed header or sharding info, or two
+            files that disagree on a tensor's dtype.
+        CorruptChunkError: a tensor's byte range lies outside its file or does not fit its shape.
+    """
+    files = safetensors_files(root)
+    if not files:
+        raise NotADcpCheckpointError(f"{root} has no .metadata and no safetensors files; not a checkpoint")
+    chunks: dict[str, list[ChunkEntry]] = {}
+    dtypes: dict[str, Any] = {}
+    sharded = False
+    for path in files:
+        header, data_start = read_header(path)
+        offsets_of = _sharding_info(path, header)
+        sharded |= bool(offsets_of)
+        size = path.stat().st_size
+        for fqn, desc in header.items():
+            try:
+                dtype = _DTYPES[desc["dtype"]]
+                shape = tuple(int(d) for d in desc["shape"])
+                begin, end = (int(x) for x in desc["data_offsets"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise NotADcpCheckpointError(f"{path}: malformed header entry for {fqn} ({e!r})") from e
+            where = f"{path} ({fqn})"
+            if dtypes.setdefault(fqn, dtype) != dtype:
+                raise NotADcpCheckpointError(f"{where}: dtype {dtype} differs from another file's {dtypes[fqn]}")
+            if not 0 <= begin <= end or data_start + end > size or end - begin != math.prod(shape) * dtype.itemsize:
+                raise CorruptChunkError(f"{where}: data range [{begin}, {end}) does not hold {dtype} {list(shape)} in the file")
+            offsets = tuple(offsets_of.get(fqn, (0,) * len(shape)))
+            if len(offsets) != len(shape):
+                raise NotADcpCheckpointError(f"{where}: saved_offsets {list(offsets)} do not match shape {list(shape)}")
+            chunks.setdefault(fqn, []).append(
+                ChunkEntry(
+                    offsets=offsets, sizes=shape, relative_path=path.name, offset_bytes=data_start + begin,
+                    length_bytes=end - begin, encoding="raw",
+                )
+            )  # fmt: skip
+    entries: list[Entry] = []
+    for fqn, parts in chunks.items():
+        ndim = len(parts[0].sizes)
+        shape = tuple(max(c.offsets[d] + c.sizes[d] for c in parts) for d in range(ndim))
+        nonempty = tuple(c for c in parts if c.numel > 0) or tuple(parts[:1])
+        entries.append(TensorEntry(fqn=fqn, path=(fqn,), shape=shape, dtype=dtypes[fqn], chunks=nonempty))
+    writers = {m.group(1) for p in files if (m := _SHARD_FILE_RE.match(p.name))}
+    return CheckpointIndex(
+        checkpoint_id=root,
+        entries=tuple(entries),
+        data_files=tuple(p.name for p in files),
+        producer="hf_storage" if sharded else "safetensors",
+        ranks=len(writers) if writers else 1,
+    )
