@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 from typing import Annotated
 
 import typer
@@ -54,6 +56,9 @@ app.command("reshard", epilog=EXIT_CODES)(reshard_command)
 app.command("verify", epilog=EXIT_CODES)(verify_command)
 
 
+_SIGNAL_EXIT_CODES = frozenset({128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGHUP})
+
+
 def _on_terminate(signum: int, frame: object) -> None:
     raise_or_defer(TerminatedError(signum))
 
@@ -71,4 +76,14 @@ def main() -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_terminate)
     signal.signal(signal.SIGINT, _on_interrupt)
-    app()
+    try:
+        app()
+    except SystemExit as e:
+        if e.code in _SIGNAL_EXIT_CODES:
+            # Interrupted: the output is already cleaned up and the error printed. Skip interpreter
+            # finalization, where a torch thread pool caught mid-task can abort the process
+            # ("terminate called without an active exception") and turn exit 130 into a SIGABRT.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(e.code)
+        raise
