@@ -333,7 +333,11 @@ def _write_hf_index(job: _ConsolidateJob) -> None:
 
 def _open_writer(fmt: str, path: Path, items: list[OutputItem], strip: int) -> StateDictWriter:
     if fmt == "safetensors":
-        return SafetensorsWriter(path, [(item.path[strip:], item.dtype, item.shape) for item in items])
+        layout = []
+        for item in items:
+            assert item.dtype is not None  # safetensors files hold tensors only (checked by the planner)
+            layout.append((item.path[strip:], item.dtype, item.shape))
+        return SafetensorsWriter(path, layout)
     return TorchSaveWriter(path)
 
 

@@ -9,7 +9,6 @@ dtypes and layouts, paths and plain values, and every field is type-checked afte
 from __future__ import annotations
 
 import dataclasses
-
 import io
 import math
 import os

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Literal
 
 from fsdp_convert.errors import CoverageError, InvalidOptionError, NotADcpCheckpointError
-from fsdp_convert.layout import GROUPS, Group, group_of, unflatten
-from fsdp_convert.metadata import METADATA_FILENAME, BytesEntry, CheckpointIndex, Entry, TensorEntry
+from fsdp_convert.layout import GROUPS, Group, unflatten
+from fsdp_convert.metadata import METADATA_FILENAME, CheckpointIndex, TensorEntry
 from fsdp_convert.transform import OutputItem
 
 __all__ = [
@@ -100,11 +100,15 @@ def output_format(output: Path, requested: RequestedFormat = "auto") -> OutputFo
         raise InvalidOptionError(f"--format {requested!r}: use auto, torch or safetensors")
     if requested == "torch":
         if suffix not in TORCH_SAVE_SUFFIXES:
-            raise InvalidOptionError(f"{output}: --format torch writes one torch.save file; name it with {', '.join(TORCH_SAVE_SUFFIXES)}")
+            raise InvalidOptionError(
+                f"{output}: --format torch writes one torch.save file; name it with {', '.join(TORCH_SAVE_SUFFIXES)}"
+            )
         return "torch_save"
     if requested == "safetensors":
         if suffix in TORCH_SAVE_SUFFIXES:
-            raise InvalidOptionError(f"{output}: --format safetensors needs a .safetensors name or a folder, not {output.suffix!r}")
+            raise InvalidOptionError(
+                f"{output}: --format safetensors needs a .safetensors name or a folder, not {output.suffix!r}"
+            )
         return "safetensors" if suffix in SAFETENSORS_SUFFIXES else "hf_dir"
     if suffix in TORCH_SAVE_SUFFIXES:
         return "torch_save"
@@ -283,16 +287,19 @@ def default_nproc(total_bytes: int, data_files: int, cpus: int, *, single_file: 
 
 
 def groups_for(fmt: OutputFormat, only: Only) -> tuple[Group, ...]:
-    """The groups an output holds: safetensors files hold model weights only; a folder holds the
-    model as shards and, with ``only="all"``, the optimizer in ``optimizer.pt`` and the rest in
-    ``extra_state.pt``.
+    """The groups an output holds, for ``--only``.
+
+    A safetensors file holds model weights only; a folder holds the model as shards and, with
+    ``only="all"``, the optimizer in ``optimizer.pt`` and the rest in ``extra_state.pt``.
 
     Raises:
         InvalidOptionError: optimizer state asked of a safetensors file.
     """
     if fmt == "safetensors":
         if only == "optim":
-            raise InvalidOptionError("a .safetensors file holds model weights only; use a .pt file or a folder for optimizer state")
+            raise InvalidOptionError(
+                "a .safetensors file holds model weights only; use a .pt file or a folder for optimizer state"
+            )
         return ("model",)
     return GROUPS if only == "all" else (only,)
 
@@ -331,12 +338,16 @@ def plan_consolidate(
     if nproc is not None and nproc < 1:
         raise InvalidOptionError(f"--nproc must be at least 1, got {nproc}")
     if not items:
-        raise InvalidOptionError(f"{index.checkpoint_id}: nothing to write (no entries are left after --only/--include/--exclude)")
+        raise InvalidOptionError(
+            f"{index.checkpoint_id}: nothing to write (no entries are left after --only/--include/--exclude)"
+        )
     model_ids = [i for i, item in enumerate(items) if item.group == "model"]
     if fmt != "torch_save":
         for i in model_ids:
             if not items[i].is_tensor:
-                raise InvalidOptionError(f"{items[i].entry.fqn} is not a tensor; safetensors holds tensors only (use a .pt output)")
+                raise InvalidOptionError(
+                    f"{items[i].entry.fqn} is not a tensor; safetensors holds tensors only (use a .pt output)"
+                )
     try:
         unflatten((item.path, None) for item in items)
     except ValueError as err:

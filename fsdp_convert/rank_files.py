@@ -49,7 +49,7 @@ class _ShardedTensorStandIn(torch.Tensor):
         self.state = state
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         raise TypeError("a ShardedTensor read from a rank file is a placeholder; use its local shards")
 
 
@@ -71,7 +71,8 @@ def _safe_globals() -> list[Any]:
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor.metadata import MEM_FORMAT_ENCODING, ShardedTensorMetadata, TensorProperties
     from torch.distributed._shard.sharded_tensor.shard import Shard as ShardedTensorShard
-    from torch.distributed._shard.sharding_spec import ChunkShardingSpec, EnumerableShardingSpec
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+    from torch.distributed._shard.sharding_spec.api import EnumerableShardingSpec
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.remote_device import _remote_device
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -135,7 +136,7 @@ def find_rank_files(root: Path) -> dict[str, dict[int, Path]]:
         for rank in range(world_size):
             if rank not in files:
                 example = next(iter(files.values())).name
-                missing = re.sub(r"rank([_-]?)\d+", lambda m: f"rank{m.group(1)}{rank}", example)
+                missing = re.sub(r"rank([_-]?)\d+", rf"rank\g<1>{rank}", example)
                 raise MissingDataFileError(f"{root / missing} is missing; {example} says there are {world_size} ranks")
     return groups
 
@@ -192,8 +193,11 @@ def _dtensor_local(value: Any, where: str) -> _Local:
 def _local_box(
     shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...], placements: Any
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """This rank's (sizes, offsets) by ``torch.chunk`` on each sharded dim, in mesh-dim order
-    (DTensor's ``compute_local_shape_and_global_offset`` for ``Shard``/``Replicate``)."""
+    """This rank's (sizes, offsets), in elements, by ``torch.chunk`` on each sharded dim.
+
+    Mesh dims apply in order, as DTensor's ``compute_local_shape_and_global_offset`` does for
+    ``Shard`` and ``Replicate`` placements.
+    """
     sizes, offsets = list(shape), [0] * len(shape)
     for mesh_dim, p in enumerate(placements):
         if not hasattr(p, "dim"):
@@ -212,11 +216,13 @@ def _sharded_tensor_local(value: _ShardedTensorStandIn, where: str) -> _Local:
         local_shards, meta, *_ = value.state
         shape = tuple(meta.size)
         dtype = meta.tensor_properties.dtype
-        boxes = []
+        boxes: list[tuple[tuple[int, ...], tuple[int, ...], ObjPath]] = []
         for i, shard in enumerate(local_shards):
             offsets, sizes = tuple(shard.metadata.shard_offsets), tuple(shard.metadata.shard_sizes)
             if tuple(shard.tensor.shape) != sizes:
-                raise CorruptChunkError(f"{where}: local shard {i} is {list(shard.tensor.shape)}, its metadata says {list(sizes)}")
+                raise CorruptChunkError(
+                    f"{where}: local shard {i} is {list(shard.tensor.shape)}, its metadata says {list(sizes)}"
+                )
             boxes.append((offsets, sizes, ("local_shards", i)))
     except (TypeError, ValueError, AttributeError) as e:
         raise NotADcpCheckpointError(f"{where}: malformed ShardedTensor ({e})") from e
@@ -224,8 +230,11 @@ def _sharded_tensor_local(value: _ShardedTensorStandIn, where: str) -> _Local:
 
 
 def local_value(obj: Any, record: ObjPath) -> Any:
-    """The value a chunk's or value's ``record`` names in a loaded rank file: its path in the
-    nested dict, then ``_local_tensor`` for a DTensor or ``("local_shards", i)`` for a ShardedTensor."""
+    """The value a chunk's or value's ``record`` names in a loaded rank file.
+
+    ``record`` is the path in the nested dict, then ``_local_tensor`` for a DTensor or
+    ``("local_shards", i)`` for a ShardedTensor.
+    """
     for i, key in enumerate(record):
         if key == "_local_tensor" and i == len(record) - 1:
             return obj._local_tensor
@@ -311,7 +320,8 @@ def rank_files_index(root: Path) -> CheckpointIndex:
                 continue
             shape, dtype, chunks = tensors[obj_path]
             fqn = ".".join(map(str, (top, *obj_path)))
-            entries.append(TensorEntry(fqn=fqn, path=(top, *obj_path), shape=shape, dtype=dtype, chunks=tuple(chunks)))
+            stored = tuple(c for c in chunks if c.numel > 0) or tuple(chunks[:1])  # empty shards of small tensors
+            entries.append(TensorEntry(fqn=fqn, path=(top, *obj_path), shape=shape, dtype=dtype, chunks=stored))
     producer = "fsdp1" if saw_sharded_tensor else "verl" if any("_world_size_" in f for f in files) else "torch_save"
     ranks = max(len(by_rank) for by_rank in groups.values())
     return CheckpointIndex(

@@ -384,7 +384,11 @@ class ChunkReader:
         buffer = bytearray(chunk.length_bytes)
         if chunk.length_bytes and os.preadv(fd, [buffer], chunk.offset_bytes) != chunk.length_bytes:
             raise CorruptChunkError(f"{where}: short read; the file changed while it was read")
-        return torch.frombuffer(buffer, dtype=entry.dtype).reshape(chunk.sizes) if chunk.length_bytes else torch.empty(chunk.sizes, dtype=entry.dtype)
+        return (
+            torch.frombuffer(buffer, dtype=entry.dtype).reshape(chunk.sizes)
+            if chunk.length_bytes
+            else torch.empty(chunk.sizes, dtype=entry.dtype)
+        )
 
     def read_raw(self, entry: BytesEntry) -> bytes:
         """A bytes entry's payload exactly as stored (to carry it over unchanged).

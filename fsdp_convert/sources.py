@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from fsdp_convert.errors import CheckpointNotFoundError, CorruptChunkError, NotADcpCheckpointError, UnsafeContentError
+from fsdp_convert.layout import GROUPS
 from fsdp_convert.metadata import (
     METADATA_FILENAME,
     BytesEntry,
@@ -30,7 +31,6 @@ from fsdp_convert.metadata import (
     TensorEntry,
     read_index,
 )
-from fsdp_convert.layout import GROUPS
 from fsdp_convert.plan import (
     EXTRA_STATE_FILENAME,
     HF_INDEX_FILENAME,
@@ -100,8 +100,11 @@ def flatten_with_paths(obj: Mapping[str, Any]) -> dict[str, tuple[tuple[str | in
 
 
 class _DcpSource:
-    """A DCP checkpoint seen through ``transform`` items: the canonical nested layout's keys
-    (wrapper names removed, ``optimizer`` as ``optim``, flattened optimizer state nested)."""
+    """A DCP checkpoint seen through ``transform`` items.
+
+    Keys are the nested layout's (wrapper names removed, ``optimizer`` as ``optim``, flattened
+    optimizer state nested).
+    """
 
     kind = "dcp"
     model_only = False

@@ -58,9 +58,9 @@ def parse_dtype(text: str) -> torch.dtype:
 
 
 def parse_rename(text: str) -> tuple[str, str]:
-    """``REGEX=REPLACEMENT`` to a pair; the last ``=`` separates them (a regex may hold ``(?=``).
+    r"""``REGEX=REPLACEMENT`` to a pair; the last ``=`` separates them (a regex may hold ``(?=``).
 
-    The replacement follows ``re.sub``: ``\\1`` or ``\\g<name>`` refer to groups.
+    The replacement follows ``re.sub``: ``\1`` or ``\g<name>`` refer to groups.
 
     Raises:
         InvalidOptionError: no ``=``, or the regex does not compile.
@@ -171,11 +171,12 @@ def clean_fqn(fqn: str, *, keep_wrapper_names: bool = False) -> str:
 
 
 def needs_group_values(slots: tuple[Slot, ...]) -> list[int]:
-    """Indices of the entries whose values ``build_items`` needs: param group ``params`` lists and
-    every per-parameter field of a flattened optimizer state dict (all small plain values)."""
-    return [
-        i for i, s in enumerate(slots) if s.role == "optim_group" and (s.key == "params" or s.group is None)
-    ]
+    """Indices of the entries whose values ``build_items`` needs (all small plain values).
+
+    Those are the param groups' ``params`` lists and every per-parameter field of a flattened
+    optimizer state dict.
+    """
+    return [i for i, s in enumerate(slots) if s.role == "optim_group" and (s.key == "params" or s.group is None)]
 
 
 def _param_namer(options: TransformOptions) -> Callable[[str], str]:
@@ -215,9 +216,7 @@ class _ParamGroup:
     params: list[str | int]
 
 
-def _nested_groups(
-    index: CheckpointIndex, slots: tuple[Slot, ...], values: Mapping[int, Any]
-) -> dict[int, _ParamGroup]:
+def _nested_groups(index: CheckpointIndex, slots: tuple[Slot, ...], values: Mapping[int, Any]) -> dict[int, _ParamGroup]:
     groups: dict[int, _ParamGroup] = {}
     for i, slot in enumerate(slots):
         if slot.role != "optim_group" or slot.group is None:
@@ -229,8 +228,7 @@ def _nested_groups(
             params = values[i]
             if not isinstance(params, (list, tuple)) or not all(isinstance(p, (str, int)) for p in params):
                 raise UnsupportedTransformError(
-                    f"{index.entries[i].fqn}: a param group's params should be a list of FQNs or ids, "
-                    f"got {type(params).__name__}"
+                    f"{index.entries[i].fqn}: a param group's params should be a list of FQNs or ids, got {type(params).__name__}"
                 )
             group.params = list(params)
     return groups
@@ -281,6 +279,7 @@ def build_items(
         options: renames, filters, re-keying, casts.
         values: the value of every entry ``needs_group_values`` lists, by entry index.
         groups: which groups to produce.
+        keep_layout: keep the producer's nesting (see above).
 
     Raises:
         InvalidOptionError: two FQNs become the same output key (names both).

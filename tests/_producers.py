@@ -14,13 +14,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing, checkpoint_wrapper
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,
 )
-from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import StateDictType, fully_shard
@@ -113,7 +113,9 @@ def fsdp2_layouts(rank: int, world_size: int, out: Path) -> None:
 
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     # cloned: on CPU the "offloaded" state shares the live step tensors, which the next step bumps
-    truth = _clone({"model": get_model_state_dict(model, options=full), "optim": get_optimizer_state_dict(model, optim, options=full)})
+    truth = _clone(
+        {"model": get_model_state_dict(model, options=full), "optim": get_optimizer_state_dict(model, optim, options=full)}
+    )
     batch = _batch(cfg, 999)  # the same on every rank: the data-parallel step equals one process's step
     train_step(model, optim, batch, cfg.vocab_size)
     next_model = get_model_state_dict(model, options=full)

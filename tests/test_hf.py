@@ -40,7 +40,17 @@ def test_from_pretrained_gives_the_trained_logits(
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     run = llama_runs / tie
     out = tmp_path / "hf"
-    args = ["consolidate", str(run / "checkpoint"), str(out), "--format", "safetensors", "--max-shard-size", "20KB", "--only", "model"]
+    args = [
+        "consolidate",
+        str(run / "checkpoint"),
+        str(out),
+        "--format",
+        "safetensors",
+        "--max-shard-size",
+        "20KB",
+        "--only",
+        "model",
+    ]
     result = runner.invoke(app, args + extra)
     assert result.exit_code == 0, result.stderr
     shutil.copy(run / "config.json", out / "config.json")

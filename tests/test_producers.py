@@ -20,7 +20,14 @@ from tests._producers import CFG, TRUTH, train_step
 # fixture, checkpoint path inside it, truth.pt inside it, inspect's producer, other top-level keys,
 # optimizer form in the output ("names": FQN-keyed; "ids": the producer saved optim.state_dict(); None: model only)
 PRODUCERS: dict[str, tuple[str, str, str, str, set[str], str | None]] = {
-    "torchtitan": ("fsdp2_layouts", "torchtitan/step-2", TRUTH, "torchtitan", {"lr_scheduler", "train_state", "dataloader"}, "names"),
+    "torchtitan": (
+        "fsdp2_layouts",
+        "torchtitan/step-2",
+        TRUTH,
+        "torchtitan",
+        {"lr_scheduler", "train_state", "dataloader"},
+        "names",
+    ),
     "accelerate": ("fsdp2_layouts", "accelerate", TRUTH, "accelerate", set(), "names"),
     "lightning": ("fsdp2_layouts", "lightning", TRUTH, "lightning", set(), "names"),
     "fsdp2-wrapper-names": ("fsdp2_layouts", "wrapped", TRUTH, "fsdp2", set(), "names"),

@@ -47,7 +47,10 @@ def test_rename_filter_and_cast_apply_to_model_and_optimizer(runner: CliRunner, 
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
-        (["--rename", r"^layers\.\d+\.=layer."], "model.layers.0.attn_norm.weight and model.layers.1.attn_norm.weight would both"),
+        (
+            ["--rename", r"^layers\.\d+\.=layer."],
+            "model.layers.0.attn_norm.weight and model.layers.1.attn_norm.weight would both",
+        ),
         (["--rename", "(unclosed=x"], "bad regex"),
         (["--rename", "no-equals-sign"], "expected REGEX=REPLACEMENT"),
         (["--dtype", "fp8"], "'fp8' is not a dtype"),
@@ -55,7 +58,9 @@ def test_rename_filter_and_cast_apply_to_model_and_optimizer(runner: CliRunner, 
         (["--include", "nothing.matches"], "nothing to write"),
     ],
 )
-def test_bad_transforms_are_usage_errors(runner: CliRunner, ws3_ckpt: Sample, tmp_path: Path, extra: list[str], needle: str) -> None:
+def test_bad_transforms_are_usage_errors(
+    runner: CliRunner, ws3_ckpt: Sample, tmp_path: Path, extra: list[str], needle: str
+) -> None:
     out = tmp_path / "t.pt"
     result = runner.invoke(app, ["consolidate", str(ws3_ckpt.checkpoint), str(out), "--only", "model", *extra])
     assert result.exit_code == 2, (result.stdout, result.stderr)

@@ -30,7 +30,12 @@ __all__ = [
 ]
 
 CheckpointArg = Annotated[
-    Path, typer.Argument(metavar="CHECKPOINT_DIR", help="DCP checkpoint folder (the one holding .metadata, or a folder of them such as accelerate's).", show_default=False)
+    Path,
+    typer.Argument(
+        metavar="CHECKPOINT_DIR",
+        help="DCP checkpoint folder (the one holding .metadata, or a folder of them such as accelerate's).",
+        show_default=False,
+    ),
 ]
 OutputArg = Annotated[
     Path,
@@ -96,11 +101,15 @@ RenameOpt = Annotated[
 ]
 IncludeOpt = Annotated[
     list[str] | None,
-    typer.Option("--include", metavar="GLOB", help="Keep only model FQNs matching a glob (before renames); repeatable.", show_default=False),
+    typer.Option(
+        "--include", metavar="GLOB", help="Keep only model FQNs matching a glob (before renames); repeatable.", show_default=False
+    ),
 ]
 ExcludeOpt = Annotated[
     list[str] | None,
-    typer.Option("--exclude", metavar="GLOB", help="Drop model FQNs matching a glob (before renames); repeatable.", show_default=False),
+    typer.Option(
+        "--exclude", metavar="GLOB", help="Drop model FQNs matching a glob (before renames); repeatable.", show_default=False
+    ),
 ]
 DtypeOpt = Annotated[
     str | None,
@@ -109,7 +118,9 @@ DtypeOpt = Annotated[
 OptimDtypeOpt = Annotated[
     str | None,
     typer.Option(
-        "--optim-dtype", help="Cast floating-point optimizer state (never step): fp32, bf16 or fp16. [default: keep]", show_default=False
+        "--optim-dtype",
+        help="Cast floating-point optimizer state (never step): fp32, bf16 or fp16. [default: keep]",
+        show_default=False,
     ),
 ]
 

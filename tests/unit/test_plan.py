@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from fsdp_convert.convert import prepare_items
 from fsdp_convert.errors import CoverageError, InvalidOptionError
 from fsdp_convert.metadata import BytesEntry, ChunkEntry, TensorEntry, read_index
-from fsdp_convert.convert import prepare_items
 from fsdp_convert.plan import (
     assign_owners,
     check_coverage,
