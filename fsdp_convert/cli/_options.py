@@ -126,7 +126,6 @@ OptimDtypeOpt = Annotated[
 
 
 def transform_options(
-    *,
     optim_keys: str,
     keep_wrapper_names: bool,
     rename: list[str] | None,

@@ -97,15 +97,7 @@ def consolidate_command(
     only_value: Literal["all", "model", "optim"] = only  # type: ignore[assignment]
     show_progress = progress if progress is not None else (not json_output and sys.stderr.isatty())
     with handle_errors():
-        options = transform_options(
-            optim_keys=optim_keys,
-            keep_wrapper_names=keep_wrapper_names,
-            rename=rename,
-            include=include,
-            exclude=exclude,
-            dtype=dtype,
-            optim_dtype=optim_dtype,
-        )
+        options = transform_options(optim_keys, keep_wrapper_names, rename, include, exclude, dtype, optim_dtype)
         result = consolidate(
             checkpoint,
             output,

@@ -59,15 +59,7 @@ def reshard_command(
 ) -> None:
     """Write CHECKPOINT_DIR as a DCP checkpoint for --world-size ranks, each rank's chunks in its own file."""
     with handle_errors():
-        options = transform_options(
-            optim_keys=optim_keys,
-            keep_wrapper_names=keep_wrapper_names,
-            rename=rename,
-            include=include,
-            exclude=exclude,
-            dtype=dtype,
-            optim_dtype=optim_dtype,
-        )
+        options = transform_options(optim_keys, keep_wrapper_names, rename, include, exclude, dtype, optim_dtype)
         result = reshard(
             checkpoint, output, world_size=world_size, nproc=nproc, options=options, overwrite=overwrite, check_crc=not no_crc
         )
