@@ -107,6 +107,7 @@ def test_consolidate_folder_writes_hf_shards_and_index(ws3_ckpt: Sample, tmp_pat
     for shard in shards:
         with safe_open(shard, "pt") as f:
             sizes = [f.get_slice(k).get_shape() for k in f.keys()]
+            assert f.metadata() == {"format": "pt"}  # as transformers' save_pretrained writes it
         data_bytes = sum(4 * torch.Size(s).numel() for s in sizes)
         assert data_bytes <= 8000 or len(sizes) == 1  # only a tensor over the limit stands alone
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
