@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -19,8 +20,8 @@ import torch
 from tqdm import tqdm
 
 from fsdp_convert.compare import Difference, VerifyResult, verify
-from fsdp_convert.errors import VerificationError
-from fsdp_convert.launch import GlooTransport, run_workers
+from fsdp_convert.errors import InvalidOptionError, VerificationError
+from fsdp_convert.launch import Cluster, GlooTransport, launched_by_torchrun, run_in_place, run_workers
 from fsdp_convert.layout import GROUPS, Group, classify, detect_producer
 from fsdp_convert.metadata import METADATA_FILENAME, BytesEntry, CheckpointIndex, TensorEntry, dtype_name, read_index
 from fsdp_convert.pipeline import prefetch
@@ -43,7 +44,7 @@ from fsdp_convert.reader import ChunkReader, check_data_files
 from fsdp_convert.sources import FileBoxReader, file_index
 from fsdp_convert.transform import OutputItem, TransformOptions, build_items, dcp_key, needs_group_values
 from fsdp_convert.writers import SafetensorsWriter, StateDictWriter, TorchSaveWriter, atomic_output
-from fsdp_convert.writers._atomic import check_output_free, writing
+from fsdp_convert.writers._atomic import LeaveToOwner, check_output_free, writing
 from fsdp_convert.writers.dcp import RankFileWriter, StoredChunk, rank_filename, write_metadata
 from fsdp_convert.writers.safetensors import safetensors_name
 
@@ -178,8 +179,11 @@ class ConsolidateResult:
         values: number of plain values written (param group fields, train state).
         tensor_bytes: tensor data written, in bytes.
         file_bytes: size of the output file, in bytes.
-        nproc: number of reading workers.
+        nproc: number of reading workers (all nodes).
         seconds: wall time, in seconds.
+        owner: False in a process whose workers do not hold rank 0 (another node of a multi-node
+            run, or a non-zero rank under the user's torchrun): it read and sent its share, and
+            rank 0's process wrote the output (``file_bytes`` is then 0).
     """
 
     output: Path
@@ -190,6 +194,7 @@ class ConsolidateResult:
     file_bytes: int
     nproc: int
     seconds: float
+    owner: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -373,6 +378,65 @@ def _consolidate_rank(job: _ConsolidateJob, rank: int, world_size: int, transpor
         return sum(p.stat().st_size for p in job.tmp_output.iterdir())
 
 
+def _world_size(nproc: int | None, cluster: Cluster | None) -> int | None:
+    """Workers of the whole job.
+
+    torchrun's ``WORLD_SIZE``; ``nnodes x nproc`` for a multi-node run (which needs ``nproc``:
+    every node must plan for the same world size); else ``nproc``.
+
+    Raises:
+        InvalidOptionError: a multi-node run without ``--nproc-per-node``, ``--rdzv-endpoint`` or ``--rdzv-id``.
+    """
+    if launched_by_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    if cluster is None or not cluster.multi_node:
+        return nproc
+    missing = [
+        flag
+        for flag, value in (
+            ("--nproc-per-node", nproc),
+            ("--rdzv-endpoint", cluster.rdzv_endpoint),
+            ("--rdzv-id", cluster.rdzv_id),
+        )
+        if not value
+    ]
+    if missing:
+        raise InvalidOptionError(f"--nnodes {cluster.nnodes} needs {', '.join(missing)}, the same on every node")
+    assert nproc is not None
+    return cluster.nnodes * nproc
+
+
+def _shared_tag(cluster: Cluster | None) -> str | None:
+    """The temporary output's tag every process of a multi-process job agrees on, if it shares one."""
+    if launched_by_torchrun():
+        return "torchrun-" + re.sub(r"[^A-Za-z0-9_.-]", "_", os.environ.get("TORCHELASTIC_RUN_ID", os.environ["MASTER_PORT"]))
+    if cluster is not None and cluster.multi_node:
+        return "rdzv-" + re.sub(r"[^A-Za-z0-9_.-]", "_", cluster.rdzv_id)
+    return None
+
+
+def _run_ranks(
+    fn: Callable[[Any, int, int, GlooTransport | None], Any],
+    job: Any,
+    world_size: int,
+    window_bytes: int,
+    cluster: Cluster | None,
+) -> tuple[bool, Any]:
+    """Run every rank of a job: in this process, in workers on this node, or as the user's torchrun worker.
+
+    Returns:
+        Whether this process holds rank 0's result (it then owns the output), and that result.
+    """
+    if launched_by_torchrun():
+        rank, result = run_in_place(fn, job, window_bytes=window_bytes)
+        return rank == 0, result
+    if world_size == 1 and (cluster is None or not cluster.multi_node):
+        return True, fn(job, 0, 1, None)
+    per_node = world_size // (cluster.nnodes if cluster is not None else 1)
+    results = run_workers(fn, job, per_node, window_bytes=window_bytes, cluster=cluster)
+    return 0 in results, results.get(0)
+
+
 def _value_reader(index: CheckpointIndex, check_crc: bool) -> ChunkReader | FileBoxReader:
     if index.data_files:
         return ChunkReader(index.checkpoint_id, check_crc=check_crc)
@@ -418,6 +482,7 @@ def consolidate(
     check_crc: bool = True,
     verify_output: bool = False,
     progress: bool = False,
+    cluster: Cluster | None = None,
 ) -> ConsolidateResult:
     """Write a DCP checkpoint as one full (unsharded) state dict: a file, or a folder of shards.
 
@@ -452,9 +517,13 @@ def consolidate(
         verify_output: read the written output back and compare it with the checkpoint (through
             the same transforms), key by key, before moving it into place.
         progress: show tqdm bars (bytes, rate, ETA) on stderr.
+        cluster: torchrun's multi-node options; every node calls ``consolidate`` with the same
+            arguments and ``nproc`` workers per node, and the output (on storage every node
+            reaches) is written by rank 0's node. Under the user's own torchrun (``RANK`` and
+            ``WORLD_SIZE`` set) this process is one worker and ``nproc`` is ignored.
 
     Returns:
-        What was written.
+        What was written (``owner`` False on the processes that did not write).
 
     Raises:
         CheckpointNotFoundError, NotADcpCheckpointError, UnsafeContentError: unreadable index.
@@ -481,19 +550,19 @@ def consolidate(
         items,
         output,
         fmt=fmt,
-        nproc=nproc,
+        nproc=_world_size(nproc, cluster),
         memory_budget_bytes=memory_budget_bytes,
         max_shard_bytes=max_shard_bytes,
         cpus=len(os.sched_getaffinity(0)),
     )
-    with atomic_output(output, overwrite=overwrite, directory=fmt == "hf_dir") as tmp:
+    owner = True
+    with atomic_output(output, overwrite=overwrite, directory=fmt == "hf_dir", tag=_shared_tag(cluster)) as tmp:
         job = _ConsolidateJob(
             checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, progress=progress, check_crc=check_crc
         )
-        if plan.nproc == 1:
-            file_bytes = _consolidate_rank(job, 0, 1, None)
-        else:
-            file_bytes = run_workers(_consolidate_rank, job, plan.nproc, window_bytes=plan.memory_budget_bytes)
+        owner, file_bytes = _run_ranks(_consolidate_rank, job, plan.nproc, plan.memory_budget_bytes, cluster)
+        if not owner:
+            raise LeaveToOwner
         if verify_output:
             check = verify(index.checkpoint_id, tmp, only=only, check_crc=check_crc, options=options)
             if not check.equal:
@@ -501,7 +570,6 @@ def consolidate(
                 raise VerificationError(
                     f"{output}: read back, {d.key} {d.detail} ({len(check.differences)} difference(s)); nothing was written"
                 )
-    assert file_bytes is not None
     tensors = [item for item in plan.items if item.is_tensor]
     result = ConsolidateResult(
         output=output,
@@ -509,9 +577,10 @@ def consolidate(
         tensors=len(tensors),
         values=len(plan.items) - len(tensors),
         tensor_bytes=sum(item.nbytes for item in tensors),
-        file_bytes=file_bytes,
+        file_bytes=file_bytes if owner else 0,
         nproc=plan.nproc,
         seconds=time.monotonic() - start,
+        owner=owner,
     )
     logger.info(
         "Consolidated %d tensors (%.1f MiB) into %s in %.1f s with %d worker(s)",
@@ -535,6 +604,7 @@ class ReshardResult:
         file_bytes: size of the data files and ``.metadata``, in bytes.
         nproc: writing workers.
         seconds: wall time, in seconds.
+        owner: False in a process that did not write ``.metadata`` (see ``ConsolidateResult``).
     """
 
     output: Path
@@ -543,6 +613,7 @@ class ReshardResult:
     file_bytes: int
     nproc: int
     seconds: float
+    owner: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -599,6 +670,7 @@ def reshard(
     options: TransformOptions | None = None,
     overwrite: bool = False,
     check_crc: bool = True,
+    cluster: Cluster | None = None,
 ) -> ReshardResult:
     """Lay a checkpoint out for ``world_size`` ranks: a new DCP folder any DCP loader reads.
 
@@ -621,6 +693,7 @@ def reshard(
             producer's own loader reads it.
         overwrite: replace an existing ``output`` (at the final rename only).
         check_crc: check CRC-32s of the source payloads.
+        cluster: torchrun's multi-node options, as for ``consolidate``; rank 0's node writes ``.metadata``.
 
     Raises:
         As ``consolidate``, and InvalidOptionError for ``world_size < 1``.
@@ -637,15 +710,17 @@ def reshard(
     check_output_free(output, overwrite=overwrite, directory=True)
     check_data_files(index)
     items = prepare_items(index, options or TransformOptions(), GROUPS, check_crc=check_crc, keep_layout=True)
-    plan = plan_reshard(index, items, world_size, nproc=nproc)
-    with atomic_output(output, overwrite=overwrite, directory=True) as tmp:
+    workers = _world_size(nproc, cluster)
+    plan = plan_reshard(index, items, world_size, nproc=workers)
+    owner, file_bytes = False, 0
+    with atomic_output(output, overwrite=overwrite, directory=True, tag=_shared_tag(cluster)) as tmp:
         job = _ReshardJob(
             checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, check_crc=check_crc, chunked=bool(index.data_files)
         )
-        if plan.nproc == 1:
-            _reshard_rank(job, 0, 1, None)
-        else:
-            run_workers(_reshard_rank, job, plan.nproc, window_bytes=DEFAULT_MEMORY_BUDGET_BYTES)
+        size = workers if _shared_tag(cluster) else plan.nproc  # a shared job's plan may idle some workers
+        owner, _ = _run_ranks(_reshard_rank, job, size or plan.nproc, DEFAULT_MEMORY_BUDGET_BYTES, cluster)
+        if not owner:
+            raise LeaveToOwner
         stored = []
         for rank in range(world_size):
             records = tmp / f".records-{rank}"
@@ -678,4 +753,5 @@ def reshard(
         file_bytes=file_bytes,
         nproc=plan.nproc,
         seconds=time.monotonic() - start,
+        owner=owner,
     )

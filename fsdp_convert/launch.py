@@ -28,7 +28,7 @@ import torch.distributed as dist
 from fsdp_convert import errors
 from fsdp_convert.errors import CheckpointError, TerminatedError, WorkerFailedError
 
-__all__ = ["GlooTransport", "run_workers"]
+__all__ = ["GlooTransport", "Cluster", "run_workers", "launched_by_torchrun", "run_in_place"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,53 @@ class GlooTransport:
     def barrier(self) -> None:
         """Wait until every rank gets here."""
         dist.barrier()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cluster:
+    """torchrun's multi-node options, passed to torch's elastic launcher as torchrun passes them.
+
+    Attributes:
+        nnodes: nodes taking part; each runs fsdp-convert with the same arguments.
+        node_rank: this node's rank (``static`` rendezvous; ``c10d`` assigns ranks as nodes join).
+        rdzv_backend: ``c10d`` (a TCP store on the endpoint's host) or ``static``.
+        rdzv_endpoint: ``host:port`` every node reaches (the store, or node 0 for ``static``).
+        rdzv_id: the run's id, the same on every node; it also names the shared temporary output.
+    """
+
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str = ""
+    rdzv_id: str = ""
+
+    @property
+    def multi_node(self) -> bool:
+        """True for more than one node."""
+        return self.nnodes > 1
+
+
+def launched_by_torchrun() -> bool:
+    """True when this process is a worker of the user's own launcher (torchrun sets these)."""
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def run_in_place(fn: Callable[[Job, int, int, GlooTransport], Any], job: Job, *, window_bytes: int) -> tuple[int, Any]:
+    """Run ``fn`` as this process's rank of a job the user's launcher started (``torchrun ... -m fsdp_convert``).
+
+    Joins the gloo group from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``), runs ``fn(job, rank, world_size, transport)``, and leaves the group.
+
+    Returns:
+        This process's rank and ``fn``'s return value.
+    """
+    if dist.is_initialized():  # called from a training script that already joined its group
+        return dist.get_rank(), fn(job, dist.get_rank(), dist.get_world_size(), GlooTransport(window_bytes))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    result = fn(job, rank, world_size, GlooTransport(window_bytes))
+    dist.destroy_process_group()  # only on success: after a failure a peer may be gone
+    return rank, result
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,17 +199,26 @@ def _failure(error_dir: Path, exit_codes: dict[int, int]) -> CheckpointError:
     return WorkerFailedError("the workers failed without a report")
 
 
-def run_workers(fn: Callable[[Job, int, int, GlooTransport], Any], job: Job, nproc: int, *, window_bytes: int) -> Any:
-    """Run ``fn(job, rank, world_size, transport)`` in ``nproc`` new worker processes.
+def run_workers(
+    fn: Callable[[Job, int, int, GlooTransport], Any],
+    job: Job,
+    nproc: int,
+    *,
+    window_bytes: int,
+    cluster: Cluster | None = None,
+) -> dict[int, Any]:
+    """Run ``fn(job, rank, world_size, transport)`` in ``nproc`` new worker processes on this node.
 
     ``transport`` is a ``GlooTransport`` whose senders keep at most ``window_bytes`` in flight.
 
-    Workers are started by torch's elastic launcher on this node (spawn, c10d rendezvous on a
-    free loopback port, no restarts) and join a gloo process group. ``fn`` and ``job`` must be
-    picklable. Called in the parent process; blocks until every worker exits.
+    Workers are started by torch's elastic launcher (spawn, no restarts) and join a gloo process
+    group. Alone, the rendezvous is c10d on a free loopback port; with a multi-node ``cluster``
+    every node's call meets at its endpoint and the group spans ``cluster.nnodes x nproc``
+    workers. ``fn`` and ``job`` must be picklable. Blocks until every worker exits.
 
     Returns:
-        Rank 0's return value.
+        The return values of this node's workers, by global rank (rank 0's only on the node
+        that holds it).
 
     Raises:
         CheckpointError: re-raised in the parent, same class and message, if a worker raised one.
@@ -170,16 +226,19 @@ def run_workers(fn: Callable[[Job, int, int, GlooTransport], Any], job: Job, npr
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     error_dir = Path(tempfile.mkdtemp(prefix="fsdp-convert-"))
+    cluster = cluster or Cluster()
     config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
+        min_nodes=cluster.nnodes,
+        max_nodes=cluster.nnodes,
         nproc_per_node=nproc,
-        run_id=f"fsdp-convert-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
+        run_id=cluster.rdzv_id or f"fsdp-convert-{uuid.uuid4().hex[:8]}",
+        rdzv_backend=cluster.rdzv_backend,
+        rdzv_endpoint=cluster.rdzv_endpoint or "127.0.0.1:0",
+        rdzv_configs={"rank": cluster.node_rank} if cluster.rdzv_backend == "static" else {},
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
@@ -201,6 +260,10 @@ def run_workers(fn: Callable[[Job, int, int, GlooTransport], Any], job: Job, npr
         results = elastic_launch(config, _worker_main)(_WorkerCall(fn, job, str(error_dir), window_bytes))
     except ChildFailedError as e:
         raise _failure(error_dir, {rank: f.exitcode for rank, f in e.failures.items()}) from None
+    except RendezvousError as e:  # the store's host (a node) is gone, or nodes never all came
+        raise WorkerFailedError(
+            f"lost the rendezvous at {config.rdzv_endpoint} ({type(e).__name__}): a node left the job or never joined"
+        ) from e
     except SignalException as e:  # the launcher caught SIGINT/SIGTERM and stopped the workers
         if e.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None
@@ -209,4 +272,4 @@ def run_workers(fn: Callable[[Job, int, int, GlooTransport], Any], job: Job, npr
         for lg, level in zip(quiet, old_levels, strict=True):
             lg.setLevel(level)
         shutil.rmtree(error_dir, ignore_errors=True)
-    return results[0]
+    return dict(results)

@@ -408,8 +408,8 @@ class ReshardPlan:
     nproc: int
 
     def ranks_of(self, worker: int) -> list[int]:
-        """The target ranks whose files ``worker`` writes."""
-        return list(range(worker, self.target_world_size, self.nproc))
+        """The target ranks whose files ``worker`` writes (none for a worker past ``nproc``)."""
+        return list(range(worker, self.target_world_size, self.nproc)) if worker < self.nproc else []
 
 
 def dim0_boxes(shape: tuple[int, ...], world_size: int) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:

@@ -11,6 +11,7 @@ tensor's chunks are copied into one preallocated full tensor, each chunk freed o
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import zlib
@@ -33,7 +34,9 @@ from fsdp_convert.errors import (
 from fsdp_convert.metadata import BytesEntry, CheckpointIndex, ChunkEntry, TensorEntry
 from fsdp_convert.rank_files import load_rank_file, local_value
 
-__all__ = ["check_data_files", "ChunkReader", "ByteRangeFile"]
+__all__ = ["check_data_files", "ChunkReader", "ByteRangeFile", "READ_LOG_ENV"]
+
+READ_LOG_ENV = "FSDP_CONVERT_READ_LOG"
 
 
 def check_data_files(index: CheckpointIndex) -> None:
@@ -177,6 +180,10 @@ class ChunkReader:
         self.check_crc = check_crc
         self._files: dict[str, tuple[int, int]] = {}  # relative path -> (fd, size in bytes)
         self._rank_files: dict[str, Any] = {}  # relative path -> loaded per-rank torch.save file
+        # FSDP_CONVERT_READ_LOG=<folder>: one JSON line per chunk read, [rank, fqn, offsets, file,
+        # offset, length], in reads-<pid>.jsonl (to see which worker read what)
+        log_dir = os.environ.get(READ_LOG_ENV)
+        self._read_log: IO[str] | None = open(Path(log_dir) / f"reads-{os.getpid()}.jsonl", "a") if log_dir else None  # noqa: SIM115
         self._last_storage_crc: int | None = None
 
     def __enter__(self) -> ChunkReader:
@@ -191,6 +198,9 @@ class ChunkReader:
             os.close(fd)
         self._files.clear()
         self._rank_files.clear()
+        if self._read_log is not None:
+            self._read_log.close()
+            self._read_log = None
 
     def _open(self, relative_path: str) -> tuple[int, int]:
         opened = self._files.get(relative_path)
@@ -277,6 +287,9 @@ class ChunkReader:
         if chunk.relative_path is None:
             return torch.empty(chunk.sizes, dtype=entry.dtype)
         args = (chunk.relative_path, chunk.offset_bytes, chunk.length_bytes)
+        if self._read_log is not None:
+            self._read_log.write(json.dumps([os.environ.get("RANK", "0"), entry.fqn, list(chunk.offsets), *args]) + "\n")
+            self._read_log.flush()
         if chunk.encoding == "raw":
             return self._read_raw_box(entry, chunk)
         if chunk.encoding == "rank_file":

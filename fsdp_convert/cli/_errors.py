@@ -12,7 +12,7 @@ import typer
 from fsdp_convert.cli._output import err_console
 from fsdp_convert.errors import CheckpointError, TerminatedError
 
-__all__ = ["handle_errors", "set_debug", "debug_enabled"]
+__all__ = ["handle_errors", "set_debug", "debug_enabled", "rank_prefix"]
 
 _DEBUG = {"on": False}
 DEBUG_HINT = "run with --debug (or FSDP_CONVERT_DEBUG=1) for a traceback"
@@ -26,6 +26,12 @@ def set_debug(on: bool) -> None:
 def debug_enabled() -> bool:
     """Whether ``--debug`` or ``FSDP_CONVERT_DEBUG=1`` is in effect."""
     return _DEBUG["on"] or os.environ.get("FSDP_CONVERT_DEBUG", "") not in ("", "0")
+
+
+def rank_prefix() -> str:
+    """``[rank N] `` in a non-zero worker of the user's torchrun, so many workers' lines stay readable."""
+    rank = os.environ.get("RANK")
+    return f"[rank {rank}] " if rank not in (None, "0") and "LOCAL_RANK" in os.environ else ""
 
 
 @contextlib.contextmanager
@@ -44,7 +50,7 @@ def handle_errors() -> Iterator[None]:
             err_console.print(traceback.format_exc(), markup=False, highlight=False)
             for note in getattr(e, "__notes__", []):
                 err_console.print(note, markup=False, highlight=False)
-        err_console.print(f"error: {e}", markup=False, highlight=False)
+        err_console.print(f"{rank_prefix()}error: {e}", markup=False, highlight=False)
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
         err_console.print("error: interrupted (SIGINT)", markup=False, highlight=False)

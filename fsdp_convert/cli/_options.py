@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from fsdp_convert.errors import InvalidOptionError
+from fsdp_convert.launch import Cluster
 from fsdp_convert.transform import TransformOptions, parse_dtype, parse_rename
 
 __all__ = [
@@ -27,6 +28,12 @@ __all__ = [
     "DtypeOpt",
     "OptimDtypeOpt",
     "transform_options",
+    "NnodesOpt",
+    "NodeRankOpt",
+    "RdzvBackendOpt",
+    "RdzvEndpointOpt",
+    "RdzvIdOpt",
+    "cluster_options",
 ]
 
 CheckpointArg = Annotated[
@@ -51,6 +58,7 @@ NprocOpt = Annotated[
     int | None,
     typer.Option(
         "--nproc",
+        "--nproc-per-node",
         min=1,
         help="Reading workers, started with torch's elastic launcher (gloo, CPU); 1 runs in-process. "
         "(default: one per two CPU cores for a file, one per core for a folder; at most one per data file and per 256 MiB)",
@@ -150,3 +158,59 @@ def transform_options(
         dtype=None if dtype is None else parse_dtype(dtype),
         optim_dtype=None if optim_dtype is None else parse_dtype(optim_dtype),
     )
+
+
+NnodesOpt = Annotated[
+    int,
+    typer.Option(
+        "--nnodes",
+        min=1,
+        help="Nodes taking part (torchrun's flag); run the same command on each.",
+        rich_help_panel="Multi-node (torchrun's flags)",
+    ),
+]
+NodeRankOpt = Annotated[
+    int,
+    typer.Option(
+        "--node-rank",
+        min=0,
+        help="This node's rank (static rendezvous; c10d assigns ranks as nodes join).",
+        rich_help_panel="Multi-node (torchrun's flags)",
+    ),
+]
+RdzvBackendOpt = Annotated[
+    str,
+    typer.Option("--rdzv-backend", help="Rendezvous backend: c10d or static.", rich_help_panel="Multi-node (torchrun's flags)"),
+]
+RdzvEndpointOpt = Annotated[
+    str,
+    typer.Option(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="Rendezvous endpoint every node reaches.",
+        show_default=False,
+        rich_help_panel="Multi-node (torchrun's flags)",
+    ),
+]
+RdzvIdOpt = Annotated[
+    str,
+    typer.Option(
+        "--rdzv-id",
+        help="The run's id, the same on every node.",
+        show_default=False,
+        rich_help_panel="Multi-node (torchrun's flags)",
+    ),
+]
+
+
+def cluster_options(nnodes: int, node_rank: int, rdzv_backend: str, rdzv_endpoint: str, rdzv_id: str) -> Cluster:
+    """The ``Cluster`` torchrun's flags describe.
+
+    Raises:
+        InvalidOptionError: an unknown rendezvous backend, or a node rank outside ``--nnodes``.
+    """
+    if rdzv_backend not in ("c10d", "static"):
+        raise InvalidOptionError(f"--rdzv-backend {rdzv_backend!r}: use c10d or static")
+    if node_rank >= nnodes:
+        raise InvalidOptionError(f"--node-rank {node_rank} is not below --nnodes {nnodes}")
+    return Cluster(nnodes=nnodes, node_rank=node_rank, rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)

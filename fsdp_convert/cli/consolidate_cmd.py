@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from fsdp_convert.cli._errors import handle_errors
+from fsdp_convert.cli._errors import handle_errors, rank_prefix
 from fsdp_convert.cli._options import (
     CheckpointArg,
     DtypeOpt,
@@ -16,14 +16,20 @@ from fsdp_convert.cli._options import (
     JsonOpt,
     KeepWrapperNamesOpt,
     MemoryBudgetOpt,
+    NnodesOpt,
     NoCrcOpt,
+    NodeRankOpt,
     NprocOpt,
     OptimDtypeOpt,
     OptimKeysOpt,
     OutputArg,
     OverwriteOpt,
     ProgressOpt,
+    RdzvBackendOpt,
+    RdzvEndpointOpt,
+    RdzvIdOpt,
     RenameOpt,
+    cluster_options,
     transform_options,
 )
 from fsdp_convert.cli._output import console, human_bytes, print_json
@@ -90,6 +96,11 @@ def consolidate_command(
     ] = False,
     progress: ProgressOpt = None,
     json_output: JsonOpt = False,
+    nnodes: NnodesOpt = 1,
+    node_rank: NodeRankOpt = 0,
+    rdzv_backend: RdzvBackendOpt = "c10d",
+    rdzv_endpoint: RdzvEndpointOpt = "",
+    rdzv_id: RdzvIdOpt = "",
 ) -> None:
     """Write the full (unsharded) model and optimizer state of CHECKPOINT_DIR into one file OUT."""
     if only not in ("all", "model", "optim"):
@@ -98,6 +109,7 @@ def consolidate_command(
     show_progress = progress if progress is not None else (not json_output and sys.stderr.isatty())
     with handle_errors():
         options = transform_options(optim_keys, keep_wrapper_names, rename, include, exclude, dtype, optim_dtype)
+        cluster = cluster_options(nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id)
         result = consolidate(
             checkpoint,
             output,
@@ -111,6 +123,7 @@ def consolidate_command(
             check_crc=not no_crc,
             verify_output=verify_output,
             progress=show_progress,
+            cluster=cluster,
         )
     if json_output:
         print_json(
@@ -124,7 +137,12 @@ def consolidate_command(
                 "file_bytes": result.file_bytes,
                 "nproc": result.nproc,
                 "seconds": round(result.seconds, 3),
+                "wrote": result.owner,
             }
+        )
+    elif not result.owner:
+        console.print(
+            f"{rank_prefix()}read and sent this node's share; rank 0 wrote {result.output}", markup=False, highlight=False
         )
     else:
         console.print(

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from fsdp_convert.cli._errors import handle_errors
+from fsdp_convert.cli._errors import handle_errors, rank_prefix
 from fsdp_convert.cli._options import (
     CheckpointArg,
     DtypeOpt,
@@ -15,11 +15,17 @@ from fsdp_convert.cli._options import (
     IncludeOpt,
     JsonOpt,
     KeepWrapperNamesOpt,
+    NnodesOpt,
     NoCrcOpt,
+    NodeRankOpt,
     OptimDtypeOpt,
     OptimKeysOpt,
     OverwriteOpt,
+    RdzvBackendOpt,
+    RdzvEndpointOpt,
+    RdzvIdOpt,
     RenameOpt,
+    cluster_options,
     transform_options,
 )
 from fsdp_convert.cli._output import console, human_bytes, print_json
@@ -37,7 +43,12 @@ OutDirArg = Annotated[Path, typer.Argument(metavar="OUT", help="Output DCP folde
 WorldSizeOpt = Annotated[int, typer.Option("--world-size", min=1, help="Target world size (ranks of the new layout).")]
 WritersOpt = Annotated[
     int | None,
-    typer.Option("--nproc", min=1, help="Workers writing rank files in parallel (torch's elastic launcher, gloo). [default: 1]"),
+    typer.Option(
+        "--nproc",
+        "--nproc-per-node",
+        min=1,
+        help="Workers writing rank files in parallel (torch's elastic launcher, gloo). [default: 1]",
+    ),
 ]
 
 
@@ -56,12 +67,25 @@ def reshard_command(
     overwrite: OverwriteOpt = False,
     no_crc: NoCrcOpt = False,
     json_output: JsonOpt = False,
+    nnodes: NnodesOpt = 1,
+    node_rank: NodeRankOpt = 0,
+    rdzv_backend: RdzvBackendOpt = "c10d",
+    rdzv_endpoint: RdzvEndpointOpt = "",
+    rdzv_id: RdzvIdOpt = "",
 ) -> None:
     """Write CHECKPOINT_DIR as a DCP checkpoint for --world-size ranks, each rank's chunks in its own file."""
     with handle_errors():
         options = transform_options(optim_keys, keep_wrapper_names, rename, include, exclude, dtype, optim_dtype)
+        cluster = cluster_options(nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id)
         result = reshard(
-            checkpoint, output, world_size=world_size, nproc=nproc, options=options, overwrite=overwrite, check_crc=not no_crc
+            checkpoint,
+            output,
+            world_size=world_size,
+            nproc=nproc,
+            options=options,
+            overwrite=overwrite,
+            check_crc=not no_crc,
+            cluster=cluster,
         )
     if json_output:
         print_json(
@@ -73,7 +97,12 @@ def reshard_command(
                 "file_bytes": result.file_bytes,
                 "nproc": result.nproc,
                 "seconds": round(result.seconds, 3),
+                "wrote": result.owner,
             }
+        )
+    elif not result.owner:
+        console.print(
+            f"{rank_prefix()}wrote this node's rank files; rank 0 wrote {result.output}/.metadata", markup=False, highlight=False
         )
     else:
         console.print(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fsdp_convert.errors import OutputExistsError, OutputWriteError
 
-__all__ = ["atomic_output", "check_output_free", "fsync_dir", "writing"]
+__all__ = ["atomic_output", "check_output_free", "fsync_dir", "writing", "LeaveToOwner", "temporary_path"]
 
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG}
 
@@ -68,8 +68,24 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
+class LeaveToOwner(Exception):  # noqa: N818 (a signal to atomic_output, not an error)
+    """Raised in an ``atomic_output`` block by a process that does not hold rank 0 of a shared job.
+
+    Such a process (another node, another torchrun worker) shares the temporary with rank 0's
+    process, which moves it into place; it neither renames nor removes it.
+    """
+
+
+def temporary_path(output: Path, tag: str, *, directory: bool) -> Path:
+    """The hidden temporary sibling of ``output`` for run ``tag``.
+
+    It keeps the suffix, so the temporary reads back as the same format (``consolidate --verify``).
+    """
+    return output.parent / (f".{output.name}.tmp-{tag}" if directory else f".{output.stem}.tmp-{tag}{output.suffix}")
+
+
 @contextlib.contextmanager
-def atomic_output(output: Path, *, overwrite: bool, directory: bool = False) -> Iterator[Path]:
+def atomic_output(output: Path, *, overwrite: bool, directory: bool = False, tag: str | None = None) -> Iterator[Path]:
     """Yield a temporary sibling path; move it onto ``output`` if the block completes.
 
     For a file output the block creates the file at the yielded path; for a folder output
@@ -79,22 +95,27 @@ def atomic_output(output: Path, *, overwrite: bool, directory: bool = False) -> 
     (a file by one ``os.replace``; a folder by moving the old one aside, renaming the new one into
     place, then deleting the old one).
 
+    With ``tag`` (a run id every node of a multi-node run shares) the temporary's name is the same
+    in every process, a folder may already exist, and a block that raises ``LeaveToOwner`` leaves
+    without touching it (rank 0's process renames it).
+
     Raises:
         OutputExistsError: ``output`` exists and ``overwrite`` is false.
         OutputWriteError: the folder cannot be created or written (permission, space).
     """
     check_output_free(output, overwrite=overwrite, directory=directory)
-    # keep the suffix, so the temporary reads back as the same format (consolidate --verify)
-    tag = uuid.uuid4().hex[:12]
-    tmp = output.parent / (f".{output.name}.tmp-{tag}" if directory else f".{output.stem}.tmp-{tag}{output.suffix}")
+    tmp = temporary_path(output, tag or uuid.uuid4().hex[:12], directory=directory)
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         if directory:
-            tmp.mkdir()
+            tmp.mkdir(exist_ok=tag is not None)
     except OSError as e:
         raise OutputWriteError(f"cannot create {tmp.parent}: {e.strerror}") from e
     try:
-        yield tmp
+        try:
+            yield tmp
+        except LeaveToOwner:
+            return
         check_output_free(output, overwrite=overwrite, directory=directory)  # someone may have created it meanwhile
         if directory:
             fsync_dir(tmp)
