@@ -465,7 +465,15 @@ def prepare_items(
                 entry = index.entries[i]
                 assert isinstance(entry, BytesEntry)
                 values[i] = reader.read_value(entry)
-    return build_items(index, slots, options, values, groups=groups, keep_layout=keep_layout)
+    return build_items(
+        index,
+        slots,
+        options,
+        values,
+        groups=groups,
+        keep_layout=keep_layout,
+        params_in_model_order=detect_producer(index) in ("fsdp1", "fsdp"),
+    )
 
 
 def consolidate(

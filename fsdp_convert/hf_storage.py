@@ -75,9 +75,16 @@ def _sharding_info(path: Path, header: dict[str, Any]) -> dict[str, list[int]]:
         return {}
     try:
         info = json.loads(meta[SHARDING_INFO_KEY])
-        return {str(fqn): [int(o) for o in v["saved_offsets"]] for fqn, v in info.items()}
-    except (ValueError, TypeError, KeyError) as e:
+        return {str(fqn): _naturals(v["saved_offsets"]) for fqn, v in info.items()}
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise NotADcpCheckpointError(f"{path}: malformed {SHARDING_INFO_KEY} ({e})") from e
+
+
+def _naturals(values: Any) -> list[int]:
+    """A JSON list of non-negative integers, or ValueError."""
+    if not isinstance(values, list) or not all(type(v) is int and v >= 0 for v in values):
+        raise ValueError(f"{values!r} is not a list of non-negative integers")
+    return values
 
 
 def describe_safetensors_dcp(root: Path) -> CheckpointIndex:
@@ -105,8 +112,8 @@ def describe_safetensors_dcp(root: Path) -> CheckpointIndex:
         for fqn, desc in header.items():
             try:
                 dtype = _DTYPES[desc["dtype"]]
-                shape = tuple(int(d) for d in desc["shape"])
-                begin, end = (int(x) for x in desc["data_offsets"])
+                shape = tuple(_naturals(desc["shape"]))
+                begin, end = _naturals(desc["data_offsets"])
             except (KeyError, TypeError, ValueError) as e:
                 raise NotADcpCheckpointError(f"{path}: malformed header entry for {fqn} ({e!r})") from e
             where = f"{path} ({fqn})"
@@ -126,6 +133,8 @@ def describe_safetensors_dcp(root: Path) -> CheckpointIndex:
     entries: list[Entry] = []
     for fqn, parts in chunks.items():
         ndim = len(parts[0].sizes)
+        if any(len(c.sizes) != ndim for c in parts):
+            raise NotADcpCheckpointError(f"{root}: the shards of {fqn} disagree on its number of dims")
         shape = tuple(max(c.offsets[d] + c.sizes[d] for c in parts) for d in range(ndim))
         nonempty = tuple(c for c in parts if c.numel > 0) or tuple(parts[:1])
         entries.append(TensorEntry(fqn=fqn, path=(fqn,), shape=shape, dtype=dtypes[fqn], chunks=nonempty))

@@ -150,7 +150,7 @@ def detect_producer(index: CheckpointIndex) -> str:
     optim_fqn_keyed = any(
         len(e.path) >= 4 and e.path[:2] == ("optim", "state") and isinstance(e.path[2], str) for e in index.entries
     )
-    if not ({"model", "optim"} <= tops and optim_fqn_keyed):
+    if not ({"model", "optim"} <= tops and optim_fqn_keyed) or index.world_size < 2:
         return "dcp"
     # FSDP2 records an empty chunk for each rank past the end of a small tensor; FSDP1's sharded
     # state dict leaves them out. With no tensor smaller than the world size, the layouts agree.
@@ -171,8 +171,11 @@ class DictKey(int):
 
 
 def plain_path(path: ObjPath) -> ObjPath:
-    """``path`` with ``DictKey`` elements as plain ``int`` (for pickles other tools read)."""
-    return tuple(int(p) if isinstance(p, DictKey) else p for p in path)
+    """``path`` as DCP's ``planner_data`` records it: dict keys as strings (``DictKey(0)`` -> ``"0"``).
+
+    torch's ``unflatten_state_dict`` then rebuilds a dict, not a list, from them.
+    """
+    return tuple(str(int(p)) if isinstance(p, DictKey) else p for p in path)
 
 
 def unflatten(items: Iterable[tuple[ObjPath, Any]]) -> dict[str, Any]:

@@ -132,6 +132,13 @@ def check_coverage(entry: TensorEntry) -> None:
         CoverageError: a chunk lies outside the shape, two chunks overlap, or elements are missing;
             the message names the FQN and the chunks' offsets.
     """
+    for c in entry.chunks:
+        if len(c.offsets) != len(entry.shape) or len(c.sizes) != len(entry.shape):
+            raise CoverageError(
+                f"{entry.fqn}: chunk at offsets {list(c.offsets)} has not the {len(entry.shape)} dims of its tensor"
+            )
+        if any(o < 0 for o in c.offsets) or any(s < 0 for s in c.sizes):
+            raise CoverageError(f"{entry.fqn}: chunk at offsets {list(c.offsets)} with sizes {list(c.sizes)} is negative")
     boxes = [(c.offsets, c.sizes) for c in entry.chunks if c.numel > 0]
     for offsets, sizes in boxes:
         if any(e > s for e, s in zip(_box_end(offsets, sizes), entry.shape, strict=True)):

@@ -169,18 +169,32 @@ class _Local:
     boxes: list[tuple[tuple[int, ...], tuple[int, ...], ObjPath]]  # offsets, sizes, record inside the file
 
 
+def _naturals(values: Any) -> tuple[int, ...]:
+    """A sequence of non-negative ints from a file, or NotADcpCheckpointError."""
+    try:
+        out = tuple(values)
+    except TypeError:
+        out = (None,)
+    if not all(type(v) is int and v >= 0 for v in out):
+        raise NotADcpCheckpointError(f"{values!r} is not a sequence of non-negative integers")
+    return out
+
+
 def _dtensor_local(value: Any, where: str) -> _Local:
     from torch.distributed.tensor import Replicate, Shard
 
     spec = value._spec
     mesh = spec.mesh
     # not mesh.mesh or mesh.get_rank(): for a sub-mesh they ask the (absent) process group
-    mesh_shape = tuple(mesh._layout.top_level_sizes)
+    mesh_shape = _naturals(mesh._layout.top_level_sizes)
     coordinate = mesh._coordinate_on_dim
     if coordinate is None:
         raise NotADcpCheckpointError(f"{where}: the DTensor does not record this rank's place in its mesh")
+    coordinate = _naturals(coordinate)
+    if len(coordinate) != len(mesh_shape) or not all(c < n for c, n in zip(coordinate, mesh_shape, strict=True)):
+        raise NotADcpCheckpointError(f"{where}: mesh coordinate {list(coordinate)} lies outside mesh {list(mesh_shape)}")
     for p in spec.placements:
-        if not isinstance(p, (Shard, Replicate)):
+        if type(p) not in (Shard, Replicate):  # _StridedShard (FSDP + TP) is a Shard subclass on some torch
             raise NotADcpCheckpointError(f"{where}: placement {p} is not supported (Shard and Replicate are)")
     shape = tuple(value.shape)
     sizes, offsets = _local_box(shape, mesh_shape, tuple(coordinate), spec.placements)
@@ -218,7 +232,7 @@ def _sharded_tensor_local(value: _ShardedTensorStandIn, where: str) -> _Local:
         dtype = meta.tensor_properties.dtype
         boxes: list[tuple[tuple[int, ...], tuple[int, ...], ObjPath]] = []
         for i, shard in enumerate(local_shards):
-            offsets, sizes = tuple(shard.metadata.shard_offsets), tuple(shard.metadata.shard_sizes)
+            offsets, sizes = _naturals(shard.metadata.shard_offsets), _naturals(shard.metadata.shard_sizes)
             if tuple(shard.tensor.shape) != sizes:
                 raise CorruptChunkError(
                     f"{where}: local shard {i} is {list(shard.tensor.shape)}, its metadata says {list(sizes)}"

@@ -115,7 +115,9 @@ class _DcpSource:
         self.path = path
         self.index = read_index(path)
         check_data_files(self.index)
-        items = prepare_items(self.index, options or TransformOptions(), GROUPS, check_crc=check_crc)
+        # no options: the keys as saved (what torch's dcp_to_torch_save gives); else as consolidate writes them
+        raw = TransformOptions(keep_wrapper_names=True)
+        items = prepare_items(self.index, options or raw, GROUPS, check_crc=check_crc, keep_layout=options is None)
         self._items: dict[str, OutputItem] = {dcp_key(item.path): item for item in items}
         self._reader = ChunkReader(path, check_crc=check_crc)
 
@@ -238,8 +240,8 @@ def open_source(path: str | os.PathLike[str], *, check_crc: bool = True, options
     A folder with ``.metadata`` is DCP; a folder with ``model.safetensors.index.json`` or
     ``model.safetensors`` is a Hugging Face folder; ``.pt``/``.pth``/``.bin`` is torch.save
     (loaded with ``weights_only=True, mmap=True``); ``.safetensors`` is one safetensors file.
-    A DCP checkpoint's keys are those of its ``transform`` items under ``options`` (default:
-    wrapper names removed, optimizer state keyed by FQN); a Hugging Face folder's
+    A DCP checkpoint's keys are as saved (as torch's ``dcp_to_torch_save`` gives them), or, with
+    ``options``, those ``consolidate`` writes under them; a Hugging Face folder's
     ``optimizer.pt`` and ``extra_state.pt`` come in as ``optim.*`` and their own keys.
 
     Raises:

@@ -265,6 +265,7 @@ def build_items(
     *,
     groups: tuple[Group, ...] = ("model", "optim", "other"),
     keep_layout: bool = False,
+    params_in_model_order: bool = False,
 ) -> tuple[OutputItem, ...]:
     """The output items of a conversion, in output order: model, optimizer state, param groups, other.
 
@@ -280,6 +281,9 @@ def build_items(
         values: the value of every entry ``needs_group_values`` lists, by entry index.
         groups: which groups to produce.
         keep_layout: keep the producer's nesting (see above).
+        params_in_model_order: for ``ids``, number each group's params in the model's order rather
+            than the saved one (FSDP1, whose saved order can be its flat parameters'); otherwise
+            the saved order is the optimizer's own, and ids follow it as torch.optim does.
 
     Raises:
         InvalidOptionError: two FQNs become the same output key (names both).
@@ -304,7 +308,7 @@ def build_items(
             prefix = entry.path[:1] if keep_layout and entry.path[0] == "model" else () if keep_layout else ("model",)
             items.append(OutputItem(entry=entry, path=(*prefix, out), group="model", dtype=_cast(entry, options.dtype)))
     if "optim" in groups:
-        items += _optim_items(index, slots, options, values, name, keep_layout)
+        items += _optim_items(index, slots, options, values, name, keep_layout, params_in_model_order)
     if "other" in groups:
         for i, slot in enumerate(slots):
             if slot.role == "other":
@@ -320,6 +324,7 @@ def _optim_items(
     values: Mapping[int, Any],
     name: Callable[[str], str],
     keep_layout: bool,
+    params_in_model_order: bool,
 ) -> list[OutputItem]:
     flattened = any(s.role == "optim_group" and s.group is None for s in slots)
     if flattened and keep_layout and options.optim_keys == "ids":
@@ -328,16 +333,20 @@ def _optim_items(
             "is keyed by FQN only; reshard it with --optim-keys names"
         )
     groups = _flattened_groups(index, slots, values) if flattened else _nested_groups(index, slots, values)
-    if options.optim_keys == "ids":
-        # Ids follow the parameters' order in the model, as torch.optim numbers model.parameters();
-        # FSDP1 with use_orig_params=False lists a group's params in flat-parameter order instead.
+    if options.optim_keys == "ids" and params_in_model_order:
+        # FSDP1 with use_orig_params=False lists a group's params in flat-parameter order, not in
+        # the order the unwrapped model's parameters() gives, which torch.optim numbers by.
         model_order = {clean_fqn(str(s.param)): k for k, s in enumerate(slots) if s.role == "model"}
         for group in groups.values():
             group.params.sort(key=lambda p: model_order.get(clean_fqn(str(p)), len(model_order)))
     order = [p for g in sorted(groups) for p in groups[g].params]
     ids = {p: k for k, p in enumerate(order)}
 
+    saved_ids = any(isinstance(p, int) for g in groups.values() for p in g.params)
+
     def state_key(param: str | int, entry: Entry) -> str | int:
+        if isinstance(param, str) and saved_ids and param.isdigit():
+            param = int(param)  # DCP stores dict keys as strings: optim.state_dict()'s ids come back as "0"
         if isinstance(param, int):
             return DictKey(param)
         if options.optim_keys == "ids":

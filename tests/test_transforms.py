@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 import fsdp_convert
 from fsdp_convert.cli.app import app
-from fsdp_convert.transform import clean_fqn
+from fsdp_convert.transform import TransformOptions, clean_fqn
 from tests.conftest import Sample
 
 
@@ -99,3 +99,72 @@ def test_reshard_casts_and_renames(ws3_bf16_ckpt: Sample, tmp_path: Path) -> Non
 def test_clean_fqn(fqn: str, clean: str) -> None:
     assert clean_fqn(fqn) == clean
     assert clean_fqn(fqn, keep_wrapper_names=True) == fqn
+
+
+def _custom_order_checkpoint(root: Path, optim_form: str) -> tuple[Path, torch.nn.Module, torch.optim.Optimizer]:
+    """One process, no FSDP: an AdamW whose params are listed out of model order, saved with DCP,
+    its state as get_optimizer_state_dict gives it (``names``) or as optimizer.state_dict() (``ids``)."""
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    optim = torch.optim.AdamW([model[1].weight, model[0].weight, model[1].bias, model[0].bias], lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    optim.step()
+    state = get_optimizer_state_dict(model, optim) if optim_form == "names" else optim.state_dict()
+    ckpt = root / f"custom-{optim_form}"
+    save({"model": model.state_dict(), "optim": state}, checkpoint_id=ckpt, no_dist=True)
+    return ckpt, model, optim
+
+
+@pytest.mark.parametrize("optim_form", ["names", "ids"])
+def test_ids_follow_the_optimizers_own_order(tmp_path: Path, optim_form: str) -> None:
+    """torch.optim numbers params in param-group order, whatever the model's order: an optimizer
+    built the same way loads the re-keyed state with every moment on its own parameter. A DCP
+    checkpoint of optimizer.state_dict() (ids saved as "0", "1"... keys) comes out the same."""
+    ckpt, model, optim = _custom_order_checkpoint(tmp_path, optim_form)
+    out = tmp_path / "plain.pt"
+    fsdp_convert.consolidate(ckpt, out, options=TransformOptions(optim_keys="ids"))
+    state = torch.load(out, weights_only=True)
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    fresh.load_state_dict(state["model"])
+    again = torch.optim.AdamW([fresh[1].weight, fresh[0].weight, fresh[1].bias, fresh[0].bias])
+    again.load_state_dict(state["optim"])
+    for p_new, p_old in zip(again.param_groups[0]["params"], optim.param_groups[0]["params"], strict=True):
+        assert torch.equal(again.state[p_new]["exp_avg"], optim.state[p_old]["exp_avg"])
+    assert state["optim"]["param_groups"][0]["params"] == [0, 1, 2, 3]
+
+    # reshard keeps ids as dict keys: torch's own dcp_to_torch_save reads the state back as a dict
+    # (keyed "0", "1"..., as for any DCP save of optimizer.state_dict()), not as a list
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    resharded, full = tmp_path / "ws2", tmp_path / "torch.pt"
+    fsdp_convert.reshard(ckpt, resharded, world_size=2, options=TransformOptions(optim_keys="ids"))
+    dcp_to_torch_save(resharded, full)
+    assert sorted(torch.load(full, weights_only=True)["optim"]["state"]) == ["0", "1", "2", "3"]
+    again_full = tmp_path / "again.pt"
+    fsdp_convert.consolidate(resharded, again_full)
+    assert again_full.read_bytes() == out.read_bytes()  # our reader turns them back into ids
+
+
+def test_negative_chunk_offsets_are_refused(tmp_path: Path) -> None:
+    """Two safetensors shards that claim offsets -2 and 2 of a 4-element tensor: an error, not zeros."""
+    import json
+
+    from fsdp_convert.errors import CheckpointError
+    from fsdp_convert.writers.safetensors import SafetensorsWriter
+
+    ck = tmp_path / "hf_dcp"
+    ck.mkdir()
+    for i, offset in enumerate((-2, 2)):
+        writer = SafetensorsWriter(
+            ck / f"shard-0000{i + 1}-model-00001-of-00001.safetensors",
+            [(("w",), torch.float32, (2,))],
+            metadata={"format": "pt", "DCP_SHARDING_INFO": json.dumps({"w": {"saved_offsets": [offset]}})},
+        )
+        writer.add_tensor(("w",), torch.ones(2))
+        writer.finish()
+    with pytest.raises(CheckpointError, match="non-negative"):
+        fsdp_convert.consolidate(ck, tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()

@@ -12,6 +12,7 @@ from fsdp_convert.cli._errors import handle_errors
 from fsdp_convert.cli._options import JsonOpt, NoCrcOpt
 from fsdp_convert.cli._output import console, print_json
 from fsdp_convert.convert import VerifyResult, verify
+from fsdp_convert.transform import TransformOptions
 
 EXAMPLES = """
 Examples:
@@ -52,11 +53,20 @@ def verify_command(
     atol: AtolOpt = None,
     rtol: RtolOpt = None,
     no_crc: NoCrcOpt = False,
+    as_consolidated: Annotated[
+        bool,
+        typer.Option(
+            "--as-consolidated",
+            help="See a DCP side as consolidate writes it by default (wrapper names removed, optimizer as optim, "
+            "a flattened optimizer state nested), not with its keys as saved.",
+        ),
+    ] = False,
     json_output: JsonOpt = False,
 ) -> None:
     """Compare two checkpoints of any formats; exit 0 when equal, 1 with a table of differences."""
     with handle_errors():
-        result = verify(a, b, atol=atol, rtol=rtol, check_crc=not no_crc)
+        options = TransformOptions() if as_consolidated else None
+        result = verify(a, b, atol=atol, rtol=rtol, check_crc=not no_crc, options=options)
     if json_output:
         print_json(result.to_json_dict())
     else:
