@@ -23,7 +23,7 @@ from fsdp_convert.compare import Difference, VerifyResult, verify
 from fsdp_convert.errors import InvalidOptionError, VerificationError
 from fsdp_convert.launch import Cluster, GlooTransport, launched_by_torchrun, run_in_place, run_workers
 from fsdp_convert.layout import GROUPS, Group, classify, detect_producer
-from fsdp_convert.metadata import METADATA_FILENAME, BytesEntry, CheckpointIndex, TensorEntry, dtype_name, read_index
+from fsdp_convert.metadata import METADATA_FILENAME, BytesEntry, TensorEntry, dtype_name, read_index
 from fsdp_convert.pipeline import prefetch
 from fsdp_convert.plan import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -41,8 +41,8 @@ from fsdp_convert.plan import (
 )
 from fsdp_convert.plan import output_format as plan_output_format
 from fsdp_convert.reader import ChunkReader, check_data_files
-from fsdp_convert.sources import FileBoxReader, file_index
-from fsdp_convert.transform import OutputItem, TransformOptions, build_items, dcp_key, needs_group_values
+from fsdp_convert.sources import FileBoxReader, file_index, prepare_items
+from fsdp_convert.transform import OutputItem, TransformOptions, dcp_key
 from fsdp_convert.writers import SafetensorsWriter, StateDictWriter, TorchSaveWriter, atomic_output
 from fsdp_convert.writers._atomic import LeaveToOwner, check_output_free, writing
 from fsdp_convert.writers.dcp import RankFileWriter, StoredChunk, rank_filename, write_metadata
@@ -437,45 +437,6 @@ def _run_ranks(
     return 0 in results, results.get(0)
 
 
-def _value_reader(index: CheckpointIndex, check_crc: bool) -> ChunkReader | FileBoxReader:
-    if index.data_files:
-        return ChunkReader(index.checkpoint_id, check_crc=check_crc)
-    return FileBoxReader(index.checkpoint_id)  # a full checkpoint file (file_index)
-
-
-def prepare_items(
-    index: CheckpointIndex,
-    options: TransformOptions,
-    groups: tuple[Group, ...],
-    *,
-    check_crc: bool = True,
-    keep_layout: bool = False,
-) -> tuple[OutputItem, ...]:
-    """Classify the entries, read the small param group values the transform needs, build the items.
-
-    Raises:
-        As ``transform.build_items``, and the read errors of ``ChunkReader.read_value``.
-    """
-    slots = classify(index)
-    wanted = needs_group_values(slots) if "optim" in groups else []
-    values: dict[int, Any] = {}
-    if wanted:
-        with _value_reader(index, check_crc) as reader:
-            for i in wanted:
-                entry = index.entries[i]
-                assert isinstance(entry, BytesEntry)
-                values[i] = reader.read_value(entry)
-    return build_items(
-        index,
-        slots,
-        options,
-        values,
-        groups=groups,
-        keep_layout=keep_layout,
-        params_in_model_order=detect_producer(index) in ("fsdp1", "fsdp"),
-    )
-
-
 def consolidate(
     checkpoint_id: str | os.PathLike[str],
     output: str | os.PathLike[str],
@@ -522,6 +483,8 @@ def consolidate(
             Peak memory per process is about this plus the largest tensor.
         max_shard_bytes: largest shard of a folder output, in bytes.
         check_crc: check the CRC-32 of every zip record of every payload read (torch does not).
+            Sources without CRC-32s (safetensors shards, per-rank torch.save files, read through
+            their storage records) are read as they are.
         verify_output: read the written output back and compare it with the checkpoint (through
             the same transforms), key by key, before moving it into place.
         progress: show tqdm bars (bytes, rate, ETA) on stderr.

@@ -63,7 +63,10 @@ def safetensors_files(root: Path) -> list[Path]:
 def has_sharding_info(root: Path) -> bool:
     """True when a safetensors file in ``root`` carries DCP sharding info (``HuggingFaceStorageWriter``)."""
     for path in safetensors_files(root):
-        meta = read_header(path)[0].get("__metadata__") or {}
+        try:
+            meta = read_header(path)[0].get("__metadata__") or {}
+        except CorruptChunkError:
+            continue  # an unrelated or broken file does not make the folder a checkpoint
         if isinstance(meta, dict) and SHARDING_INFO_KEY in meta:
             return True
     return False
@@ -94,9 +97,10 @@ def describe_safetensors_dcp(root: Path) -> CheckpointIndex:
     FQNs), so they are model weights.
 
     Raises:
-        NotADcpCheckpointError: no safetensors file, a malformed header or sharding info, or two
-            files that disagree on a tensor's dtype.
-        CorruptChunkError: a tensor's byte range lies outside its file or does not fit its shape.
+        NotADcpCheckpointError: no safetensors file, malformed sharding info or header entries, or
+            two files that disagree on a tensor's dtype or number of dims.
+        CorruptChunkError: an unreadable header, or a tensor's byte range that lies outside its
+            file or does not fit its shape.
     """
     files = safetensors_files(root)
     if not files:

@@ -17,7 +17,6 @@ __all__ = [
     "Role",
     "Slot",
     "NON_MODEL_TOPS",
-    "group_of",
     "group_of_top",
     "classify",
     "detect_producer",
@@ -110,11 +109,6 @@ def classify(index: CheckpointIndex) -> tuple[Slot, ...]:
     """
     flat = _flat_layout(index)
     return tuple(_classify_entry(e, flat) for e in index.entries)
-
-
-def group_of(entry: Entry) -> Group:
-    """``model`` or ``optim`` by the entry's top-level key, else ``other`` (nested layout only)."""
-    return group_of_top(entry.path[0])
 
 
 def group_of_top(top: str | int) -> Group:

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from fsdp_convert.errors import CheckpointNotFoundError, CorruptChunkError, NotADcpCheckpointError, UnsafeContentError
-from fsdp_convert.layout import GROUPS
+from fsdp_convert.layout import GROUPS, Group, classify, detect_producer
 from fsdp_convert.metadata import (
     METADATA_FILENAME,
     BytesEntry,
@@ -41,10 +41,10 @@ from fsdp_convert.plan import (
     check_coverage,
 )
 from fsdp_convert.reader import ChunkReader, check_data_files
-from fsdp_convert.transform import OutputItem, TransformOptions, dcp_key
+from fsdp_convert.transform import OutputItem, TransformOptions, build_items, dcp_key, needs_group_values
 from fsdp_convert.writers.safetensors import SAFETENSORS_DTYPES
 
-__all__ = ["Source", "open_source", "flatten_with_paths", "FileBoxReader", "file_index"]
+__all__ = ["Source", "open_source", "flatten_with_paths", "FileBoxReader", "file_index", "prepare_items"]
 
 MODEL_PREFIX = "model."
 _SAFETENSORS_TO_TORCH = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
@@ -110,8 +110,6 @@ class _DcpSource:
     model_only = False
 
     def __init__(self, path: Path, check_crc: bool, options: TransformOptions | None) -> None:
-        from fsdp_convert.convert import prepare_items  # the transform needs the read stage
-
         self.path = path
         self.index = read_index(path)
         check_data_files(self.index)
@@ -349,3 +347,49 @@ def file_index(path: str | os.PathLike[str]) -> CheckpointIndex:
         whole = ChunkEntry(offsets=(0,) * len(shape), sizes=shape, relative_path=None, offset_bytes=0, length_bytes=0)
         entries.append(TensorEntry(fqn=key, path=obj_path, shape=shape, dtype=dtype, chunks=(whole,)))
     return CheckpointIndex(checkpoint_id=p, entries=tuple(entries), data_files=())
+
+
+def _value_reader(index: CheckpointIndex, check_crc: bool) -> ChunkReader | FileBoxReader:
+    if index.data_files:
+        return ChunkReader(index.checkpoint_id, check_crc=check_crc)
+    return FileBoxReader(index.checkpoint_id)  # a full checkpoint file (file_index)
+
+
+def prepare_items(
+    index: CheckpointIndex,
+    options: TransformOptions,
+    groups: tuple[Group, ...],
+    *,
+    check_crc: bool = True,
+    keep_layout: bool = False,
+) -> tuple[OutputItem, ...]:
+    """Classify the entries, read the small param group values the transform needs, build the items.
+
+    Args:
+        index: the checkpoint (any source: DCP, rank files, safetensors shards, a full file).
+        options: the transforms.
+        groups: which groups to produce (``plan.groups_for``).
+        check_crc: check CRC-32s of the param group payloads read.
+        keep_layout: keep the producer's nesting (``reshard``; see ``transform.build_items``).
+
+    Raises:
+        As ``transform.build_items``, and the read errors of ``ChunkReader.read_value``.
+    """
+    slots = classify(index)
+    wanted = needs_group_values(slots) if "optim" in groups else []
+    values: dict[int, Any] = {}
+    if wanted:
+        with _value_reader(index, check_crc) as reader:
+            for i in wanted:
+                entry = index.entries[i]
+                assert isinstance(entry, BytesEntry)
+                values[i] = reader.read_value(entry)
+    return build_items(
+        index,
+        slots,
+        options,
+        values,
+        groups=groups,
+        keep_layout=keep_layout,
+        params_in_model_order=detect_producer(index) in ("fsdp1", "fsdp"),
+    )

@@ -18,7 +18,7 @@ import torch
 
 from fsdp_convert.errors import InvalidOptionError, UnsupportedTransformError
 from fsdp_convert.layout import DictKey, Group, Slot
-from fsdp_convert.metadata import BytesEntry, CheckpointIndex, Entry, ObjPath, TensorEntry
+from fsdp_convert.metadata import CheckpointIndex, Entry, ObjPath, TensorEntry
 
 __all__ = [
     "WRAPPER_NAMES",
@@ -407,8 +407,3 @@ def _optim_items(
             else:
                 items.append(OutputItem(entry=entry, path=path, group="optim", dtype=_cast(entry, None)))
     return items
-
-
-def is_bytes(item: OutputItem) -> bool:
-    """True for a plain value (read from a bytes entry, or a constant)."""
-    return item.constant or isinstance(item.entry, BytesEntry)

@@ -184,3 +184,25 @@ def test_rank_file_errors_name_the_file(runner: CliRunner, fsdp2_layouts: Path, 
     assert result.exit_code == 1 and "would run code when loaded, refused" in result.stderr, result.stderr
     assert str(missing) in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not marker.exists() and not (tmp_path / "x.pt").exists()
+
+
+class _MeshGadget:
+    """Pickles to a call of DeviceMesh("cpu", [0]), which under torch's own weights_only loader
+    (DeviceMesh is on its allow-list once torch.distributed.tensor is imported) starts a process group."""
+
+    def __reduce__(self) -> tuple[object, ...]:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return (DeviceMesh, ("cpu", [0]))
+
+
+def test_rank_files_never_build_a_mesh(fsdp2_layouts: Path, tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    ck = tmp_path / "verl"
+    shutil.copytree(fsdp2_layouts / "verl", ck)
+    torch.save({"w": _MeshGadget()}, ck / "model_world_size_2_rank_1.pt")
+    with pytest.raises(fsdp_convert.CheckpointError, match="DeviceMesh is not a state dict value"):
+        fsdp_convert.consolidate(ck, tmp_path / "x.pt", nproc=1)
+    assert not dist.is_initialized()
+    assert not (tmp_path / "x.pt").exists()

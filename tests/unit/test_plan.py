@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_convert.convert import prepare_items
 from fsdp_convert.errors import CoverageError, InvalidOptionError
 from fsdp_convert.metadata import BytesEntry, ChunkEntry, TensorEntry, read_index
 from fsdp_convert.plan import (
@@ -20,6 +19,7 @@ from fsdp_convert.plan import (
     plan_consolidate,
     plan_shards,
 )
+from fsdp_convert.sources import prepare_items
 from fsdp_convert.transform import OutputItem, TransformOptions
 from tests.conftest import Sample
 
