@@ -301,12 +301,17 @@ def _write_file(job: _ConsolidateJob, file: FilePlan, transport: GlooTransport |
 
 
 def _write_shards(job: _ConsolidateJob, rank: int) -> None:
-    """Folder output: write this rank's safetensors shards. No tensor goes through rank 0."""
+    """Folder output: write this rank's safetensors shards. No tensor goes through rank 0.
+
+    Only rank 0 shows a bar (shards are balanced by bytes, so it stands for the whole job): one
+    line, however many workers and nodes.
+    """
     plan = job.plan
     mine = [s for s in plan.shards if s.owner == rank]
+    desc = f"write ({len(mine)} of {len(plan.shards)} shards here)"
     with (
         ChunkReader(job.checkpoint_id, check_crc=job.check_crc) as reader,
-        _bar("write", sum(s.tensor_bytes for s in mine), job.progress, 0) as bar,
+        _bar(desc, sum(s.tensor_bytes for s in mine), job.progress and rank == 0, 0) as bar,
     ):
         for shard in mine:
             items = [plan.items[i] for i in shard.item_ids]
