@@ -238,8 +238,10 @@ def _flattened_groups(index: CheckpointIndex, slots: tuple[Slot, ...], values: M
     """Regroup ``param_groups.<fqn>.<field>`` values: consecutive parameters with equal fields share a group.
 
     torch's ``_flatten_optim_state_dict`` copies every field of a group to each of its parameters,
-    in group order, so this restores the groups (two adjacent groups with identical fields become
-    one, which loads the same).
+    in group order, so this restores the groups. Two adjacent groups with identical fields cannot
+    be told apart and become one: ``set_optimizer_state_dict`` loads that the same, but
+    ``torch.optim.Optimizer.load_state_dict`` on an optimizer built with both groups refuses the
+    group count (build it with one group, or merge them).
     """
     per_param: dict[str, dict[str, tuple[int, Any]]] = {}
     for i, slot in enumerate(slots):
