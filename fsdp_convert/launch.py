@@ -12,6 +12,7 @@ import collections
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -159,12 +160,26 @@ def _worker_main(call: _WorkerCall) -> Any:
         record = {
             "rank": rank,
             "type": type(e).__name__ if isinstance(e, CheckpointError) else None,
-            "message": str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}",
+            "message": str(e) if isinstance(e, CheckpointError) else _describe(e),
             "traceback": traceback.format_exc(),
         }
         Path(call.error_dir, f"rank{rank}.json").write_text(json.dumps(record))
         code = e.exit_code if isinstance(e, CheckpointError) else 1
         raise SystemExit(code) from None
+
+
+def _describe(e: BaseException) -> str:
+    """One line for a worker's unexpected error; a gloo connection lost to a peer says so."""
+    text = str(e)
+    if "gloo" in text and any(s in text for s in ("Connection reset", "Connection closed", "Broken pipe", "Read error")):
+        m = re.search(r"\[([0-9a-fA-F.:]+)\]:(\d+)", text)
+        peer = f" at {m.group(1)}:{m.group(2)}" if m else ""
+        return f"lost its connection to a peer worker{peer} (that worker, or its node, died)"
+    return f"{type(e).__name__}: {_first_line(text)}"
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
 
 
 def _describe_exit(code: int) -> str:
