@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -41,6 +42,7 @@ from fsdp_convert.plan import (
 )
 from fsdp_convert.plan import output_format as plan_output_format
 from fsdp_convert.reader import ChunkReader, check_data_files
+from fsdp_convert.remote import Location, Url, as_location, is_url, staged_upload
 from fsdp_convert.sources import FileBoxReader, file_index, prepare_items
 from fsdp_convert.transform import OutputItem, TransformOptions, dcp_key
 from fsdp_convert.writers import SafetensorsWriter, StateDictWriter, TorchSaveWriter, atomic_output
@@ -91,7 +93,7 @@ class EntrySummary:
 class InspectResult:
     """What ``.metadata`` says about a checkpoint; see ``inspect_checkpoint``."""
 
-    checkpoint_id: Path
+    checkpoint_id: Location
     producer: str
     world_size: int
     total_bytes: int
@@ -186,7 +188,7 @@ class ConsolidateResult:
             rank 0's process wrote the output (``file_bytes`` is then 0).
     """
 
-    output: Path
+    output: Location
     output_format: str
     tensors: int
     values: int
@@ -199,7 +201,7 @@ class ConsolidateResult:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _ConsolidateJob:
-    checkpoint_id: Path
+    checkpoint_id: Location
     plan: WorkPlan
     tmp_output: Path
     progress: bool
@@ -512,6 +514,25 @@ def consolidate(
         WorkerFailedError: a worker died.
         VerificationError: ``verify_output`` found a difference (nothing is left at ``output``).
     """
+    if is_url(output):
+        url = Url(str(output).rstrip("/"))
+        if _shared_tag(cluster) is not None:
+            raise InvalidOptionError(f"{url}: a multi-node run writes to a filesystem every node shares, not to object storage")
+        with staged_upload(url, overwrite=overwrite, last=(HF_INDEX_FILENAME,)) as local:
+            result = consolidate(
+                checkpoint_id,
+                local,
+                nproc=nproc,
+                only=only,
+                options=options,
+                output_format=output_format,
+                memory_budget_bytes=memory_budget_bytes,
+                max_shard_bytes=max_shard_bytes,
+                check_crc=check_crc,
+                verify_output=verify_output,
+                progress=progress,
+            )
+        return dataclasses.replace(result, output=url)
     start = time.monotonic()
     output = Path(output)
     options = options or TransformOptions()
@@ -583,7 +604,7 @@ class ReshardResult:
         owner: False in a process that did not write ``.metadata`` (see ``ConsolidateResult``).
     """
 
-    output: Path
+    output: Location
     target_world_size: int
     chunks: int
     file_bytes: int
@@ -594,7 +615,7 @@ class ReshardResult:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _ReshardJob:
-    checkpoint_id: Path
+    checkpoint_id: Location
     plan: ReshardPlan
     tmp_output: Path
     check_crc: bool
@@ -674,13 +695,25 @@ def reshard(
     Raises:
         As ``consolidate``, and InvalidOptionError for ``world_size < 1``.
     """
+    if is_url(output):
+        url = Url(str(output).rstrip("/"))
+        if _shared_tag(cluster) is not None:
+            raise InvalidOptionError(f"{url}: a multi-node run writes to a filesystem every node shares, not to object storage")
+        with staged_upload(url, overwrite=overwrite, last=(METADATA_FILENAME,)) as local:
+            result = reshard(checkpoint_id, local, world_size=world_size, nproc=nproc, options=options, check_crc=check_crc)
+        return dataclasses.replace(result, output=url)
     start = time.monotonic()
     output = Path(output)
-    source = Path(checkpoint_id)
-    full_file = source.is_file() or (
-        source.is_dir()
-        and not (source / METADATA_FILENAME).exists()
-        and any((source / name).is_file() for name in (HF_INDEX_FILENAME, HF_SINGLE_FILENAME))
+    source = as_location(checkpoint_id)
+    full_file = (
+        isinstance(source, Path)
+        and source.is_file()
+        or isinstance(source, Path)
+        and (
+            source.is_dir()
+            and not (source / METADATA_FILENAME).exists()
+            and any((source / name).is_file() for name in (HF_INDEX_FILENAME, HF_SINGLE_FILENAME))
+        )
     )
     index = file_index(source) if full_file else read_index(source)
     check_output_free(output, overwrite=overwrite, directory=True)

@@ -29,6 +29,7 @@ from fsdp_convert.errors import (
     NotADcpCheckpointError,
     UnsafeContentError,
 )
+from fsdp_convert.remote import Location, Url, as_location, read_bytes, size_of
 
 __all__ = [
     "METADATA_FILENAME",
@@ -185,7 +186,7 @@ class CheckpointIndex:
             ``__<rank>_<n>.distcp`` (per-rank torch.save files, safetensors shards).
     """
 
-    checkpoint_id: Path
+    checkpoint_id: Location
     entries: tuple[Entry, ...]
     data_files: tuple[str, ...]
     version: str | None = None
@@ -287,6 +288,15 @@ def load_metadata(path: str | os.PathLike[str]) -> dcp_metadata.Metadata:
         data = Path(path).read_bytes()
     except OSError as e:
         raise NotADcpCheckpointError(f"cannot read {path}: {e.strerror}") from e
+    return metadata_from_bytes(data, path)
+
+
+def metadata_from_bytes(data: bytes, path: str | os.PathLike[str]) -> dcp_metadata.Metadata:
+    """``load_metadata`` of bytes already read (a remote ``.metadata``); ``path`` names it in errors.
+
+    Raises:
+        As ``load_metadata``.
+    """
     try:
         obj = _restricted_loads(data)
     except UnsafeContentError as e:
@@ -301,17 +311,17 @@ def load_metadata(path: str | os.PathLike[str]) -> dcp_metadata.Metadata:
 # --- conversion to the index --------------------------------------------------------------------
 
 
-def _bad(path: Path, what: str) -> NotADcpCheckpointError:
+def _bad(path: Location, what: str) -> NotADcpCheckpointError:
     return NotADcpCheckpointError(f"{path}: {what}")
 
 
-def _int_tuple(value: Any, meta_path: Path, what: str) -> tuple[int, ...]:
+def _int_tuple(value: Any, meta_path: Location, what: str) -> tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or not all(type(v) is int and v >= 0 for v in value):
         raise _bad(meta_path, f"{what} is not a sequence of non-negative ints: {value!r}")
     return tuple(value)
 
 
-def _storage_fields(info: Any, meta_path: Path, fqn: str) -> tuple[str, int, int, tuple[str, ...]]:
+def _storage_fields(info: Any, meta_path: Location, fqn: str) -> tuple[str, int, int, tuple[str, ...]]:
     if not isinstance(info, StorageInfo):
         raise _bad(meta_path, f"storage record of {fqn} is a {type(info).__name__}")
     rel = getattr(info, "relative_path", None)
@@ -330,7 +340,7 @@ def _storage_fields(info: Any, meta_path: Path, fqn: str) -> tuple[str, int, int
     return rel, offset, length, tuple(transforms)
 
 
-def _obj_path(planner_data: Any, fqn: str, meta_path: Path) -> ObjPath:
+def _obj_path(planner_data: Any, fqn: str, meta_path: Location) -> ObjPath:
     if not isinstance(planner_data, Mapping) or fqn not in planner_data:
         return (fqn,)  # saved without flattening: the key is its own path
     path = planner_data[fqn]
@@ -343,7 +353,7 @@ def _obj_path(planner_data: Any, fqn: str, meta_path: Path) -> ObjPath:
     return tuple(path)
 
 
-def build_index(metadata: dcp_metadata.Metadata, checkpoint_id: Path) -> CheckpointIndex:
+def build_index(metadata: dcp_metadata.Metadata, checkpoint_id: Location) -> CheckpointIndex:
     """Turn DCP ``Metadata`` into a ``CheckpointIndex``, checking every field's type.
 
     Args:
@@ -384,7 +394,7 @@ def _check_disjoint_payloads(index: CheckpointIndex) -> None:
                 )
 
 
-def _build_index(metadata: dcp_metadata.Metadata, checkpoint_id: Path) -> CheckpointIndex:
+def _build_index(metadata: dcp_metadata.Metadata, checkpoint_id: Location) -> CheckpointIndex:
     meta_path = checkpoint_id / METADATA_FILENAME
     sd_meta = metadata.state_dict_metadata
     if not isinstance(sd_meta, Mapping):
@@ -490,7 +500,13 @@ def read_index(checkpoint_id: str | os.PathLike[str]) -> CheckpointIndex:
         NotADcpCheckpointError: no ``.metadata`` in the folder, or it is malformed.
         UnsafeContentError: ``.metadata`` would run code when unpickled.
     """
-    root = Path(checkpoint_id)
+    location = as_location(checkpoint_id)
+    if isinstance(location, Url):  # object storage: .metadata is read whole, chunks later by range
+        meta_url = location / METADATA_FILENAME
+        if size_of(meta_url) is None:
+            raise NotADcpCheckpointError(f"{location} has no {METADATA_FILENAME}; not a DCP checkpoint")
+        return build_index(metadata_from_bytes(read_bytes(meta_url), meta_url), location)
+    root = location
     if not root.exists():
         raise CheckpointNotFoundError(f"{root} does not exist")
     if not root.is_dir():
@@ -539,7 +555,7 @@ def _merge_indexes(root: Path, parts: list[CheckpointIndex], producer: str) -> C
         NotADcpCheckpointError: two folders hold the same key.
     """
     entries: list[Entry] = []
-    owner: dict[str, Path] = {}
+    owner: dict[str, Location] = {}
     files: list[str] = []
     for part in parts:
         prefix = part.checkpoint_id.name

@@ -26,6 +26,7 @@ from fsdp_convert._signals import torch_call
 from fsdp_convert._zip import ZipFormatError, ZipRecord, read_records
 from fsdp_convert.errors import (
     CorruptChunkError,
+    InvalidOptionError,
     MissingDataFileError,
     ShapeMismatchError,
     UnsafeContentError,
@@ -33,6 +34,7 @@ from fsdp_convert.errors import (
 )
 from fsdp_convert.metadata import BytesEntry, CheckpointIndex, ChunkEntry, TensorEntry
 from fsdp_convert.rank_files import load_rank_file, local_value
+from fsdp_convert.remote import Url, as_location, read_range, size_of
 
 __all__ = ["check_data_files", "ChunkReader", "ByteRangeFile", "READ_LOG_ENV"]
 
@@ -47,6 +49,10 @@ def check_data_files(index: CheckpointIndex) -> None:
     """
     for name in index.data_files:
         path = index.checkpoint_id / name
+        if isinstance(path, Url):
+            if size_of(path) is None:
+                raise MissingDataFileError(f"{path} is missing; .metadata names it as a data file")
+            continue
         if not path.is_file():
             raise MissingDataFileError(f"{path} is missing; .metadata names it as a data file")
         if not os.access(path, os.R_OK):
@@ -176,7 +182,8 @@ class ChunkReader:
     """
 
     def __init__(self, checkpoint_id: str | os.PathLike[str], *, check_crc: bool = True) -> None:
-        self.root = Path(checkpoint_id)
+        self.root = as_location(checkpoint_id)
+        self._temp_fd: int | None = None  # a remote byte range, fetched into memory
         self.check_crc = check_crc
         self._files: dict[str, tuple[int, int]] = {}  # relative path -> (fd, size in bytes)
         self._rank_files: dict[str, Any] = {}  # relative path -> loaded per-rank torch.save file
@@ -195,16 +202,52 @@ class ChunkReader:
     def close(self) -> None:
         """Close every open data file."""
         for fd, _ in self._files.values():
-            os.close(fd)
+            if fd >= 0:  # remote files have no descriptor
+                os.close(fd)
         self._files.clear()
+        self._drop_temp()
         self._rank_files.clear()
         if self._read_log is not None:
             self._read_log.close()
             self._read_log = None
 
+    def _drop_temp(self) -> None:
+        if self._temp_fd is not None:
+            os.close(self._temp_fd)
+            self._temp_fd = None
+
+    def _range(self, relative_path: str, offset: int, length: int, where: str) -> tuple[int, int]:
+        """A descriptor and the offset in it of a byte range of a data file, its end checked.
+
+        Local: the data file itself. Remote: one ranged read of exactly the range into an
+        anonymous in-memory file (kept until the next range), so decoding reads it the same way.
+
+        Raises:
+            MissingDataFileError: the data file is gone. CorruptChunkError: the range lies past its end.
+        """
+        fd, size = self._open(relative_path)
+        if offset + length > size:
+            raise CorruptChunkError(f"{where}: the range lies past the end of the file ({size} bytes); the file is truncated")
+        if isinstance(self.root, Path):
+            return fd, offset
+        data = read_range(self.root / relative_path, offset, length)
+        self._drop_temp()
+        self._temp_fd = os.memfd_create("fsdp-convert-range")
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._temp_fd, view) :]
+        return self._temp_fd, 0
+
     def _open(self, relative_path: str) -> tuple[int, int]:
+        """The data file's descriptor and size in bytes (remote: no descriptor, -1)."""
         opened = self._files.get(relative_path)
+        if opened is None and isinstance(self.root, Url):
+            size = size_of(self.root / relative_path)
+            if size is None:
+                raise MissingDataFileError(f"cannot open {self.root / relative_path}: No such object")
+            opened = self._files[relative_path] = (-1, size)
         if opened is None:
+            assert isinstance(self.root, Path)
             path = self.root / relative_path
             try:
                 fd = os.open(path, os.O_RDONLY)
@@ -224,10 +267,8 @@ class ChunkReader:
             raise UnsupportedTransformError(
                 f"{where}: written through stream transform(s) {list(transforms)}, which this tool does not decode"
             )
-        fd, size = self._open(relative_path)
-        if offset + length > size:
-            raise CorruptChunkError(f"{where}: the range lies past the end of the file ({size} bytes); the file is truncated")
-        payload = ByteRangeFile(fd, offset, length)
+        fd, at = self._range(relative_path, offset, length, where)
+        payload = ByteRangeFile(fd, at, length)
         if self.check_crc:
             try:
                 payload.hashes = [_RecordHash(r) for r in read_records(payload.pread, length)]
@@ -379,6 +420,8 @@ class ChunkReader:
         loaded = self._rank_files.get(relative_path)
         if loaded is None:
             path = self.root / relative_path
+            if isinstance(path, Url):
+                raise InvalidOptionError(f"{path}: per-rank torch.save files are read from local paths only")
             if not path.is_file():
                 raise MissingDataFileError(f"cannot open {path}: No such file")
             loaded = self._rank_files[relative_path] = load_rank_file(path)
@@ -387,15 +430,13 @@ class ChunkReader:
     def _read_raw_box(self, entry: TensorEntry, chunk: ChunkEntry) -> torch.Tensor:
         """A box stored as its bare elements (a safetensors tensor's data), read with one pread."""
         assert chunk.relative_path is not None
-        fd, size = self._open(chunk.relative_path)
         where = self._where(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, entry.fqn)
         if chunk.length_bytes != chunk.numel * entry.dtype.itemsize:
             raise ShapeMismatchError(f"{where}: {chunk.length_bytes} bytes cannot hold {entry.dtype} {list(chunk.sizes)}")
-        if chunk.offset_bytes + chunk.length_bytes > size:
-            raise CorruptChunkError(f"{where}: the range lies past the end of the file ({size} bytes); the file is truncated")
+        fd, at = self._range(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, where)
         self._last_storage_crc = None
         buffer = bytearray(chunk.length_bytes)
-        if chunk.length_bytes and os.preadv(fd, [buffer], chunk.offset_bytes) != chunk.length_bytes:
+        if chunk.length_bytes and os.preadv(fd, [buffer], at) != chunk.length_bytes:
             raise CorruptChunkError(f"{where}: short read; the file changed while it was read")
         return (
             torch.frombuffer(buffer, dtype=entry.dtype).reshape(chunk.sizes)
@@ -413,12 +454,10 @@ class ChunkReader:
             buf = io.BytesIO()
             torch.save(self.read_value(entry), buf)
             return buf.getvalue()
-        fd, size = self._open(entry.relative_path)
-        where = self._where(entry.relative_path, entry.offset_bytes, entry.length_bytes, entry.fqn)
-        if entry.offset_bytes + entry.length_bytes > size:
-            raise CorruptChunkError(f"{where}: the range lies past the end of the file ({size} bytes); the file is truncated")
         self.read_value(entry)  # decode once: refuses a hostile or corrupt payload before it is copied
-        return os.pread(fd, entry.length_bytes, entry.offset_bytes)
+        where = self._where(entry.relative_path, entry.offset_bytes, entry.length_bytes, entry.fqn)
+        fd, at = self._range(entry.relative_path, entry.offset_bytes, entry.length_bytes, where)
+        return os.pread(fd, entry.length_bytes, at)
 
     def read_value(self, entry: BytesEntry) -> Any:
         """Decode a bytes entry: the plain Python value (float, tuple, list of FQNs, ...).

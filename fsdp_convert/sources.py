@@ -41,6 +41,7 @@ from fsdp_convert.plan import (
     check_coverage,
 )
 from fsdp_convert.reader import ChunkReader, check_data_files
+from fsdp_convert.remote import Location, Url, is_url
 from fsdp_convert.transform import OutputItem, TransformOptions, build_items, dcp_key, needs_group_values
 from fsdp_convert.writers.safetensors import SAFETENSORS_DTYPES
 
@@ -53,7 +54,11 @@ _SAFETENSORS_TO_TORCH = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items
 class Source(Protocol):
     """A checkpoint seen as flat keys; values are loaded on demand, one at a time."""
 
-    path: Path
+    @property
+    def path(self) -> Location:
+        """Where the checkpoint is."""
+        ...
+
     kind: str  # "dcp", "torch_save", "safetensors" or "hf_dir"
     model_only: bool  # holds model weights only (the safetensors formats)
 
@@ -109,7 +114,7 @@ class _DcpSource:
     kind = "dcp"
     model_only = False
 
-    def __init__(self, path: Path, check_crc: bool, options: TransformOptions | None) -> None:
+    def __init__(self, path: Location, check_crc: bool, options: TransformOptions | None) -> None:
         self.path = path
         self.index = read_index(path)
         check_data_files(self.index)
@@ -247,6 +252,8 @@ def open_source(path: str | os.PathLike[str], *, check_crc: bool = True, options
         NotADcpCheckpointError: a folder with none of the above, or an unknown file type.
         UnsafeContentError: a pickle that would run code.
     """
+    if is_url(path):  # a remote DCP checkpoint
+        return _DcpSource(Url(str(path).rstrip("/")), check_crc, options)
     p = Path(path)
     if not p.exists():
         raise CheckpointNotFoundError(f"{p} does not exist")

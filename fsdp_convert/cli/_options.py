@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -37,15 +36,15 @@ __all__ = [
 ]
 
 CheckpointArg = Annotated[
-    Path,
+    str,
     typer.Argument(
         metavar="CHECKPOINT_DIR",
-        help="DCP checkpoint folder (the one holding .metadata, or a folder of them such as accelerate's).",
+        help="Checkpoint folder: DCP (.metadata), accelerate's parent folder, per-rank files, or s3://... (fsspec).",
         show_default=False,
     ),
 ]
 OutputArg = Annotated[
-    Path,
+    str,
     typer.Argument(
         metavar="OUT",
         help="Output: a .pt/.pth/.bin file (torch.save), a .safetensors file, or a folder (HF safetensors shards + index).",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -39,7 +38,7 @@ Examples:
   fsdp-convert reshard ckpt/step-1000 ckpt/step-1000-ws1 --world-size 1 --overwrite
 """
 
-OutDirArg = Annotated[Path, typer.Argument(metavar="OUT", help="Output DCP folder.", show_default=False)]
+OutDirArg = Annotated[str, typer.Argument(metavar="OUT", help="Output DCP folder (or s3://... via fsspec).", show_default=False)]
 WorldSizeOpt = Annotated[int, typer.Option("--world-size", min=1, help="Target world size (ranks of the new layout).")]
 WritersOpt = Annotated[
     int | None,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -25,7 +24,7 @@ Examples:
 """
 
 SourceArg = Annotated[
-    Path,
+    str,
     typer.Argument(help="A DCP folder, a .pt/.pth/.bin file, a .safetensors file or a Hugging Face folder.", show_default=False),
 ]
 AtolOpt = Annotated[float | None, typer.Option("--atol", help="Absolute tolerance for floating tensors (default: bitwise).")]

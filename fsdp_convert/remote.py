@@ -1,0 +1,178 @@
+"""Checkpoints and outputs on object storage or other filesystems, through fsspec (``s3://``, ``gs://``...).
+
+Local paths never come here. A remote checkpoint is read by byte range: ``.metadata`` whole (it is
+small), then each chunk payload by one ranged GET (``fs.cat_file(path, start, end)``), never a
+whole data file. A remote output is written to a local temporary first and uploaded when
+complete (``fs.put``; s3fs uploads large files in parts), the index or ``.metadata`` last, so
+nothing appears at ``OUT`` before it is whole. Credentials and endpoints come from the
+backend's usual settings (``AWS_*`` for s3fs) or fsspec's ``FSSPEC_<PROTOCOL>_<OPTION>``
+variables (``FSSPEC_S3_ENDPOINT_URL``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from fsdp_convert.errors import (
+    CheckpointNotFoundError,
+    InvalidOptionError,
+    MissingDataFileError,
+    OutputExistsError,
+    OutputWriteError,
+)
+
+__all__ = [
+    "Url",
+    "Location",
+    "is_url",
+    "as_location",
+    "filesystem",
+    "read_bytes",
+    "read_range",
+    "size_of",
+    "exists",
+    "upload",
+    "staged_upload",
+]
+
+
+class Url(str):
+    """A remote location (``s3://bucket/ckpt``) that joins like a ``Path``: ``url / "__0_0.distcp"``."""
+
+    __slots__ = ()
+
+    def __truediv__(self, other: str | os.PathLike[str]) -> Url:
+        return Url(self.rstrip("/") + "/" + os.fspath(other))
+
+    @property
+    def name(self) -> str:
+        """The last component."""
+        return self.rstrip("/").rsplit("/", 1)[-1]
+
+
+Location = Path | Url
+
+
+def is_url(location: object) -> bool:
+    """True for ``scheme://...`` strings other than ``file://`` (which is a local path)."""
+    return isinstance(location, str) and "://" in location and not location.startswith("file://")
+
+
+def as_location(location: str | os.PathLike[str]) -> Path | Url:
+    """A ``Url`` for a remote location, else a ``Path`` (``file://`` prefix removed)."""
+    if is_url(location):
+        return Url(str(location).rstrip("/"))
+    text = os.fspath(location)
+    return Path(text.removeprefix("file://"))
+
+
+@functools.cache
+def filesystem(protocol: str) -> Any:
+    """The fsspec filesystem for ``protocol`` (one per process).
+
+    Raises:
+        InvalidOptionError: fsspec or the protocol's backend is not installed.
+    """
+    try:
+        import fsspec  # type: ignore[import-untyped]
+
+        return fsspec.filesystem(protocol)
+    except ImportError as e:
+        raise InvalidOptionError(
+            f"{protocol}:// paths need fsspec and its {protocol} backend: pip install 'fsdp-convert[s3]' ({e})"
+        ) from e
+    except ValueError as e:
+        raise InvalidOptionError(f"{protocol}:// is not a known fsspec protocol ({e})") from e
+
+
+def _fs(url: Url) -> Any:
+    return filesystem(url.split("://", 1)[0])
+
+
+def size_of(url: Url) -> int | None:
+    """The object's size in bytes, or None when it does not exist."""
+    try:
+        return int(_fs(url).size(str(url)))
+    except FileNotFoundError:
+        return None
+
+
+def read_bytes(url: Url) -> bytes:
+    """A whole (small) object, such as ``.metadata``.
+
+    Raises:
+        CheckpointNotFoundError: it does not exist.
+    """
+    try:
+        return bytes(_fs(url).cat_file(str(url)))
+    except FileNotFoundError as e:
+        raise CheckpointNotFoundError(f"{url} does not exist") from e
+
+
+def read_range(url: Url, offset: int, length: int) -> bytes:
+    """``length`` bytes at ``offset`` of an object, in one ranged read.
+
+    Raises:
+        MissingDataFileError: the object does not exist.
+    """
+    if length == 0:
+        return b""
+    try:
+        return bytes(_fs(url).cat_file(str(url), start=offset, end=offset + length))
+    except FileNotFoundError as e:
+        raise MissingDataFileError(f"{url} is missing") from e
+
+
+def exists(url: Url) -> bool:
+    """True when an object or a prefix ("folder") exists at ``url``."""
+    return bool(_fs(url).exists(str(url)))
+
+
+def upload(local: Path, url: Url, *, last: tuple[str, ...] = ()) -> None:
+    """Upload a finished local file or folder to ``url``.
+
+    In a folder, the files named in ``last`` go after all others (an index or ``.metadata``
+    appears only once the data is there).
+
+    Raises:
+        OutputWriteError: the upload fails.
+    """
+    fs = _fs(url)
+    try:
+        if local.is_file():
+            fs.put_file(str(local), str(url))
+            return
+        files = sorted(p for p in local.rglob("*") if p.is_file())
+        files.sort(key=lambda p: p.name in last)
+        for path in files:
+            fs.put_file(str(path), str(url / path.relative_to(local).as_posix()))
+    except OSError as e:
+        raise OutputWriteError(f"cannot write {url}: {e}") from e
+
+
+@contextlib.contextmanager
+def staged_upload(url: Url, *, overwrite: bool, last: tuple[str, ...] = ()) -> Iterator[Path]:
+    """Yield a local path to write ``url``'s content to; upload it when the block completes.
+
+    The local copy lives in a temporary folder (deleted afterwards), named like the output so
+    its suffix still says the format.
+
+    Raises:
+        OutputExistsError: something exists at ``url`` and ``overwrite`` is false (checked first).
+        OutputWriteError: the upload fails.
+    """
+    if not overwrite and exists(url):
+        raise OutputExistsError(f"{url} already exists; pass --overwrite to replace it")
+    folder = Path(tempfile.mkdtemp(prefix="fsdp-convert-upload-"))
+    try:
+        yield folder / url.name
+        upload(folder / url.name, url, last=last)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
