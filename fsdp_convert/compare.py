@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from fsdp_convert.launch import Cluster, GlooTransport, job_world_size, run_ranks
 from fsdp_convert.layout import Group, group_of_top
 from fsdp_convert.metadata import dtype_name
 from fsdp_convert.plan import Only
@@ -35,12 +36,17 @@ class Difference:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class VerifyResult:
-    """Outcome of ``verify``: equal when ``differences`` is empty."""
+    """Outcome of ``verify``: equal when ``differences`` is empty.
 
-    a: Path
-    b: Path
+    ``owner`` is False in a process of a multi-process run that does not hold rank 0: its
+    ``differences`` then lack the other ranks' (rank 0's process has them all).
+    """
+
+    a: str | os.PathLike[str]
+    b: str | os.PathLike[str]
     compared: int
     differences: tuple[Difference, ...]
+    owner: bool = True
 
     @property
     def equal(self) -> bool:
@@ -95,6 +101,9 @@ def verify(
     only: Only = "all",
     check_crc: bool = True,
     options: TransformOptions | None = None,
+    nproc: int | None = None,
+    cluster: Cluster | None = None,
+    in_process: bool = False,
 ) -> VerifyResult:
     """Compare two checkpoints of any formats (DCP, .pt, safetensors, HF folder) key by key.
 
@@ -112,6 +121,12 @@ def verify(
         only: compare only this top-level group (``model``, ``optim``) or ``all``.
         check_crc: check CRC-32s of DCP payloads while reading.
         options: the transforms a DCP side is seen through (see ``sources.open_source``).
+        nproc: workers comparing keys in parallel (torch's elastic launcher; each opens both
+            sides and compares every ``nproc``-th key); default 1, in this process.
+        cluster: torchrun's multi-node options, as for ``consolidate``; rank 0's process returns
+            the whole result (``owner``), the others an empty one.
+        in_process: compare here, one process, even under torchrun (``consolidate --verify``,
+            which runs on rank 0 alone).
 
     Returns:
         The keys compared and every difference (``missing``: only in A; ``extra``: only in B).
@@ -131,21 +146,71 @@ def verify(
         if source_a.model_only or source_b.model_only:
             keys_a = [k for k in keys_a if _key_group(k) == "model"]
             keys_b = [k for k in keys_b if _key_group(k) == "model"]
-        if only != "all":
-            keys_a = [k for k in keys_a if _key_group(k) == only]
-            keys_b = [k for k in keys_b if _key_group(k) == only]
-        in_b = set(keys_b)
-        in_a = set(keys_a)
-        diffs = [Difference(key=k, kind="missing", detail="only in A") for k in keys_a if k not in in_b]
-        diffs += [Difference(key=k, kind="extra", detail="only in B") for k in keys_b if k not in in_a]
-        compared = 0
-        for key in keys_a:
-            if key in in_b:
-                detail = _compare(source_a.get(key), source_b.get(key), atol, rtol)
-                compared += 1
-                if detail is not None:
-                    diffs.append(Difference(key=key, kind="differs", detail=detail))
     finally:
         source_a.close()
         source_b.close()
-    return VerifyResult(a=Path(a), b=Path(b), compared=compared, differences=tuple(diffs))
+    if only != "all":
+        keys_a = [k for k in keys_a if _key_group(k) == only]
+        keys_b = [k for k in keys_b if _key_group(k) == only]
+    in_b, in_a = set(keys_b), set(keys_a)
+    diffs = [Difference(key=k, kind="missing", detail="only in A") for k in keys_a if k not in in_b]
+    diffs += [Difference(key=k, kind="extra", detail="only in B") for k in keys_b if k not in in_a]
+    common = tuple(k for k in keys_a if k in in_b)
+    job = _VerifyJob(a=str(a), b=str(b), keys=common, atol=atol, rtol=rtol, check_crc=check_crc, options=options)
+    if in_process:
+        owner, differing = True, _verify_rank(job, 0, 1, None)
+    else:
+        world_size = job_world_size(nproc, cluster) or 1
+        owner, differing = run_ranks(_verify_rank, job, world_size, _RESULT_WINDOW_BYTES, cluster)
+    diffs += [Difference(key=k, kind="differs", detail=d) for k, d in (differing or [])]
+    return VerifyResult(a=a, b=b, compared=len(common), differences=tuple(diffs), owner=owner)
+
+
+_RESULT_WINDOW_BYTES = 1 << 20  # the only data sent between ranks: each rank's differences, as JSON
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _VerifyJob:
+    a: str
+    b: str
+    keys: tuple[str, ...]
+    atol: float | None
+    rtol: float | None
+    check_crc: bool
+    options: TransformOptions | None
+
+
+def _verify_rank(job: _VerifyJob, rank: int, world_size: int, transport: GlooTransport | None) -> list[tuple[str, str]] | None:
+    """Compare keys ``rank, rank + world_size, ...``; rank 0 gathers every rank's differences.
+
+    The differences travel as JSON in uint8 tensors (length first), never as pickles.
+
+    Returns:
+        On rank 0, ``(key, detail)`` of every differing key, in key order; None elsewhere.
+    """
+    mine: list[tuple[str, str]] = []
+    source_a = open_source(job.a, check_crc=job.check_crc, options=job.options)
+    try:
+        source_b = open_source(job.b, check_crc=job.check_crc, options=job.options)
+        try:
+            for key in job.keys[rank::world_size]:
+                detail = _compare(source_a.get(key), source_b.get(key), job.atol, job.rtol)
+                if detail is not None:
+                    mine.append((key, detail))
+        finally:
+            source_b.close()
+    finally:
+        source_a.close()
+    if transport is None:
+        return mine
+    if rank != 0:
+        data = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8)
+        transport.send(torch.tensor([data.numel()], dtype=torch.int64))
+        transport.send(data)
+        transport.drain()
+        return None
+    for src in range(1, world_size):
+        length = int(transport.recv((1,), torch.int64, src).item())
+        mine += [(str(k), str(d)) for k, d in json.loads(bytes(transport.recv((length,), torch.uint8, src).numpy()) or b"[]")]
+    order = {key: i for i, key in enumerate(job.keys)}
+    return sorted(mine, key=lambda kd: order[kd[0]])

@@ -7,7 +7,6 @@ import io
 import json
 import logging
 import os
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from tqdm import tqdm
 
 from fsdp_convert.compare import Difference, VerifyResult, verify
 from fsdp_convert.errors import InvalidOptionError, VerificationError
-from fsdp_convert.launch import Cluster, GlooTransport, launched_by_torchrun, run_in_place, run_workers
+from fsdp_convert.launch import Cluster, GlooTransport, job_world_size, run_ranks, shared_tag
 from fsdp_convert.layout import GROUPS, Group, classify, detect_producer
 from fsdp_convert.metadata import METADATA_FILENAME, BytesEntry, TensorEntry, dtype_name, read_index
 from fsdp_convert.pipeline import prefetch
@@ -385,65 +384,6 @@ def _consolidate_rank(job: _ConsolidateJob, rank: int, world_size: int, transpor
         return sum(p.stat().st_size for p in job.tmp_output.iterdir())
 
 
-def _world_size(nproc: int | None, cluster: Cluster | None) -> int | None:
-    """Workers of the whole job.
-
-    torchrun's ``WORLD_SIZE``; ``nnodes x nproc`` for a multi-node run (which needs ``nproc``:
-    every node must plan for the same world size); else ``nproc``.
-
-    Raises:
-        InvalidOptionError: a multi-node run without ``--nproc-per-node``, ``--rdzv-endpoint`` or ``--rdzv-id``.
-    """
-    if launched_by_torchrun():
-        return int(os.environ["WORLD_SIZE"])
-    if cluster is None or not cluster.multi_node:
-        return nproc
-    missing = [
-        flag
-        for flag, value in (
-            ("--nproc-per-node", nproc),
-            ("--rdzv-endpoint", cluster.rdzv_endpoint),
-            ("--rdzv-id", cluster.rdzv_id),
-        )
-        if not value
-    ]
-    if missing:
-        raise InvalidOptionError(f"--nnodes {cluster.nnodes} needs {', '.join(missing)}, the same on every node")
-    assert nproc is not None
-    return cluster.nnodes * nproc
-
-
-def _shared_tag(cluster: Cluster | None) -> str | None:
-    """The temporary output's tag every process of a multi-process job agrees on, if it shares one."""
-    if launched_by_torchrun():
-        return "torchrun-" + re.sub(r"[^A-Za-z0-9_.-]", "_", os.environ.get("TORCHELASTIC_RUN_ID", os.environ["MASTER_PORT"]))
-    if cluster is not None and cluster.multi_node:
-        return "rdzv-" + re.sub(r"[^A-Za-z0-9_.-]", "_", cluster.rdzv_id)
-    return None
-
-
-def _run_ranks(
-    fn: Callable[[Any, int, int, GlooTransport | None], Any],
-    job: Any,
-    world_size: int,
-    window_bytes: int,
-    cluster: Cluster | None,
-) -> tuple[bool, Any]:
-    """Run every rank of a job: in this process, in workers on this node, or as the user's torchrun worker.
-
-    Returns:
-        Whether this process holds rank 0's result (it then owns the output), and that result.
-    """
-    if launched_by_torchrun():
-        rank, result = run_in_place(fn, job, window_bytes=window_bytes)
-        return rank == 0, result
-    if world_size == 1 and (cluster is None or not cluster.multi_node):
-        return True, fn(job, 0, 1, None)
-    per_node = world_size // (cluster.nnodes if cluster is not None else 1)
-    results = run_workers(fn, job, per_node, window_bytes=window_bytes, cluster=cluster)
-    return 0 in results, results.get(0)
-
-
 def consolidate(
     checkpoint_id: str | os.PathLike[str],
     output: str | os.PathLike[str],
@@ -516,7 +456,7 @@ def consolidate(
     """
     if is_url(output):
         url = Url(str(output).rstrip("/"))
-        if _shared_tag(cluster) is not None:
+        if shared_tag(cluster) is not None:
             raise InvalidOptionError(f"{url}: a multi-node run writes to a filesystem every node shares, not to object storage")
         with staged_upload(url, overwrite=overwrite, last=(HF_INDEX_FILENAME,)) as local:
             result = consolidate(
@@ -547,21 +487,21 @@ def consolidate(
         items,
         output,
         fmt=fmt,
-        nproc=_world_size(nproc, cluster),
+        nproc=job_world_size(nproc, cluster),
         memory_budget_bytes=memory_budget_bytes,
         max_shard_bytes=max_shard_bytes,
         cpus=len(os.sched_getaffinity(0)),
     )
     owner = True
-    with atomic_output(output, overwrite=overwrite, directory=fmt == "hf_dir", tag=_shared_tag(cluster)) as tmp:
+    with atomic_output(output, overwrite=overwrite, directory=fmt == "hf_dir", tag=shared_tag(cluster)) as tmp:
         job = _ConsolidateJob(
             checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, progress=progress, check_crc=check_crc
         )
-        owner, file_bytes = _run_ranks(_consolidate_rank, job, plan.nproc, plan.memory_budget_bytes, cluster)
+        owner, file_bytes = run_ranks(_consolidate_rank, job, plan.nproc, plan.memory_budget_bytes, cluster)
         if not owner:
             raise LeaveToOwner
         if verify_output:
-            check = verify(index.checkpoint_id, tmp, only=only, check_crc=check_crc, options=options)
+            check = verify(index.checkpoint_id, tmp, only=only, check_crc=check_crc, options=options, in_process=True)
             if not check.equal:
                 d = check.differences[0]
                 raise VerificationError(
@@ -697,7 +637,7 @@ def reshard(
     """
     if is_url(output):
         url = Url(str(output).rstrip("/"))
-        if _shared_tag(cluster) is not None:
+        if shared_tag(cluster) is not None:
             raise InvalidOptionError(f"{url}: a multi-node run writes to a filesystem every node shares, not to object storage")
         with staged_upload(url, overwrite=overwrite, last=(METADATA_FILENAME,)) as local:
             result = reshard(checkpoint_id, local, world_size=world_size, nproc=nproc, options=options, check_crc=check_crc)
@@ -719,15 +659,15 @@ def reshard(
     check_output_free(output, overwrite=overwrite, directory=True)
     check_data_files(index)
     items = prepare_items(index, options or TransformOptions(), GROUPS, check_crc=check_crc, keep_layout=True)
-    workers = _world_size(nproc, cluster)
+    workers = job_world_size(nproc, cluster)
     plan = plan_reshard(index, items, world_size, nproc=workers)
     owner, file_bytes = False, 0
-    with atomic_output(output, overwrite=overwrite, directory=True, tag=_shared_tag(cluster)) as tmp:
+    with atomic_output(output, overwrite=overwrite, directory=True, tag=shared_tag(cluster)) as tmp:
         job = _ReshardJob(
             checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, check_crc=check_crc, chunked=bool(index.data_files)
         )
-        size = workers if _shared_tag(cluster) else plan.nproc  # a shared job's plan may idle some workers
-        owner, _ = _run_ranks(_reshard_rank, job, size or plan.nproc, DEFAULT_MEMORY_BUDGET_BYTES, cluster)
+        size = workers if shared_tag(cluster) else plan.nproc  # a shared job's plan may idle some workers
+        owner, _ = run_ranks(_reshard_rank, job, size or plan.nproc, DEFAULT_MEMORY_BUDGET_BYTES, cluster)
         if not owner:
             raise LeaveToOwner
         stored = []

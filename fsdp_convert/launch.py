@@ -27,9 +27,18 @@ import torch
 import torch.distributed as dist
 
 from fsdp_convert import errors
-from fsdp_convert.errors import CheckpointError, TerminatedError, WorkerFailedError
+from fsdp_convert.errors import CheckpointError, InvalidOptionError, TerminatedError, WorkerFailedError
 
-__all__ = ["GlooTransport", "Cluster", "run_workers", "launched_by_torchrun", "run_in_place"]
+__all__ = [
+    "GlooTransport",
+    "Cluster",
+    "run_workers",
+    "launched_by_torchrun",
+    "run_in_place",
+    "run_ranks",
+    "job_world_size",
+    "shared_tag",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -288,3 +297,62 @@ def run_workers(
             lg.setLevel(level)
         shutil.rmtree(error_dir, ignore_errors=True)
     return dict(results)
+
+
+def job_world_size(nproc: int | None, cluster: Cluster | None) -> int | None:
+    """Workers of the whole job.
+
+    torchrun's ``WORLD_SIZE``; ``nnodes x nproc`` for a multi-node run (which needs ``nproc``:
+    every node must plan for the same world size); else ``nproc``.
+
+    Raises:
+        InvalidOptionError: a multi-node run without ``--nproc-per-node``, ``--rdzv-endpoint`` or ``--rdzv-id``.
+    """
+    if launched_by_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    if cluster is None or not cluster.multi_node:
+        return nproc
+    missing = [
+        flag
+        for flag, value in (
+            ("--nproc-per-node", nproc),
+            ("--rdzv-endpoint", cluster.rdzv_endpoint),
+            ("--rdzv-id", cluster.rdzv_id),
+        )
+        if not value
+    ]
+    if missing:
+        raise InvalidOptionError(f"--nnodes {cluster.nnodes} needs {', '.join(missing)}, the same on every node")
+    assert nproc is not None
+    return cluster.nnodes * nproc
+
+
+def shared_tag(cluster: Cluster | None) -> str | None:
+    """The temporary output's tag every process of a multi-process job agrees on, if it shares one."""
+    if launched_by_torchrun():
+        return "torchrun-" + re.sub(r"[^A-Za-z0-9_.-]", "_", os.environ.get("TORCHELASTIC_RUN_ID", os.environ["MASTER_PORT"]))
+    if cluster is not None and cluster.multi_node:
+        return "rdzv-" + re.sub(r"[^A-Za-z0-9_.-]", "_", cluster.rdzv_id)
+    return None
+
+
+def run_ranks(
+    fn: Callable[[Any, int, int, GlooTransport | None], Any],
+    job: Any,
+    world_size: int,
+    window_bytes: int,
+    cluster: Cluster | None,
+) -> tuple[bool, Any]:
+    """Run every rank of a job: in this process, in workers on this node, or as the user's torchrun worker.
+
+    Returns:
+        Whether this process holds rank 0's result (it then owns the output), and that result.
+    """
+    if launched_by_torchrun():
+        rank, result = run_in_place(fn, job, window_bytes=window_bytes)
+        return rank == 0, result
+    if world_size == 1 and (cluster is None or not cluster.multi_node):
+        return True, fn(job, 0, 1, None)
+    per_node = world_size // (cluster.nnodes if cluster is not None else 1)
+    results = run_workers(fn, job, per_node, window_bytes=window_bytes, cluster=cluster)
+    return 0 in results, results.get(0)

@@ -7,8 +7,17 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from fsdp_convert.cli._errors import handle_errors
-from fsdp_convert.cli._options import JsonOpt, NoCrcOpt
+from fsdp_convert.cli._errors import handle_errors, rank_prefix
+from fsdp_convert.cli._options import (
+    JsonOpt,
+    NnodesOpt,
+    NoCrcOpt,
+    NodeRankOpt,
+    RdzvBackendOpt,
+    RdzvEndpointOpt,
+    RdzvIdOpt,
+    cluster_options,
+)
 from fsdp_convert.cli._output import console, print_json
 from fsdp_convert.convert import VerifyResult, verify
 from fsdp_convert.transform import TransformOptions
@@ -61,15 +70,33 @@ def verify_command(
         ),
     ] = False,
     json_output: JsonOpt = False,
+    nproc: Annotated[
+        int | None,
+        typer.Option("--nproc", "--nproc-per-node", min=1, help="Workers comparing keys in parallel. [default: 1]"),
+    ] = None,
+    nnodes: NnodesOpt = 1,
+    node_rank: NodeRankOpt = 0,
+    rdzv_backend: RdzvBackendOpt = "c10d",
+    rdzv_endpoint: RdzvEndpointOpt = "",
+    rdzv_id: RdzvIdOpt = "",
 ) -> None:
     """Compare two checkpoints of any formats; exit 0 when equal, 1 with a table of differences."""
     with handle_errors():
         options = TransformOptions() if as_consolidated else None
-        result = verify(a, b, atol=atol, rtol=rtol, check_crc=not no_crc, options=options)
+        cluster = cluster_options(nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id)
+        result = verify(a, b, atol=atol, rtol=rtol, check_crc=not no_crc, options=options, nproc=nproc, cluster=cluster)
+    if not result.owner:
+        console.print(f"{rank_prefix()}compared this node's share; rank 0 reports the result", markup=False, highlight=False)
+        return
     if json_output:
         print_json(result.to_json_dict())
     else:
         _render(result)
+        kinds = {d.kind for d in result.differences}
+        if {"missing", "extra"} <= kinds and not as_consolidated:
+            console.print(
+                "hint: the two sides name keys differently; --as-consolidated compares a DCP side as consolidate writes it"
+            )
     if not result.equal:
         raise typer.Exit(1)
 

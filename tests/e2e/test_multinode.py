@@ -124,3 +124,24 @@ def test_cli_runs_as_the_workers_of_users_torchrun(ws3_ckpt: Sample, tmp_path: P
     for name in names:
         assert (out / name).read_bytes() == (single / name).read_bytes(), name
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "single"]
+
+
+def test_verify_with_two_workers_gathers_every_difference(ws3_ckpt: Sample, tmp_path: Path) -> None:
+    """verify --nproc 2: each worker compares every other key; rank 0 reports both workers' finds."""
+    import torch
+
+    good, bad = tmp_path / "good.pt", tmp_path / "bad.pt"
+    fsdp_convert.consolidate(ws3_ckpt.checkpoint, good, nproc=1)
+    state = torch.load(good, weights_only=True)
+    keys = list(state["model"])
+    for fqn in keys[:2]:  # neighbours in key order: one falls to each worker
+        state["model"][fqn] = state["model"][fqn] + 1
+    torch.save(state, bad)
+    cmd = [sys.executable, "-m", "fsdp_convert", "verify", str(ws3_ckpt.checkpoint), str(bad), "--nproc", "2", "--json"]
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert [d["key"] for d in doc["differences"]] == [f"model.{k}" for k in keys[:2]]
+    assert doc["compared"] == len(fsdp_convert.inspect_checkpoint(ws3_ckpt.checkpoint).entries)
+    cmd[5] = str(good)
+    assert subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=180).returncode == 0
