@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import traceback
 import uuid
@@ -140,6 +141,7 @@ def run_in_place(fn: Callable[[Job, int, int, GlooTransport], Any], job: Job, *,
     if dist.is_initialized():  # called from a training script that already joined its group
         return dist.get_rank(), fn(job, dist.get_rank(), dist.get_world_size(), GlooTransport(window_bytes))
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    prefix_worker_logs(rank)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     result = fn(job, rank, world_size, GlooTransport(window_bytes))
     dist.destroy_process_group()  # only on success: after a failure a peer may be gone
@@ -154,11 +156,28 @@ class _WorkerCall:
     window_bytes: int
 
 
+def prefix_worker_logs(rank: int) -> None:
+    """Send this worker's log records and Python warnings to stderr as ``[rank N] ...`` lines.
+
+    Rank 0's stay as they are; many workers' output stays readable.
+    """
+    if rank == 0:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(name)s: %(message)s"))
+    for name in ("fsdp_convert", "py.warnings"):
+        logger_ = logging.getLogger(name)
+        logger_.handlers[:] = [handler]
+        logger_.propagate = False
+    logging.captureWarnings(True)
+
+
 def _worker_main(call: _WorkerCall) -> Any:
     """Entry point of one worker process: join the gloo group, run the job, report errors."""
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
+    prefix_worker_logs(rank)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = call.fn(call.job, rank, world_size, GlooTransport(call.window_bytes))
