@@ -32,7 +32,7 @@ from fsdp_convert.cli._options import (
     cluster_options,
     transform_options,
 )
-from fsdp_convert.cli._output import console, human_bytes, print_json
+from fsdp_convert.cli._output import human_bytes, print_result
 from fsdp_convert.convert import consolidate
 from fsdp_convert.plan import parse_size
 
@@ -125,31 +125,14 @@ def consolidate_command(
             progress=show_progress,
             cluster=cluster,
         )
-    if json_output:
-        print_json(
-            {
-                "schema_version": 1,
-                "output": str(result.output),
-                "format": result.output_format,
-                "tensors": result.tensors,
-                "values": result.values,
-                "tensor_bytes": result.tensor_bytes,
-                "file_bytes": result.file_bytes,
-                "nproc": result.nproc,
-                "seconds": round(result.seconds, 3),
-                "wrote": result.owner,
-            }
-        )
-    elif not result.owner:
-        console.print(
-            f"{rank_prefix()}read and sent this node's share; rank 0 wrote {result.output}", markup=False, highlight=False
-        )
-    else:
-        console.print(
-            f"wrote {result.output} ({result.output_format}, {result.tensors} tensors, {result.values} values, "
-            f"{human_bytes(result.file_bytes)}) in {result.seconds:.1f} s",
-            highlight=False,
-        )
+    print_result(
+        result,
+        json_output=json_output,
+        done=f"wrote {result.output} ({result.output_format}, {result.tensors} tensors, {result.values} values, "
+        f"{human_bytes(result.file_bytes)}) in {result.seconds:.1f} s",
+        elsewhere=f"read and sent this node's share; rank 0 wrote {result.output}",
+        prefix=rank_prefix(),
+    )
 
 
 consolidate_command.__doc__ = (consolidate_command.__doc__ or "") + "\n\n" + EXAMPLES

@@ -27,7 +27,7 @@ from fsdp_convert.cli._options import (
     cluster_options,
     transform_options,
 )
-from fsdp_convert.cli._output import console, human_bytes, print_json
+from fsdp_convert.cli._output import human_bytes, print_result
 from fsdp_convert.convert import reshard
 
 EXAMPLES = """
@@ -86,29 +86,14 @@ def reshard_command(
             check_crc=not no_crc,
             cluster=cluster,
         )
-    if json_output:
-        print_json(
-            {
-                "schema_version": 1,
-                "output": str(result.output),
-                "world_size": result.target_world_size,
-                "chunks": result.chunks,
-                "file_bytes": result.file_bytes,
-                "nproc": result.nproc,
-                "seconds": round(result.seconds, 3),
-                "wrote": result.owner,
-            }
-        )
-    elif not result.owner:
-        console.print(
-            f"{rank_prefix()}wrote this node's rank files; rank 0 wrote {result.output}/.metadata", markup=False, highlight=False
-        )
-    else:
-        console.print(
-            f"wrote {result.output} (DCP, world size {result.target_world_size}, {result.chunks} chunks, "
-            f"{human_bytes(result.file_bytes)}) in {result.seconds:.1f} s",
-            highlight=False,
-        )
+    print_result(
+        result,
+        json_output=json_output,
+        done=f"wrote {result.output} (DCP, world size {result.target_world_size}, {result.chunks} chunks, "
+        f"{human_bytes(result.file_bytes)}) in {result.seconds:.1f} s",
+        elsewhere=f"wrote this node's rank files; rank 0 wrote {result.output}/.metadata",
+        prefix=rank_prefix(),
+    )
 
 
 reshard_command.__doc__ = (reshard_command.__doc__ or "") + "\n\n" + EXAMPLES
