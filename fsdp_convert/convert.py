@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -9,7 +10,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from functools import partial
@@ -22,7 +23,7 @@ from tqdm import tqdm
 from fsdp_convert.compare import Difference, VerifyResult, verify
 from fsdp_convert.errors import InvalidOptionError, VerificationError
 from fsdp_convert.launch import Cluster, GlooTransport, job_world_size, run_ranks, shared_tag
-from fsdp_convert.layout import GROUPS, Group, classify, detect_producer
+from fsdp_convert.layout import GROUPS, Group, classify, dcp_key, detect_producer
 from fsdp_convert.metadata import METADATA_FILENAME, BytesEntry, TensorEntry, dtype_name, read_index
 from fsdp_convert.pipeline import prefetch
 from fsdp_convert.plan import (
@@ -41,9 +42,9 @@ from fsdp_convert.plan import (
 )
 from fsdp_convert.plan import output_format as plan_output_format
 from fsdp_convert.reader import ChunkReader, check_data_files
-from fsdp_convert.remote import Location, Url, as_location, is_url, staged_upload
+from fsdp_convert.remote import Location, as_location, staged_upload
 from fsdp_convert.sources import FileBoxReader, file_index, prepare_items
-from fsdp_convert.transform import OutputItem, TransformOptions, dcp_key
+from fsdp_convert.transform import OutputItem, TransformOptions
 from fsdp_convert.writers import SafetensorsWriter, StateDictWriter, TorchSaveWriter, atomic_output
 from fsdp_convert.writers._atomic import LeaveToOwner, check_output_free, writing
 from fsdp_convert.writers.dcp import RankFileWriter, StoredChunk, rank_filename, write_metadata
@@ -454,80 +455,61 @@ def consolidate(
         WorkerFailedError: a worker died.
         VerificationError: ``verify_output`` found a difference (nothing is left at ``output``).
     """
-    if is_url(output):
-        url = Url(str(output).rstrip("/"))
-        if shared_tag(cluster) is not None:
-            raise InvalidOptionError(f"{url}: a multi-node run writes to a filesystem every node shares, not to object storage")
-        with staged_upload(url, overwrite=overwrite, last=(HF_INDEX_FILENAME,)) as local:
-            result = consolidate(
-                checkpoint_id,
-                local,
-                nproc=nproc,
-                only=only,
-                options=options,
-                output_format=output_format,
-                memory_budget_bytes=memory_budget_bytes,
-                max_shard_bytes=max_shard_bytes,
-                check_crc=check_crc,
-                verify_output=verify_output,
-                progress=progress,
-            )
-        return dataclasses.replace(result, output=url)
-    start = time.monotonic()
-    output = Path(output)
-    options = options or TransformOptions()
-    index = read_index(checkpoint_id)
-    fmt = plan_output_format(output, output_format)
-    groups = groups_for(fmt, only)
-    check_output_free(output, overwrite=overwrite, directory=fmt == "hf_dir")
-    check_data_files(index)
-    items = prepare_items(index, options, groups, check_crc=check_crc)
-    plan = plan_consolidate(
-        index,
-        items,
-        output,
-        fmt=fmt,
-        nproc=job_world_size(nproc, cluster),
-        memory_budget_bytes=memory_budget_bytes,
-        max_shard_bytes=max_shard_bytes,
-        cpus=len(os.sched_getaffinity(0)),
-    )
-    owner = True
-    with atomic_output(output, overwrite=overwrite, directory=fmt == "hf_dir", tag=shared_tag(cluster)) as tmp:
-        job = _ConsolidateJob(
-            checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, progress=progress, check_crc=check_crc
+    with local_output(output, overwrite=overwrite, cluster=cluster, last=(HF_INDEX_FILENAME,)) as (output, shown):
+        start = time.monotonic()
+        options = options or TransformOptions()
+        index = read_index(checkpoint_id)
+        fmt = plan_output_format(output, output_format)
+        groups = groups_for(fmt, only)
+        check_output_free(output, overwrite=overwrite, directory=fmt == "hf_dir")
+        check_data_files(index)
+        items = prepare_items(index, options, groups, check_crc=check_crc)
+        plan = plan_consolidate(
+            index,
+            items,
+            output,
+            fmt=fmt,
+            nproc=job_world_size(nproc, cluster),
+            memory_budget_bytes=memory_budget_bytes,
+            max_shard_bytes=max_shard_bytes,
+            cpus=len(os.sched_getaffinity(0)),
         )
-        owner, file_bytes = run_ranks(_consolidate_rank, job, plan.nproc, plan.memory_budget_bytes, cluster)
-        if not owner:
-            raise LeaveToOwner
-        if verify_output:
-            check = verify(index.checkpoint_id, tmp, only=only, check_crc=check_crc, options=options, in_process=True)
-            if not check.equal:
-                d = check.differences[0]
-                raise VerificationError(
-                    f"{output}: read back, {d.key} {d.detail} ({len(check.differences)} difference(s)); nothing was written"
-                )
-    tensors = [item for item in plan.items if item.is_tensor]
-    result = ConsolidateResult(
-        output=output,
-        output_format=plan.output_format,
-        tensors=len(tensors),
-        values=len(plan.items) - len(tensors),
-        tensor_bytes=sum(item.nbytes for item in tensors),
-        file_bytes=file_bytes if owner else 0,
-        nproc=plan.nproc,
-        seconds=time.monotonic() - start,
-        owner=owner,
-    )
-    logger.info(
-        "Consolidated %d tensors (%.1f MiB) into %s in %.1f s with %d worker(s)",
-        result.tensors,
-        result.tensor_bytes / 2**20,
-        output,
-        result.seconds,
-        plan.nproc,
-    )
-    return result
+        owner = True
+        with atomic_output(output, overwrite=overwrite, directory=fmt == "hf_dir", tag=shared_tag(cluster)) as tmp:
+            job = _ConsolidateJob(
+                checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, progress=progress, check_crc=check_crc
+            )
+            owner, file_bytes = run_ranks(_consolidate_rank, job, plan.nproc, plan.memory_budget_bytes, cluster)
+            if not owner:
+                raise LeaveToOwner
+            if verify_output:
+                check = verify(index.checkpoint_id, tmp, only=only, check_crc=check_crc, options=options, in_process=True)
+                if not check.equal:
+                    d = check.differences[0]
+                    raise VerificationError(
+                        f"{output}: read back, {d.key} {d.detail} ({len(check.differences)} difference(s)); nothing was written"
+                    )
+        tensors = [item for item in plan.items if item.is_tensor]
+        result = ConsolidateResult(
+            output=output,
+            output_format=plan.output_format,
+            tensors=len(tensors),
+            values=len(plan.items) - len(tensors),
+            tensor_bytes=sum(item.nbytes for item in tensors),
+            file_bytes=file_bytes if owner else 0,
+            nproc=plan.nproc,
+            seconds=time.monotonic() - start,
+            owner=owner,
+        )
+        logger.info(
+            "Consolidated %d tensors (%.1f MiB) into %s in %.1f s with %d worker(s)",
+            result.tensors,
+            result.tensor_bytes / 2**20,
+            output,
+            result.seconds,
+            plan.nproc,
+        )
+    return dataclasses.replace(result, output=shown)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -567,6 +549,30 @@ def _payload(value: Any) -> bytes:
     buf = io.BytesIO()
     torch.save(value, buf)
     return buf.getvalue()
+
+
+@contextlib.contextmanager
+def local_output(
+    output: str | os.PathLike[str], *, overwrite: bool, cluster: Cluster | None, last: tuple[str, ...]
+) -> Iterator[tuple[Path, Location]]:
+    """The local path to write an output to, and the location to report.
+
+    A local ``output`` is written in place. An fsspec URL is written to a local temporary and
+    uploaded when the block completes (``remote.staged_upload``; the files in ``last`` go last).
+
+    Raises:
+        InvalidOptionError: an fsspec URL for a multi-node run (nodes write to a shared filesystem).
+        OutputExistsError: the URL exists and ``overwrite`` is false.
+        OutputWriteError: the upload fails.
+    """
+    location = as_location(output)
+    if isinstance(location, Path):
+        yield location, location
+        return
+    if shared_tag(cluster) is not None:
+        raise InvalidOptionError(f"{location}: a multi-node run writes to a filesystem every node shares, not to object storage")
+    with staged_upload(location, overwrite=overwrite, last=last) as local:
+        yield local, location
 
 
 def _reshard_rank(job: _ReshardJob, worker: int, world_size: int, transport: GlooTransport | None) -> None:
@@ -635,72 +641,63 @@ def reshard(
     Raises:
         As ``consolidate``, and InvalidOptionError for ``world_size < 1``.
     """
-    if is_url(output):
-        url = Url(str(output).rstrip("/"))
-        if shared_tag(cluster) is not None:
-            raise InvalidOptionError(f"{url}: a multi-node run writes to a filesystem every node shares, not to object storage")
-        with staged_upload(url, overwrite=overwrite, last=(METADATA_FILENAME,)) as local:
-            result = reshard(checkpoint_id, local, world_size=world_size, nproc=nproc, options=options, check_crc=check_crc)
-        return dataclasses.replace(result, output=url)
-    start = time.monotonic()
-    output = Path(output)
-    source = as_location(checkpoint_id)
-    full_file = (
-        isinstance(source, Path)
-        and source.is_file()
-        or isinstance(source, Path)
-        and (
-            source.is_dir()
-            and not (source / METADATA_FILENAME).exists()
-            and any((source / name).is_file() for name in (HF_INDEX_FILENAME, HF_SINGLE_FILENAME))
-        )
-    )
-    index = file_index(source) if full_file else read_index(source)
-    check_output_free(output, overwrite=overwrite, directory=True)
-    check_data_files(index)
-    items = prepare_items(index, options or TransformOptions(), GROUPS, check_crc=check_crc, keep_layout=True)
-    workers = job_world_size(nproc, cluster)
-    plan = plan_reshard(index, items, world_size, nproc=workers)
-    owner, file_bytes = False, 0
-    with atomic_output(output, overwrite=overwrite, directory=True, tag=shared_tag(cluster)) as tmp:
-        job = _ReshardJob(
-            checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, check_crc=check_crc, chunked=bool(index.data_files)
-        )
-        size = workers if shared_tag(cluster) else plan.nproc  # a shared job's plan may idle some workers
-        owner, _ = run_ranks(_reshard_rank, job, size or plan.nproc, DEFAULT_MEMORY_BUDGET_BYTES, cluster)
-        if not owner:
-            raise LeaveToOwner
-        stored = []
-        for rank in range(world_size):
-            records = tmp / f".records-{rank}"
-            stored += [
-                StoredChunk(fqn, None if off is None else tuple(off), rel, at, n)
-                for fqn, off, rel, at, n in json.loads(records.read_text())
-            ]
-            records.unlink()
-        for rank in range(world_size):  # a rank that holds nothing needs no file
-            data_file = tmp / rank_filename(rank)
-            if data_file.stat().st_size == 0:
-                data_file.unlink()
-        entries = [
-            (
-                dcp_key(item.path),
-                item.path,
-                item.dtype if item.is_tensor else None,
-                item.shape if item.is_tensor else None,
-                [(o, sz) for _, o, sz in boxes],
+    with local_output(output, overwrite=overwrite, cluster=cluster, last=(METADATA_FILENAME,)) as (output, shown):
+        start = time.monotonic()
+        source = as_location(checkpoint_id)
+        full_file = isinstance(source, Path) and (  # a torch.save or safetensors file, or an HF folder
+            source.is_file()
+            or (
+                not (source / METADATA_FILENAME).exists()
+                and any((source / name).is_file() for name in (HF_INDEX_FILENAME, HF_SINGLE_FILENAME))
             )
-            for item, boxes in zip(plan.items, plan.boxes, strict=True)
-        ]
-        write_metadata(tmp, entries, stored, index.version)
-        file_bytes = sum(p.stat().st_size for p in tmp.iterdir())
-    chunks = sum(len(b) for item, b in zip(plan.items, plan.boxes, strict=True) if item.is_tensor)
-    return ReshardResult(
-        output=output,
-        target_world_size=world_size,
-        chunks=chunks,
-        file_bytes=file_bytes,
-        nproc=plan.nproc,
-        seconds=time.monotonic() - start,
-        owner=owner,
-    )
+        )
+        index = file_index(source) if full_file else read_index(source)
+        check_output_free(output, overwrite=overwrite, directory=True)
+        check_data_files(index)
+        items = prepare_items(index, options or TransformOptions(), GROUPS, check_crc=check_crc, keep_layout=True)
+        workers = job_world_size(nproc, cluster)
+        plan = plan_reshard(index, items, world_size, nproc=workers)
+        owner, file_bytes = False, 0
+        with atomic_output(output, overwrite=overwrite, directory=True, tag=shared_tag(cluster)) as tmp:
+            job = _ReshardJob(
+                checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, check_crc=check_crc, chunked=bool(index.data_files)
+            )
+            size = workers if shared_tag(cluster) else plan.nproc  # a shared job's plan may idle some workers
+            owner, _ = run_ranks(_reshard_rank, job, size or plan.nproc, DEFAULT_MEMORY_BUDGET_BYTES, cluster)
+            if not owner:
+                raise LeaveToOwner
+            stored = []
+            for rank in range(world_size):
+                records = tmp / f".records-{rank}"
+                stored += [
+                    StoredChunk(fqn, None if off is None else tuple(off), rel, at, n)
+                    for fqn, off, rel, at, n in json.loads(records.read_text())
+                ]
+                records.unlink()
+            for rank in range(world_size):  # a rank that holds nothing needs no file
+                data_file = tmp / rank_filename(rank)
+                if data_file.stat().st_size == 0:
+                    data_file.unlink()
+            entries = [
+                (
+                    dcp_key(item.path),
+                    item.path,
+                    item.dtype if item.is_tensor else None,
+                    item.shape if item.is_tensor else None,
+                    [(o, sz) for _, o, sz in boxes],
+                )
+                for item, boxes in zip(plan.items, plan.boxes, strict=True)
+            ]
+            write_metadata(tmp, entries, stored, index.version)
+            file_bytes = sum(p.stat().st_size for p in tmp.iterdir())
+        chunks = sum(len(b) for item, b in zip(plan.items, plan.boxes, strict=True) if item.is_tensor)
+        result = ReshardResult(
+            output=output,
+            target_world_size=world_size,
+            chunks=chunks,
+            file_bytes=file_bytes,
+            nproc=plan.nproc,
+            seconds=time.monotonic() - start,
+            owner=owner,
+        )
+    return dataclasses.replace(result, output=shown)

@@ -20,14 +20,13 @@ from typing import Any
 
 from fsdp_convert.errors import CorruptChunkError, NotADcpCheckpointError
 from fsdp_convert.metadata import CheckpointIndex, ChunkEntry, Entry, TensorEntry
-from fsdp_convert.writers.safetensors import SAFETENSORS_DTYPES
+from fsdp_convert.writers.safetensors import SAFETENSORS_TO_TORCH
 
 __all__ = ["SHARDING_INFO_KEY", "read_header", "safetensors_files", "has_sharding_info", "describe_safetensors_dcp"]
 
 SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors refuses larger headers
 _SHARD_FILE_RE = re.compile(r"^shard-(\d+)-")  # shard-<rank + 1>-model-<i>-of-<n>.safetensors
-_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
 def read_header(path: Path) -> tuple[dict[str, Any], int]:
@@ -115,7 +114,7 @@ def describe_safetensors_dcp(root: Path) -> CheckpointIndex:
         size = path.stat().st_size
         for fqn, desc in header.items():
             try:
-                dtype = _DTYPES[desc["dtype"]]
+                dtype = SAFETENSORS_TO_TORCH[desc["dtype"]]
                 shape = tuple(_naturals(desc["shape"]))
                 begin, end = _naturals(desc["data_offsets"])
             except (KeyError, TypeError, ValueError) as e:

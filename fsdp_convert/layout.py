@@ -23,6 +23,7 @@ __all__ = [
     "unflatten",
     "DictKey",
     "plain_path",
+    "dcp_key",
 ]
 
 Group = Literal["model", "optim", "other"]
@@ -63,8 +64,9 @@ class Slot:
         return "model" if self.role == "model" else "optim" if self.role.startswith("optim") else "other"
 
 
-def _dotted(parts: tuple[str | int, ...]) -> str:
-    return ".".join(str(p) for p in parts)
+def dcp_key(path: ObjPath) -> str:
+    """DCP's flattened key of a nested path: its elements joined by dots (``optim.param_groups.0.lr``)."""
+    return ".".join(str(p) for p in path)
 
 
 def _flat_layout(index: CheckpointIndex) -> bool:
@@ -78,7 +80,7 @@ def _classify_entry(entry: Entry, flat: bool) -> Slot:
     if top in OPTIM_TOPS and len(path) >= 2:
         second = path[1]
         if second == "state" and len(path) >= 4:
-            return Slot("optim_state", param=path[2], key=_dotted(path[3:]))
+            return Slot("optim_state", param=path[2], key=dcp_key(path[3:]))
         if second == "param_groups" and len(path) == 4 and isinstance(path[2], int) and isinstance(path[3], str):
             return Slot("optim_group", key=path[3], group=path[2])
         if len(path) == 2 and isinstance(second, str):
@@ -92,9 +94,9 @@ def _classify_entry(entry: Entry, flat: bool) -> Slot:
                 return Slot("optim_group", param=fqn, key=name)
         return Slot("other")
     if top == MODEL_TOP and len(path) >= 2:
-        return Slot("model", param=_dotted(path[1:]))
+        return Slot("model", param=dcp_key(path[1:]))
     if flat and top not in NON_MODEL_TOPS and isinstance(entry, TensorEntry):
-        return Slot("model", param=_dotted(path))
+        return Slot("model", param=dcp_key(path))
     return Slot("other")
 
 

@@ -31,6 +31,7 @@ import torch
 from fsdp_convert._signals import torch_call
 from fsdp_convert._zip import ZipFormatError, read_records
 from fsdp_convert.errors import CorruptChunkError, MissingDataFileError, NotADcpCheckpointError, UnsafeContentError
+from fsdp_convert.layout import dcp_key
 from fsdp_convert.metadata import BytesEntry, CheckpointIndex, ChunkEntry, Entry, ObjPath, TensorEntry
 
 __all__ = ["RANK_FILE_RE", "find_rank_files", "load_rank_file", "rank_files_index", "local_value"]
@@ -419,6 +420,9 @@ def local_value(obj: Any, record: ObjPath) -> Any:
 
     ``record`` is the path in the nested dict, then ``_local_tensor`` for a DTensor or
     ``("local_shards", i)`` for a ShardedTensor.
+
+    Raises:
+        KeyError, IndexError: the record is not in the file (it changed since it was indexed).
     """
     for i, key in enumerate(record):
         if key == "_local_tensor" and i == len(record) - 1 and _kind(obj) == "DTensor":
@@ -481,7 +485,7 @@ def rank_files_index(root: Path) -> CheckpointIndex:
                     order.append(obj_path)
                     if local is None:
                         values[obj_path] = BytesEntry(
-                            fqn=".".join(map(str, (top, *obj_path))), path=(top, *obj_path), relative_path=path.name,
+                            fqn=dcp_key((top, *obj_path)), path=(top, *obj_path), relative_path=path.name,
                             offset_bytes=0, length_bytes=0, encoding="rank_file", record=obj_path,
                         )  # fmt: skip
                     else:
@@ -506,7 +510,7 @@ def rank_files_index(root: Path) -> CheckpointIndex:
                 entries.append(values[obj_path])
                 continue
             shape, dtype, chunks = tensors[obj_path]
-            fqn = ".".join(map(str, (top, *obj_path)))
+            fqn = dcp_key((top, *obj_path))
             stored = tuple(c for c in chunks if c.numel > 0) or tuple(chunks[:1])  # empty shards of small tensors
             entries.append(TensorEntry(fqn=fqn, path=(top, *obj_path), shape=shape, dtype=dtype, chunks=stored))
     producer = "fsdp1" if saw_sharded_tensor else "verl" if any("_world_size_" in f for f in files) else "torch_save"

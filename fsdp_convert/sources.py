@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from fsdp_convert.errors import CheckpointNotFoundError, CorruptChunkError, NotADcpCheckpointError, UnsafeContentError
-from fsdp_convert.layout import GROUPS, Group, classify, detect_producer
+from fsdp_convert.layout import GROUPS, Group, classify, dcp_key, detect_producer
 from fsdp_convert.metadata import (
     METADATA_FILENAME,
     BytesEntry,
@@ -42,13 +42,12 @@ from fsdp_convert.plan import (
 )
 from fsdp_convert.reader import ChunkReader, check_data_files
 from fsdp_convert.remote import Location, Url, is_url
-from fsdp_convert.transform import OutputItem, TransformOptions, build_items, dcp_key, needs_group_values
-from fsdp_convert.writers.safetensors import SAFETENSORS_DTYPES
+from fsdp_convert.transform import OutputItem, TransformOptions, build_items, needs_group_values
+from fsdp_convert.writers.safetensors import SAFETENSORS_TO_TORCH
 
 __all__ = ["Source", "open_source", "flatten_with_paths", "FileBoxReader", "file_index", "prepare_items"]
 
 MODEL_PREFIX = "model."
-_SAFETENSORS_TO_TORCH = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
 class Source(Protocol):
@@ -94,7 +93,7 @@ def flatten_with_paths(obj: Mapping[str, Any]) -> dict[str, tuple[tuple[str | in
             for k, v in value.items():
                 visit((*path, str(k)), v)
         elif terminal(value):
-            flat[".".join(map(str, path))] = (path, value)
+            flat[dcp_key(path)] = (path, value)
         else:
             for i, v in enumerate(value):
                 visit((*path, i), v)
@@ -229,7 +228,7 @@ class _SafetensorsSource:
         """Dtype and shape of ``key`` from the file header alone (no tensor data is read)."""
         name = key.removeprefix(MODEL_PREFIX)
         view = self._handle(self._files[name]).get_slice(name)
-        return _SAFETENSORS_TO_TORCH[view.get_dtype()], tuple(view.get_shape())
+        return SAFETENSORS_TO_TORCH[view.get_dtype()], tuple(view.get_shape())
 
     def close(self) -> None:
         self._open.clear()

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 
 from fsdp_convert.errors import InvalidOptionError, UnsupportedTransformError
-from fsdp_convert.layout import DictKey, Group, Slot
+from fsdp_convert.layout import DictKey, Group, Slot, dcp_key
 from fsdp_convert.metadata import CheckpointIndex, Entry, ObjPath, TensorEntry
 
 __all__ = [
@@ -148,11 +148,6 @@ class OutputItem:
     def read_bytes(self) -> int:
         """Bytes held while this item is read and converted: the larger of source and output size."""
         return max(self.nbytes, self.entry.nbytes) if not self.constant else 0
-
-
-def dcp_key(path: ObjPath) -> str:
-    """DCP's flattened key of a nested path: its elements joined by dots (``optim.param_groups.0.lr``)."""
-    return ".".join(str(p) for p in path)
 
 
 def clean_fqn(fqn: str, *, keep_wrapper_names: bool = False) -> str:
@@ -288,7 +283,8 @@ def build_items(
             the saved order is the optimizer's own, and ids follow it as torch.optim does.
 
     Raises:
-        InvalidOptionError: two FQNs become the same output key (names both).
+        InvalidOptionError: two FQNs become the same output key (names both), or a ``--rename``
+            replacement fails on an FQN (an unknown group reference).
         UnsupportedTransformError: ``ids`` asked of optimizer state whose parameters no param
             group lists, or a ``params`` value that is not a list of FQNs or ids.
     """

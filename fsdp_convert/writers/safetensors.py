@@ -19,6 +19,7 @@ from typing import IO, Any
 
 import torch
 
+from fsdp_convert.layout import dcp_key
 from fsdp_convert.metadata import ObjPath
 from fsdp_convert.writers._buffer import byte_view, close_synced, dense
 
@@ -44,9 +45,13 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
 }
 
 
+# safetensors dtype name -> torch dtype (the inverse of SAFETENSORS_DTYPES)
+SAFETENSORS_TO_TORCH = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+
+
 def safetensors_name(path: ObjPath) -> str:
     """The tensor name for a model entry: its path below the top-level ``model`` key, dotted."""
-    return ".".join(str(p) for p in path[1:]) if len(path) > 1 else str(path[0])
+    return dcp_key(path[1:]) if len(path) > 1 else str(path[0])
 
 
 class SafetensorsWriter:
