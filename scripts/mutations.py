@@ -1,0 +1,150 @@
+#!/usr/bin/env python
+"""Break the code on purpose, one claim at a time, and check that the test backing it fails.
+
+Each mutation below names a README claim, a one-place edit of the package (``old`` must occur
+exactly once in ``file``) and the test that backs the claim. For each, the tracked and untracked
+(not ignored) files are copied to a temporary folder, the edit is applied there, and that one
+test runs from the copy with ``PYTHONPATH`` pointing at it (so forked ranks, spawned workers and
+``python -m fsdp_convert`` subprocesses import the mutated package, not this checkout). A
+mutation is *caught* when the test fails. Nothing in this checkout is changed.
+
+Usage (from the repository root, after ``scripts/setup.sh``):
+
+    .venv/bin/python scripts/mutations.py                 # every mutation, a table at the end
+    .venv/bin/python scripts/mutations.py --list          # names and claims
+    .venv/bin/python scripts/mutations.py NAME [NAME...]  # some of them
+    .venv/bin/python scripts/mutations.py --baseline NAME # also run the test unmutated (must pass)
+    .venv/bin/python scripts/mutations.py --try FILE OLD NEW TEST   # an ad-hoc mutation
+
+Not part of CI: each mutation runs a test that trains its own fixtures (seconds to minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """One deliberate bug: replace ``old`` by ``new`` in ``file``; ``test`` must then fail."""
+
+    name: str
+    claim: str
+    file: str
+    old: str
+    new: str
+    test: str
+
+
+MUTATIONS: list[Mutation] = [
+    # filled in per README claim; see the closing note of issue 11
+]
+
+
+def _copy_tree(dest: Path) -> None:
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout.split(b"\0")
+    for raw in files:
+        if not raw:
+            continue
+        rel = raw.decode()
+        src = ROOT / rel
+        if not src.is_file():
+            continue  # deleted in the work tree but still tracked
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, target)
+
+
+def _apply(tree: Path, m: Mutation) -> None:
+    path = tree / m.file
+    text = path.read_text()
+    count = text.count(m.old)
+    if count != 1:
+        raise SystemExit(f"{m.name}: {m.file} holds the text to replace {count} times, not once: {m.old!r}")
+    path.write_text(text.replace(m.old, m.new))
+
+
+def _run_test(tree: Path, test: str, timeout: float) -> tuple[int, float, str]:
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    python = ROOT / ".venv" / "bin" / "python"
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(
+            [str(python if python.exists() else sys.executable), "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test],
+            cwd=tree,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return 124, time.monotonic() - start, "timed out"
+    tail = (proc.stdout + proc.stderr).strip().splitlines()
+    return proc.returncode, time.monotonic() - start, tail[-1] if tail else ""
+
+
+def run(m: Mutation, *, baseline: bool, timeout: float) -> bool:
+    """Apply ``m`` in a fresh copy and run its test; True when the test fails (the mutation is caught)."""
+    with tempfile.TemporaryDirectory(prefix=f"mutation-{m.name}-") as tmp:
+        tree = Path(tmp)
+        _copy_tree(tree)
+        if baseline:
+            code, seconds, last = _run_test(tree, m.test, timeout)
+            if code != 0:
+                print(f"  {m.name}: the test fails WITHOUT the mutation ({last}); fix the test first", flush=True)
+                return False
+        _apply(tree, m)
+        code, seconds, last = _run_test(tree, m.test, timeout)
+    caught = code != 0
+    print(f"  {'caught ' if caught else 'MISSED '} {m.name:<40} {seconds:6.0f} s  {last}", flush=True)
+    return caught
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--baseline", action="store_true", help="first check each test passes unmutated")
+    parser.add_argument("--try", dest="adhoc", nargs=4, metavar=("FILE", "OLD", "NEW", "TEST"), help="an ad-hoc mutation")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per test run (default 900)")
+    args = parser.parse_args()
+
+    if args.list:
+        for m in MUTATIONS:
+            print(f"{m.name:<40} {m.test}\n    claim: {m.claim}\n    {m.file}: {m.old!r} -> {m.new!r}")
+        return 0
+    if args.adhoc:
+        file, old, new, test = args.adhoc
+        chosen = [Mutation("adhoc", "ad hoc", file, old, new, test)]
+    else:
+        known = {m.name: m for m in MUTATIONS}
+        unknown = [n for n in args.names if n not in known]
+        if unknown:
+            raise SystemExit(f"unknown mutation(s): {', '.join(unknown)} (see --list)")
+        chosen = [known[n] for n in args.names] if args.names else MUTATIONS
+    results = [(m, run(m, baseline=args.baseline, timeout=args.timeout)) for m in chosen]
+    print()
+    print("| mutation | claim | test | caught |")
+    print("|---|---|---|---|")
+    for m, caught in results:
+        print(f"| {m.name} | {m.claim} | `{m.test}` | {'yes' if caught else '**no**'} |")
+    return 0 if all(caught for _, caught in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
