@@ -99,6 +99,43 @@ class Transformer(nn.Module):
         return self.output(self.norm(x)) * self.logit_scale
 
 
+def odd_nan(dtype: torch.dtype) -> torch.Tensor:
+    """A 0-dim NaN of ``dtype`` that is not torch's own NaN: sign bit and lowest payload bit set.
+
+    A conversion that canonicalizes NaNs (or turns them into numbers) changes its bytes.
+    """
+    int_dtype = {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+    bits = torch.full((1,), float("nan"), dtype=dtype).view(int_dtype)
+    bits |= 1
+    bits |= torch.iinfo(int_dtype).min
+    return bits.view(dtype)[0]
+
+
+def plant_special_values(model: Transformer, optim: torch.optim.Optimizer, rank: int, world_size: int) -> None:
+    """Put values only a bitwise copy keeps into the last embedding row, on the rank whose shard holds it.
+
+    ``tok_embeddings.weight[-1]``: a NaN (``odd_nan``) at column 0 and -0.0 at column 1; its AdamW
+    ``exp_avg`` -0.0 at column 0 and ``exp_avg_sq`` a NaN at column 1. The last token's row is read by
+    no forward pass unless that token is an input, so a model loaded from the checkpoint still trains
+    on other tokens with finite losses.
+    """
+    weight = model.tok_embeddings.weight
+    rows = weight.shape[0]
+    per_rank = -(-rows // world_size)  # FSDP2's Shard(0): torch.chunk sizes
+    start = rank * per_rank
+    row = rows - 1
+    with torch.no_grad():
+        for tensor, column, value in (
+            (weight, 0, odd_nan(weight.dtype)),
+            (weight, 1, torch.tensor(-0.0, dtype=weight.dtype)),
+            (optim.state[weight]["exp_avg"], 0, torch.tensor(-0.0, dtype=weight.dtype)),
+            (optim.state[weight]["exp_avg_sq"], 1, odd_nan(weight.dtype)),
+        ):
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            if start <= row < start + local.shape[0]:
+                local[row - start, column] = value
+
+
 def train_and_save(
     rank: int, world_size: int, out_dir: str | os.PathLike[str], cfg: SampleConfig, write_truth: bool = True
 ) -> None:
@@ -108,7 +145,9 @@ def train_and_save(
     ``out_dir/checkpoint`` with ``dcp.save({"model", "optim", "train_state"})`` and, on rank 0,
     ``out_dir/truth.pt``: the same nested state dict with full tensors, taken with
     ``get_model_state_dict`` / ``get_optimizer_state_dict(full_state_dict=True, cpu_offload=True)``
-    (skipped when ``write_truth`` is false, as the benchmark does for large checkpoints).
+    (skipped when ``write_truth`` is false, as the benchmark does for large checkpoints). After
+    training, a NaN and a -0.0 are planted in the weights and the optimizer state
+    (``plant_special_values``), so both go through the checkpoint and the truth holds them.
     """
     torch.manual_seed(cfg.seed)
     model = Transformer(cfg).to(cfg.dtype)
@@ -125,6 +164,7 @@ def train_and_save(
         optim.step()
         optim.zero_grad()
 
+    plant_special_values(model, optim, rank, world_size)
     train_state = {"step": cfg.steps, "world_size": world_size}
     model_sd, optim_sd = get_state_dict(model, optim)
     out = Path(out_dir)

@@ -83,7 +83,11 @@ def _compare(a: Any, b: Any, atol: float | None, rtol: float | None) -> str | No
         elif torch.allclose(a, b, rtol=rtol or 0.0, atol=atol or 0.0, equal_nan=True):
             return None
         if a.is_floating_point() and a.numel():
-            return f"values differ (max abs difference {(a.double() - b.double()).abs().max().item():.3g})"
+            # a NaN on both sides is no difference (it would make the maximum NaN); a NaN on one side is
+            diff = torch.where(a.isnan() & b.isnan(), 0.0, (a.double() - b.double()).abs()).max().item()
+            if diff == 0:
+                return "values differ in bits only (-0.0 and 0.0, or NaNs of other bits)"
+            return f"values differ (max abs difference {diff:.3g})"
         return f"values differ ({int((a != b).sum())} of {a.numel()} elements)"
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return f"{type(a).__name__} != {type(b).__name__}"
