@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 import fsdp_convert
 from fsdp_convert.cli import app
-from tests._compare import assert_same_state
+from tests._compare import assert_same_state, same_bits
 from tests.conftest import Sample
 
 
@@ -41,6 +41,13 @@ def test_consolidate_covers_awkward_shapes(fsdp2_ckpt: Sample) -> None:
     assert rows["model.tok_embeddings.weight"].shape[0] % fsdp2_ckpt.world_size != 0
     assert rows["model.logit_scale"].shape == (1,) and rows["model.logit_scale"].chunks >= 2
     assert rows["optim.state.logit_scale.step"].shape == ()
+    # values only a bitwise copy keeps: a NaN (sign and payload bits set) and -0.0, in weights and moments
+    truth = fsdp2_ckpt.truth()
+    weight, moments = truth["model"]["tok_embeddings.weight"], truth["optim"]["state"]["tok_embeddings.weight"]
+    for t in (weight, moments["exp_avg_sq"]):
+        assert torch.isnan(t).any()
+    for t in (weight, moments["exp_avg"]):
+        assert ((t == 0) & torch.signbit(t)).any()
 
 
 def test_consolidate_safetensors_holds_model_weights(fsdp2_ckpt: Sample, tmp_path: Path) -> None:
@@ -50,7 +57,7 @@ def test_consolidate_safetensors_holds_model_weights(fsdp2_ckpt: Sample, tmp_pat
     got = load_file(out)
     assert sorted(got) == sorted(want)
     for fqn, tensor in want.items():
-        assert got[fqn].dtype == tensor.dtype and torch.equal(got[fqn], tensor), fqn
+        assert same_bits(got[fqn], tensor), fqn
     with safe_open(out, "pt") as f:
         assert f.metadata() == {"format": "pt"}
         assert list(f.keys()) == sorted(want)
@@ -94,7 +101,7 @@ def test_consolidate_folder_writes_hf_shards_and_index(ws3_ckpt: Sample, tmp_pat
     got, index = _load_hf_folder(out)
     assert sorted(got) == sorted(want) == sorted(index["weight_map"])
     for fqn, tensor in want.items():
-        assert got[fqn].dtype == tensor.dtype and torch.equal(got[fqn], tensor), fqn
+        assert same_bits(got[fqn], tensor), fqn
     assert index["metadata"] == {"total_size": sum(t.nbytes for t in want.values())}
     # beside the shards, as transformers' Trainer keeps them: the optimizer state dict itself, and the rest
     truth = ws3_ckpt.truth()
@@ -124,6 +131,50 @@ def test_consolidate_folder_with_two_workers_writes_the_same_files(ws3_ckpt: Sam
         assert (one / name).read_bytes() == (two / name).read_bytes(), name
 
 
+def _readers(log_dir: Path) -> set[int]:
+    """The ranks that read a chunk, from the FSDP_CONVERT_READ_LOG files (then emptied)."""
+    ranks = set()
+    for log in log_dir.glob("reads-*.jsonl"):
+        ranks |= {int(json.loads(line)[0]) for line in log.read_text().splitlines()}
+        log.unlink()
+    return ranks
+
+
+@pytest.mark.slow
+def test_consolidate_nproc3_is_byte_identical_to_nproc1(ws3_ckpt: Sample, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three workers: ranks 1 and 2 both send tensors to rank 0, interleaved in file order, and a
+    folder's shards (of uneven sizes) are split three ways; every output file is the same bytes as
+    one in-process worker writes, and bitwise the run's own full state dict."""
+    from fsdp_convert.reader import READ_LOG_ENV
+
+    logs = tmp_path / "reads"
+    logs.mkdir()
+    truth = ws3_ckpt.truth()
+    one, three = tmp_path / "one", tmp_path / "three"
+    one.mkdir()
+    three.mkdir()
+    fsdp_convert.consolidate(ws3_ckpt.checkpoint, one / "full.pt", nproc=1)
+    fsdp_convert.consolidate(ws3_ckpt.checkpoint, one / "hf", nproc=1, max_shard_bytes=5000)
+    monkeypatch.setenv(READ_LOG_ENV, str(logs))
+
+    result = fsdp_convert.consolidate(ws3_ckpt.checkpoint, three / "full.pt", nproc=3)
+    assert result.nproc == 3 and _readers(logs) == {0, 1, 2}
+    assert (one / "full.pt").read_bytes() == (three / "full.pt").read_bytes()
+    assert_same_state(torch.load(three / "full.pt", weights_only=True), truth)
+
+    result = fsdp_convert.consolidate(ws3_ckpt.checkpoint, three / "hf", nproc=3, max_shard_bytes=5000)
+    assert result.nproc == 3 and _readers(logs) == {0, 1, 2}
+    names = sorted(p.name for p in (one / "hf").iterdir())
+    assert names == sorted(p.name for p in (three / "hf").iterdir())
+    shards = [n for n in names if n.startswith("model-")]
+    assert len(shards) > 6 and len({(one / "hf" / n).stat().st_size for n in shards}) > 2  # many, uneven
+    for name in names:
+        assert (one / "hf" / name).read_bytes() == (three / "hf" / name).read_bytes(), name
+    got, _ = _load_hf_folder(three / "hf")
+    assert_same_state({k: got[k] for k in truth["model"]}, truth["model"])
+    assert_same_state(torch.load(three / "hf" / "optimizer.pt", weights_only=True), truth["optim"])
+
+
 def test_verify_equal_across_formats(ws3_ckpt: Sample, tmp_path: Path) -> None:
     pt, st, hf = tmp_path / "full.pt", tmp_path / "model.safetensors", tmp_path / "hf"
     fsdp_convert.consolidate(ws3_ckpt.checkpoint, pt, verify_output=True)
@@ -144,6 +195,11 @@ def test_verify_reports_differing_missing_and_extra(ws3_ckpt: Sample, tmp_path: 
     del state["model"]["norm.bias"]
     state["model"]["extra.weight"] = torch.zeros(2)
     state["optim"]["param_groups"][0]["lr"] = 0.5
+    # beside a NaN (equal on both sides) a real difference; -0.0 made 0.0, a difference in bits alone
+    emb = state["model"]["tok_embeddings.weight"] = state["model"]["tok_embeddings.weight"].clone()
+    emb[0, 0] += 1e-3
+    moments = state["optim"]["state"]["tok_embeddings.weight"]
+    moments["exp_avg"] = torch.where(moments["exp_avg"] == 0, 0.0, moments["exp_avg"])
     other = tmp_path / "other.pt"
     torch.save(state, other)
     result = fsdp_convert.verify(ws3_ckpt.checkpoint, other)
@@ -153,7 +209,12 @@ def test_verify_reports_differing_missing_and_extra(ws3_ckpt: Sample, tmp_path: 
         ("model.norm.bias", "missing"),
         ("model.extra.weight", "extra"),
         ("optim.param_groups.0.lr", "differs"),
+        ("model.tok_embeddings.weight", "differs"),
+        ("optim.state.tok_embeddings.weight.exp_avg", "differs"),
     }
+    details = {d.key: d.detail for d in result.differences}
+    assert details["model.tok_embeddings.weight"] == "values differ (max abs difference 0.001)"
+    assert "bits only" in details["optim.state.tok_embeddings.weight.exp_avg"]
     loose = fsdp_convert.verify(ws3_ckpt.checkpoint, other, atol=1e-2)
     assert {d.key for d in loose.differences} == {"model.norm.bias", "model.extra.weight", "optim.param_groups.0.lr"}
 
@@ -171,3 +232,49 @@ def test_verify_cli_exit_codes(runner: CliRunner, ws3_ckpt: Sample, tmp_path: Pa
     diff = runner.invoke(app, ["verify", str(ws3_ckpt.checkpoint), str(bad)])
     assert diff.exit_code == 1
     assert "model.output.weight" in diff.stdout and "differs" in diff.stdout and diff.stderr == ""
+
+
+def _corrupt_written_tensor(monkeypatch: pytest.MonkeyPatch, fqn: str) -> None:
+    """Make both writers flip the lowest bit of ``fqn``'s first byte as they write it (CRC-32 to match)."""
+    from fsdp_convert.writers import SafetensorsWriter, TorchSaveWriter
+
+    for cls in (TorchSaveWriter, SafetensorsWriter):
+
+        def add_tensor(self, path, tensor, crc32=None, _original=cls.add_tensor):  # type: ignore[no-untyped-def]
+            if path[-1] == fqn:
+                tensor = tensor.clone()
+                tensor.reshape(-1).view(torch.uint8)[0] ^= 1
+                crc32 = None
+            return _original(self, path, tensor, crc32)
+
+        monkeypatch.setattr(cls, "add_tensor", add_tensor)
+
+
+@pytest.mark.parametrize("name", ["full.pt", "hf"])
+def test_verify_option_catches_a_corrupt_write(
+    ws3_ckpt: Sample, runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """--verify reads the output back: one flipped bit in one written tensor fails the run, and
+    neither the output nor its temporary is left behind."""
+    from fsdp_convert.errors import VerificationError
+
+    _corrupt_written_tensor(monkeypatch, "layers.1.mlp.0.weight")
+    out = tmp_path / name
+    options = {"max_shard_bytes": 5000} if name == "hf" else {}
+    with pytest.raises(VerificationError, match=r"model\.layers\.1\.mlp\.0\.weight values differ"):
+        fsdp_convert.consolidate(ws3_ckpt.checkpoint, out, nproc=1, verify_output=True, **options)
+    assert list(tmp_path.iterdir()) == []
+
+    args = ["consolidate", str(ws3_ckpt.checkpoint), str(out), "--nproc", "1", "--verify"]
+    args += ["--max-shard-size", "5000"] if name == "hf" else []
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert "model.layers.1.mlp.0.weight" in lines[0] and "nothing was written" in lines[0], lines
+    assert list(tmp_path.iterdir()) == []
+
+    monkeypatch.undo()  # the same run, written right, passes and leaves the output
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    assert [p.name for p in tmp_path.iterdir()] == [name]
