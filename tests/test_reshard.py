@@ -1,10 +1,19 @@
-"""reshard: FSDP2 at the new world size loads the result (each rank from its own file) bit for bit."""
+"""reshard: FSDP2 at the new world size loads the result (each rank from its own file) bit for bit.
+
+Ground truth is the training run's own state dict and torch's own reading of the output
+(``dcp_to_torch_save``, ``FileSystemReader.read_metadata``), never this tool's reading of it; the
+comparisons with ``consolidate`` stay as regression checks.
+"""
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import shutil
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +27,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.fsdp import fully_shard
 from typer.testing import CliRunner
 
@@ -30,6 +42,44 @@ from tests._dist import run_ranks
 from tests.conftest import Sample
 
 CFG = SampleConfig()
+
+
+def torch_view(checkpoint: Path, scratch: Path) -> dict[str, Any]:
+    """A DCP checkpoint as torch itself reads it: ``dcp_to_torch_save`` (its own planner and
+    ``planner_data`` nesting), then ``torch.load``."""
+    out = scratch / f"{checkpoint.name}.torch-view.pt"
+    dcp_to_torch_save(checkpoint, out)
+    return torch.load(out, weights_only=True)
+
+
+def torch_chunk_rows(shape: tuple[int, ...], world_size: int) -> list[tuple[int, int]]:
+    """``(start, rows)`` of each chunk ``torch.chunk(world_size)`` makes of a tensor of ``shape`` on dim 0."""
+    sizes = [part.shape[0] for part in torch.empty(shape, device="meta").chunk(world_size)]
+    return list(zip(itertools.accumulate([0, *sizes]), sizes))
+
+
+def assert_torch_chunk_layout(checkpoint: Path, world_size: int) -> int:
+    """From ``.metadata`` as torch reads it: every tensor is cut on dim 0 as ``torch.chunk(world_size)``
+    cuts it, chunk r stored in ``__r_0.distcp``; a 0-dim tensor is one chunk and every bytes entry
+    is stored in rank 0's file. Returns the number of tensors checked."""
+    md = FileSystemReader(str(checkpoint)).read_metadata()
+    tensors = 0
+    for fqn, meta in md.state_dict_metadata.items():
+        if isinstance(meta, BytesStorageMetadata):
+            assert md.storage_data[MetadataIndex(fqn)].relative_path == "__0_0.distcp", fqn
+            continue
+        assert isinstance(meta, TensorStorageMetadata), fqn
+        shape = tuple(meta.size)
+        if shape:
+            want = [((start, *(0,) * (len(shape) - 1)), (rows, *shape[1:])) for start, rows in torch_chunk_rows(shape, world_size)]
+        else:
+            want = [((), ())]
+        got = [(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks]
+        assert sorted(got) == want, (fqn, got, want)
+        for rank, (offsets, _) in enumerate(want):
+            assert md.storage_data[MetadataIndex(fqn, torch.Size(offsets))].relative_path == f"__{rank}_0.distcp", (fqn, rank)
+        tensors += 1
+    return tensors
 
 
 def _batch() -> torch.Tensor:
@@ -106,18 +156,24 @@ def test_fsdp2_loads_resharded_checkpoint_from_own_files(ws3_ckpt: Sample, tmp_p
 
 @pytest.mark.parametrize("target", [1, 4])
 def test_reshard_round_trip_consolidates_byte_identical(ws3_ckpt: Sample, tmp_path: Path, target: int) -> None:
+    """Regression check: consolidating the reshard gives the bytes consolidating the source gives.
+    Oracle: torch's own reading of the reshard is the run's full state dict, and torch's
+    ``.metadata`` says every tensor is cut as ``torch.chunk(target)`` cuts it."""
     fsdp_convert.consolidate(ws3_ckpt.checkpoint, tmp_path / "direct.pt", nproc=1)
     reshard(ws3_ckpt.checkpoint, tmp_path / "resharded", world_size=target)
     fsdp_convert.consolidate(tmp_path / "resharded", tmp_path / "via.pt", nproc=1)
     assert (tmp_path / "direct.pt").read_bytes() == (tmp_path / "via.pt").read_bytes()
+    truth = ws3_ckpt.truth()
+    assert assert_same_state(torch_view(tmp_path / "resharded", tmp_path), truth) == 124
+    assert assert_torch_chunk_layout(tmp_path / "resharded", target) == 124
 
 
 def test_resharded_checkpoint_reads_with_torch_dcp_to_torch_save(ws3_ckpt: Sample, tmp_path: Path) -> None:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
+    """torch's dcp_to_torch_save of a reshard to 2 is the run's full state dict (model, optimizer,
+    train state, in the order the run's state dict has them)."""
     reshard(ws3_ckpt.checkpoint, tmp_path / "r", world_size=2)
-    dcp_to_torch_save(tmp_path / "r", tmp_path / "torch.pt")
-    assert_same_state(torch.load(tmp_path / "torch.pt", weights_only=True)["model"], ws3_ckpt.truth()["model"])
+    assert assert_same_state(torch_view(tmp_path / "r", tmp_path), ws3_ckpt.truth()) == 124
+    assert assert_torch_chunk_layout(tmp_path / "r", 2) == 124
 
 
 def test_reshard_cli_with_two_writers(runner: CliRunner, ws3_ckpt: Sample, tmp_path: Path) -> None:
@@ -172,3 +228,67 @@ def test_consolidated_pt_resharded_loads_model_and_optimizer(ws3_ckpt: Sample, t
     work.mkdir()
     run_ranks(_load_at_new_world_size, 2, out, ws3_ckpt.truth_path, work)
     assert json.loads((work / "losses.json").read_text()) == pytest.approx(_reference_losses(ws3_ckpt.truth()), rel=1e-6)
+
+
+ReadRecord = tuple[str, tuple[int, ...], str, int, int]  # fqn, chunk offsets, data file, byte offset, length
+
+
+def _reads_meeting(source: Path, target_world_size: int) -> dict[int, Counter[ReadRecord]]:
+    """Per target rank, the source chunks its chunks meet, computed from torch's reading of the
+    source's ``.metadata`` alone: a non-empty source chunk is read once for each target chunk
+    (``torch.chunk(target_world_size)`` rows on dim 0, or the whole of a 0-dim tensor on rank 0)
+    whose rows it shares, at the byte range ``storage_data`` gives it."""
+    md = FileSystemReader(str(source)).read_metadata()
+    want: dict[int, Counter[ReadRecord]] = {rank: Counter() for rank in range(target_world_size)}
+    for fqn, meta in md.state_dict_metadata.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            continue  # bytes entries are copied, not read as chunks
+        shape = tuple(meta.size)
+        targets = list(enumerate(torch_chunk_rows(shape, target_world_size))) if shape else [(0, (0, 1))]
+        for chunk in meta.chunks:
+            if math.prod(chunk.sizes) == 0:
+                continue  # FSDP2's empty chunks hold nothing to read
+            lo, hi = (chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]) if shape else (0, 1)
+            info = md.storage_data[MetadataIndex(fqn, chunk.offsets)]
+            record = (fqn, tuple(chunk.offsets), info.relative_path, info.offset, info.length)
+            for rank, (start, rows) in targets:
+                if max(lo, start) < min(hi, start + rows):
+                    want[rank][record] += 1
+    return want
+
+
+def _logged_reads(log_dir: Path) -> dict[int, Counter[ReadRecord]]:
+    """The chunks each worker read, from the FSDP_CONVERT_READ_LOG files (one JSON line per chunk read)."""
+    reads: dict[int, Counter[ReadRecord]] = {}
+    for log in log_dir.glob("reads-*.jsonl"):
+        for line in log.read_text().splitlines():
+            rank, fqn, offsets, relative_path, offset, length = json.loads(line)
+            reads.setdefault(int(rank), Counter())[(fqn, tuple(offsets), relative_path, offset, length)] += 1
+    return reads
+
+
+@pytest.mark.parametrize(("target", "nproc"), [(2, 1), (4, 1), (6, 1), (4, 2)])
+def test_reshard_reads_only_the_source_chunks_a_target_chunk_meets(
+    ws3_ckpt: Sample, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: int, nproc: int
+) -> None:
+    """README: "Only the source chunks a target chunk meets are read." From 3 ranks to 2, 4 and 6:
+    each worker read exactly the source chunks the target chunks of its ranks (w, w + nproc, ...)
+    meet, each once per such target chunk, at the byte range torch's .metadata gives, and nothing
+    else (an empty chunk, a chunk of rows the target chunk does not hold)."""
+    logs = tmp_path / "reads"
+    logs.mkdir()
+    monkeypatch.setenv("FSDP_CONVERT_READ_LOG", str(logs))
+    monkeypatch.delenv("RANK", raising=False)
+    reshard(ws3_ckpt.checkpoint, tmp_path / "out", world_size=target, nproc=nproc)
+    meeting = _reads_meeting(ws3_ckpt.checkpoint, target)
+    want = {worker: sum((meeting[r] for r in range(worker, target, nproc)), Counter()) for worker in range(nproc)}
+    got = _logged_reads(logs)
+    assert sorted(got) == list(range(nproc))
+    for worker in range(nproc):
+        extra, missing = got[worker] - want[worker], want[worker] - got[worker]
+        assert not extra and not missing, (worker, sorted(extra)[:5], sorted(missing)[:5])
+    # the log is not vacuous: some chunk is read for two target chunks, and some chunk is left
+    # unread by a target rank (reading everything, or each chunk once, would not pass)
+    assert max(sum(meeting.values(), Counter()).values()) > 1
+    every_chunk = set().union(*meeting.values())
+    assert all(set(meeting[r]) < every_chunk for r in range(target))
