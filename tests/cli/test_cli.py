@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 import shutil
 from pathlib import Path
 
 import pytest
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 from typer.testing import CliRunner
 
 from fsdp_convert.cli import app
@@ -43,6 +47,56 @@ def test_inspect_json_matches_golden(runner: CliRunner, ws3_ckpt: Sample) -> Non
     assert doc["schema_version"] == 1 and doc["producer"] == "fsdp2" and doc["world_size"] == 3
     assert [e["fqn"] for e in doc["groups"]["other"]] == ["train_state.step", "train_state.world_size"]
     assert all(e["kind"] == "bytes" for e in doc["groups"]["other"])
+
+
+def test_inspect_json_agrees_with_torchs_reading_of_metadata(runner: CliRunner, ws3_ckpt: Sample) -> None:
+    """The golden file is a snapshot of the tool's own output; this checks the same document field
+    by field against .metadata as torch itself reads it (``FileSystemReader.read_metadata``):
+    every FQN once, in its top-level key's group, in the order the state dict was saved; shape,
+    dtype, chunk count and bytes (elements x item size, or a bytes entry's stored length); world
+    size (distinct ranks of the ``__<rank>_<n>.distcp`` files), data files, total bytes and DCP version."""
+    md = FileSystemReader(str(ws3_ckpt.checkpoint)).read_metadata()
+    result = runner.invoke(app, ["inspect", str(ws3_ckpt.checkpoint), "--json"])
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+
+    want: dict[str, dict[str, object]] = {}
+    for fqn, meta in md.state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata):
+            dtype = meta.properties.dtype
+            want[fqn] = {
+                "fqn": fqn,
+                "kind": "tensor",
+                "shape": list(meta.size),
+                "dtype": str(dtype).removeprefix("torch."),
+                "chunks": len(meta.chunks),
+                "bytes": math.prod(meta.size) * dtype.itemsize,
+            }
+        else:
+            assert isinstance(meta, BytesStorageMetadata), fqn
+            length = md.storage_data[MetadataIndex(fqn)].length
+            want[fqn] = {"fqn": fqn, "kind": "bytes", "shape": None, "dtype": None, "chunks": 1, "bytes": length}
+    assert list(doc["groups"]) == ["model", "optim", "other"]
+    rows = [row for group in doc["groups"].values() for row in group]
+    assert sorted(row["fqn"] for row in rows) == sorted(want)  # every entry, each once
+    saved_order = list(md.planner_data)  # the order of the state dict dcp.save was given
+    for group, members in doc["groups"].items():
+        fqns = [row["fqn"] for row in members]
+        assert fqns == sorted(fqns, key=saved_order.index), group
+        for row in members:
+            top = md.planner_data[row["fqn"]][0]
+            assert group == (top if top in ("model", "optim") else "other"), row["fqn"]
+            assert row == want[row["fqn"]]
+
+    files = {info.relative_path for info in md.storage_data.values()}
+    ranks = {int(re.fullmatch(r"__(\d+)_\d+\.distcp", name).group(1)) for name in files}  # type: ignore[union-attr]
+    assert doc["world_size"] == len(ranks) == ws3_ckpt.world_size
+    assert doc["data_files"] == sorted(files)
+    assert doc["total_bytes"] == sum(int(row["bytes"]) for row in want.values())  # type: ignore[call-overload]
+    assert doc["dcp_version"] == md.version
+    # FSDP2 records an empty chunk for a tensor smaller than the world size (README's producer table)
+    tensors = [m for m in md.state_dict_metadata.values() if isinstance(m, TensorStorageMetadata)]
+    assert doc["producer"] == "fsdp2" and any(math.prod(c.sizes) == 0 for m in tensors for c in m.chunks)
 
 
 def test_inspect_table(runner: CliRunner, ws3_ckpt: Sample) -> None:
