@@ -47,7 +47,111 @@ class Mutation:
 
 
 MUTATIONS: list[Mutation] = [
-    # filled in per README claim; see the closing note of issue 11
+    # --- consolidate: bitwise, safe, checked (guarded before issue 11; listed so anyone can re-check) ---
+    Mutation(
+        "chunk-placed-at-row-0",
+        "consolidate: every tensor bitwise equal to the run's own full state dict",
+        "fsdp_convert/reader.py",
+        "box = box.narrow(dim, offset, size)",
+        "box = box.narrow(dim, 0, size)",
+        "tests/test_consolidate.py::test_consolidate_pt_equals_ground_truth",
+    ),
+    Mutation(
+        "crc-never-compared",
+        "CRC-32: every zip record of every payload is checked as it is read",
+        "fsdp_convert/reader.py",
+        "if h.crc != h.record.crc32:",
+        "if False:",
+        "tests/cli/test_bad_inputs.py::test_bad_input_fails_cleanly[zeros inside tensor data (CRC)]",
+    ),
+    Mutation(
+        "metadata-unpickler-admits-all",
+        ".metadata is read with an unpickler that admits only DCP's metadata classes",
+        "fsdp_convert/metadata.py",
+        'raise UnsafeContentError(f"refusing global {module}.{name}")',
+        "return super().find_class(module, name)",
+        "tests/cli/test_bad_inputs.py::test_bad_input_fails_cleanly[.metadata would run code]",
+    ),
+    Mutation(
+        "payload-not-weights-only",
+        "every payload is decoded with torch.load(weights_only=True)",
+        "fsdp_convert/reader.py",
+        'map_location="cpu", weights_only=True)',
+        'map_location="cpu", weights_only=bool(0))',
+        "tests/cli/test_bad_inputs.py::test_bad_input_fails_cleanly[payload would run code]",
+    ),
+    Mutation(
+        "data-file-may-escape",
+        "data file names must stay inside the checkpoint folder",
+        "fsdp_convert/metadata.py",
+        'if Path(rel).is_absolute() or ".." in parts or len(parts) != 1:',
+        "if False:",
+        "tests/unit/test_metadata.py::test_data_file_outside_the_folder_is_refused",
+    ),
+    Mutation(
+        "overlap-not-checked",
+        "chunks must tile each tensor exactly (overlap)",
+        "fsdp_convert/plan.py",
+        "if all(max(a0, b0) < min(a1, b1) for a0, a1, b0, b1 in zip(oa, ea, ob, eb, strict=True)):",
+        "if False:",
+        "tests/cli/test_bad_inputs.py::test_bad_input_fails_cleanly[chunks overlap]",
+    ),
+    Mutation(
+        "gap-not-checked",
+        "chunks must tile each tensor exactly (gap)",
+        "fsdp_convert/plan.py",
+        "if covered != entry.numel:",
+        "if False:",
+        "tests/cli/test_bad_inputs.py::test_bad_input_fails_cleanly[chunks leave a gap]",
+    ),
+    Mutation(
+        "existing-output-overwritten",
+        "An existing OUT is an error (exit 4) unless --overwrite",
+        "fsdp_convert/writers/_atomic.py",
+        "        if not overwrite:\n            raise OutputExistsError",
+        "        if False:\n            raise OutputExistsError",
+        "tests/cli/test_bad_inputs.py::test_bad_input_fails_cleanly[output exists]",
+    ),
+    Mutation(
+        "safetensors-bf16-as-f16",
+        "OUT ending in .safetensors: the model weights, read by safetensors.torch.load_file",
+        "fsdp_convert/writers/safetensors.py",
+        'torch.bfloat16: "BF16",',
+        'torch.bfloat16: "F16",',
+        "tests/test_consolidate.py::test_consolidate_safetensors_holds_model_weights",
+    ),
+    Mutation(
+        "hf-index-misnames-keys",
+        "a Hugging Face folder that from_pretrained loads with the trained logits",
+        "fsdp_convert/convert.py",
+        "weight_map = {safetensors_name(plan.items[i].path): shard.filename",
+        'weight_map = {safetensors_name(plan.items[i].path) + "_": shard.filename',
+        "tests/test_hf.py::test_from_pretrained_gives_the_trained_logits",
+    ),
+    Mutation(
+        "producer-never-fsdp2",
+        "inspect names the producer",
+        "fsdp_convert/layout.py",
+        'if any(c.numel == 0 for e in small for c in e.chunks):\n        return "fsdp2"',
+        'if any(c.numel == 0 for e in small for c in e.chunks):\n        return "fsdp1"',
+        "tests/unit/test_layout.py::test_detects_fsdp2",
+    ),
+    Mutation(
+        "s3-reads-whole-objects",
+        "A remote checkpoint is read by ranges: each chunk payload with one ranged GET",
+        "fsdp_convert/remote.py",
+        "return bytes(_fs(url).cat_file(str(url), start=offset, end=offset + length))",
+        "return bytes(_fs(url).cat_file(str(url)))[offset : offset + length]",
+        "tests/e2e/test_object_storage.py::test_consolidate_from_and_to_s3_matches_local",
+    ),
+    Mutation(
+        "cast-touches-step",
+        "--optim-dtype casts the optimizer state; integer tensors and step never change",
+        "fsdp_convert/transform.py",
+        'dtype = _cast(entry, options.optim_dtype, keep=slot.key == "step")',
+        "dtype = _cast(entry, options.optim_dtype, keep=False)",
+        "tests/test_transforms.py::test_rename_filter_and_cast_apply_to_model_and_optimizer",
+    ),
 ]
 
 
