@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from fsdp_convert import pipeline
 from fsdp_convert.pipeline import prefetch
 
 
@@ -61,14 +62,34 @@ def test_prefetch_reraises_producer_error() -> None:
         next(it)
 
 
-def test_prefetch_consumer_stopping_early_stops_the_producer() -> None:
+@pytest.mark.parametrize("budget_bytes", [20, 10**9], ids=["waiting-on-the-budget", "budget-above-all-jobs"])
+def test_prefetch_consumer_stopping_early_stops_the_producer(monkeypatch: pytest.MonkeyPatch, budget_bytes: int) -> None:
+    """Closing the generator stops the producer thread after its current job: woken from the
+    budget's wait when the budget holds it, told to stop when the budget never would (1000 jobs of
+    10 ms: 10 s of work it must not do)."""
+    monkeypatch.setattr(pipeline, "JOIN_TIMEOUT_S", 5.0)  # how long close() waits for it: 5 s, not 60
     produced = []
 
     def job(i: int) -> tuple[int, object]:
-        return 10, lambda: produced.append(i) or i
+        def produce() -> object:
+            time.sleep(0.01)
+            produced.append(i)
+            return i
 
-    it = prefetch([job(i) for i in range(1000)], budget_bytes=20)
+        return 10, produce
+
+    before = set(threading.enumerate())
+    it = prefetch([job(i) for i in range(1000)], budget_bytes=budget_bytes)
     assert next(it) == 0
-    it.close()
+    (producer,) = [t for t in threading.enumerate() if t not in before and t.name == "fsdp-convert-prefetch"]
+    deadline = time.monotonic() + 30
+    while len(produced) < 2:  # job 1 done: with the small budget the producer now waits for room for job 2
+        assert time.monotonic() < deadline, "the producer did not get to job 1"
+        time.sleep(0.001)
     time.sleep(0.05)
-    assert len(produced) <= 3  # the budget stopped it, and closing released it without running the rest
+    start = time.monotonic()
+    it.close()
+    assert not producer.is_alive(), f"the producer still runs {time.monotonic() - start:.1f} s after the consumer stopped"
+    assert len(produced) < 1000
+    if budget_bytes == 20:
+        assert len(produced) <= 3  # the budget stopped it, and closing released it without running the rest
