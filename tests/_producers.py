@@ -58,16 +58,16 @@ def _checkpointed_model(cfg: SampleConfig) -> Transformer:
 
 
 def fsdp2_layouts(rank: int, world_size: int, out: Path) -> None:
-    """FSDP2 training, saved as torchtitan, accelerate, Lightning Fabric and a wrapper-named layout.
+    """FSDP2 training, saved by torch's own writers and in the layouts of producers not run here.
 
-    Layouts (the same DCP calls each producer makes, with its documented key layout):
-    - ``torchtitan/step-2``: model weights at the top level beside ``optimizer`` (torch's
-      flattened optimizer state dict, ``flatten_optimizer_state_dict=True``), ``lr_scheduler``,
-      ``train_state`` and ``dataloader``, as torchtitan's ``checkpoint.py`` saves them.
-    - ``accelerate``: ``pytorch_model_fsdp_0/`` with ``{"model": ...}`` and ``optimizer_0/`` with
-      ``{"optimizer": ...}``, as accelerate's ``save_fsdp_model``/``save_fsdp_optimizer``.
-    - ``lightning``: ``{"model": ..., "optimizer": ...}`` and ``meta.pt`` (the user's other state,
-      torch.save by rank 0), as Lightning Fabric's FSDP strategy.
+    accelerate, Lightning Fabric and torchtitan checkpoints come from those frameworks' own save
+    calls (tests/_frameworks.py). Layouts here:
+    - ``torchtitan/step-2``: an imitation of torchtitan's layout written with ``dcp.save``: model
+      weights at the top level beside ``optimizer`` (torch's flattened optimizer state dict,
+      ``flatten_optimizer_state_dict=True``), ``lr_scheduler``, ``train_state`` and
+      ``dataloader``, on the sample model, whose model and optimizer FQNs are the same (real
+      torchtitan names its fused ``wqkv`` in the optimizer and ``wq``/``wk``/``wv`` in the model).
+      Kept for tests/test_reshard_oracles.py, which flattens the truth's optimizer with torch's helper.
     - ``wrapped``: ``{"model": torch.compile(model).state_dict(), "optim": ...}``: a compiled
       module's own state dict puts ``_orig_mod.`` before every key (activation checkpointing's
       wrapper removes its own name from state dicts; torch.compile's does not).
@@ -99,9 +99,6 @@ def fsdp2_layouts(rank: int, world_size: int, out: Path) -> None:
         "dataloader": {"sample_index": 7},
     }
     dcp_save(titan, checkpoint_id=out / "torchtitan" / f"step-{cfg.steps}")
-    dcp_save({"model": model_sd}, checkpoint_id=out / "accelerate" / "pytorch_model_fsdp_0")
-    dcp_save({"optimizer": optim_sd}, checkpoint_id=out / "accelerate" / "optimizer_0")
-    dcp_save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=out / "lightning")
     # torch.compile wraps lazily (nothing compiles until a call), and its state dict says _orig_mod.
     dcp_save({"model": torch.compile(model).state_dict(), "optim": optim_sd}, checkpoint_id=out / "wrapped")
     dcp_save(model_sd, storage_writer=HuggingFaceStorageWriter(str(out / "hf_storage"), save_distributed=True))
@@ -120,7 +117,6 @@ def fsdp2_layouts(rank: int, world_size: int, out: Path) -> None:
     train_step(model, optim, batch, cfg.vocab_size)
     next_model = get_model_state_dict(model, options=full)
     if rank == 0:
-        torch.save({"epoch": 0, "global_step": cfg.steps}, out / "lightning" / "meta.pt")
         torch.save({**truth, "batch": batch, "next_model": next_model}, out / TRUTH)
     dist.barrier()
 

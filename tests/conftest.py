@@ -98,7 +98,8 @@ def big_sample(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def fsdp2_layouts(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One FSDP2 run on 2 ranks saved as torchtitan, accelerate, Lightning and wrapper-named layouts (see tests/_producers.py)."""
+    """One FSDP2 run on 2 ranks saved by torch's own writers (wrapper-named, HuggingFaceStorageWriter)
+    and in verl's and torchtitan's layouts (see tests/_producers.py)."""
     from tests._producers import fsdp2_layouts as write
 
     out = tmp_path_factory.mktemp("fsdp2_layouts")
@@ -114,3 +115,31 @@ def fsdp1_layouts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fsdp1_layouts")
     run_ranks(write, 2, out)
     return out
+
+
+def _framework_run(name: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One 2-rank forked run of ``tests._frameworks.<name>_run``: the framework's own training and save."""
+    from tests import _frameworks
+
+    _frameworks.preload(name)
+    out = tmp_path_factory.mktemp(f"{name}_run")
+    run_ranks(getattr(_frameworks, f"{name}_run"), 2, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def accelerate_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """accelerate's FSDP2 ``save_state`` folder at ``accelerate/`` with its ``truth.pt`` (see tests/_frameworks.py)."""
+    return _framework_run("accelerate", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Lightning Fabric's ``fabric.save``: FSDP1 (``lightning_fsdp1/``), FSDP2 (``lightning_fsdp2/``), each with truth.pt."""
+    return _framework_run("lightning", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def torchtitan_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """torchtitan's Trainer and CheckpointManager: ``torchtitan/checkpoint/step-2`` and ``torchtitan/truth.pt``."""
+    return _framework_run("torchtitan", tmp_path_factory)

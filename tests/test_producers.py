@@ -1,4 +1,10 @@
-"""Every producer's layout consolidates to its own run's ground truth, and the result loads anywhere."""
+"""Every producer's checkpoint consolidates to its own run's ground truth, and the result loads anywhere.
+
+torchtitan, accelerate and Lightning Fabric checkpoints come from the frameworks' own training and
+save calls (tests/_frameworks.py); torch's HuggingFaceStorageWriter, a torch.compile'd state dict
+and FSDP1 are torch's own (tests/_producers.py); verl's per-rank files are written as verl writes
+them, verl itself not being installable here (tests/_producers.py).
+"""
 
 from __future__ import annotations
 
@@ -21,15 +27,16 @@ from tests._producers import CFG, TRUTH, train_step
 # optimizer form in the output ("names": FQN-keyed; "ids": the producer saved optim.state_dict(); None: model only)
 PRODUCERS: dict[str, tuple[str, str, str, str, set[str], str | None]] = {
     "torchtitan": (
-        "fsdp2_layouts",
-        "torchtitan/step-2",
-        TRUTH,
+        "torchtitan_run",
+        "torchtitan/checkpoint/step-2",
+        "torchtitan/truth.pt",
         "torchtitan",
         {"lr_scheduler", "train_state", "dataloader"},
         "names",
     ),
-    "accelerate": ("fsdp2_layouts", "accelerate", TRUTH, "accelerate", set(), "names"),
-    "lightning": ("fsdp2_layouts", "lightning", TRUTH, "lightning", set(), "names"),
+    "accelerate": ("accelerate_run", "accelerate", "accelerate/truth.pt", "accelerate", set(), "names"),
+    "lightning-fsdp1": ("lightning_run", "lightning_fsdp1", "lightning_fsdp1/truth.pt", "lightning", set(), "names"),
+    "lightning-fsdp2": ("lightning_run", "lightning_fsdp2", "lightning_fsdp2/truth.pt", "lightning", set(), "names"),
     "fsdp2-wrapper-names": ("fsdp2_layouts", "wrapped", TRUTH, "fsdp2", set(), "names"),
     "hf-storage-writer": ("fsdp2_layouts", "hf_storage", TRUTH, "hf_storage", set(), None),
     "verl": ("fsdp2_layouts", "verl", TRUTH, "verl", {"extra_state"}, "ids"),
@@ -40,9 +47,16 @@ PRODUCERS: dict[str, tuple[str, str, str, str, set[str], str | None]] = {
 
 
 def _layout(request: pytest.FixtureRequest, name: str) -> tuple[Path, dict[str, Any], str, set[str], str | None]:
-    fixture, ckpt, truth, producer, others, optim = PRODUCERS[name]
+    fixture, ckpt, truth_path, producer, others, optim = PRODUCERS[name]
     root: Path = request.getfixturevalue(fixture)
-    return root / ckpt, torch.load(root / truth, weights_only=True), producer, others, optim
+    truth = torch.load(root / truth_path, weights_only=True)
+    if producer == "torchtitan":
+        # torchtitan builds its optimizer over (name, param) pairs, so torch's full optimizer state
+        # dict has each group's param_names; torchtitan's own flattening drops them on save (the
+        # params list names the same FQNs), so the checkpoint cannot have them
+        for group in truth["optim"]["param_groups"]:
+            assert group.pop("param_names") == group["params"]
+    return root / ckpt, truth, producer, others, optim
 
 
 def _by_id(optim: dict[str, Any], order: list[str]) -> dict[str, Any]:
@@ -57,7 +71,9 @@ def test_each_producer_consolidates_to_its_ground_truth(request: pytest.FixtureR
     """Bitwise equal to get_model_state_dict/get_optimizer_state_dict(full_state_dict=True) of the
     same run, after the documented cleaning: wrapper names removed, ``optimizer`` as ``optim``,
     torchtitan's flattened optimizer state nested again with its param groups rebuilt; verl's
-    id-keyed optimizer files stay id-keyed."""
+    id-keyed optimizer files stay id-keyed. (torchtitan's truth is its model's own state dict,
+    gathered: a save hook writes the fused ``wqkv`` as ``wq``/``wk``/``wv``, while its optimizer
+    state stays keyed by ``wqkv``.)"""
     ckpt, truth, producer, others, optim = _layout(request, name)
     info = fsdp_convert.inspect_checkpoint(ckpt)
     assert info.producer == producer and info.world_size == 2
@@ -72,6 +88,31 @@ def test_each_producer_consolidates_to_its_ground_truth(request: pytest.FixtureR
         assert sorted(got["model"]) == sorted(truth["model"])
         got["model"] = {k: got["model"][k] for k in truth["model"]}
     assert assert_same_state({k: got[k] for k in want}, want) >= len(truth["model"])
+
+
+def test_torchtitan_other_state_is_the_trainers(torchtitan_run: Path, tmp_path: Path) -> None:
+    """The trainer's own train_state, dataloader and LR scheduler state come out as it saved them."""
+    out = tmp_path / "full.pt"
+    fsdp_convert.consolidate(torchtitan_run / "torchtitan/checkpoint/step-2", out, only="all")
+    got = torch.load(out, weights_only=True)
+    assert got["train_state"] == {"step": CFG.steps, "ntokens_seen": 2 * 8 * CFG.steps}  # local batch 2, seq_len 8
+    assert got["dataloader"] == {"batches": CFG.steps}
+    assert got["lr_scheduler"] == {"last_epoch": CFG.steps}
+
+
+def test_accelerate_random_states_are_never_unpickled(accelerate_run: Path, tmp_path: Path) -> None:
+    """accelerate's save_state writes pickles beside its DCP folders (random_states_<rank>.pkl):
+    the tool never loads them."""
+    from tests.cli.test_bad_inputs import Evil
+
+    ck = tmp_path / "accelerate"
+    shutil.copytree(accelerate_run / "accelerate", ck)
+    assert sorted(p.name for p in ck.glob("random_states_*.pkl")) == ["random_states_0.pkl", "random_states_1.pkl"]
+    marker = tmp_path / "pwned"
+    torch.save(Evil(marker), ck / "random_states_0.pkl")
+    assert fsdp_convert.inspect_checkpoint(ck).producer == "accelerate"
+    fsdp_convert.consolidate(ck, tmp_path / "x.pt", nproc=1)
+    assert not marker.exists()
 
 
 def test_wrapper_names_are_removed_unless_kept(fsdp2_layouts: Path, tmp_path: Path) -> None:
@@ -94,24 +135,32 @@ def _plain_step(model_state: dict[str, Any], optim_state: dict[str, Any], batch:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("name", ["torchtitan", "accelerate", "fsdp2-wrapper-names"])
+@pytest.mark.parametrize("name", ["torchtitan", "accelerate", "lightning-fsdp1", "lightning-fsdp2", "fsdp2-wrapper-names"])
 def test_resume_on_one_process_matches_the_fsdp_next_step(
     request: pytest.FixtureRequest, runner: CliRunner, name: str, tmp_path: Path
 ) -> None:
-    """--optim-keys ids gives what torch.optim.Optimizer.state_dict() gives: a plain AdamW over a
-    plain model loads it, and one step lands where the FSDP2 run's next step did (rel 1e-6)."""
-    ckpt, truth, *_ = _layout(request, name)
+    """--optim-keys ids gives what torch.optim.Optimizer.state_dict() gives: a plain AdamW over the
+    plain model loads it, and one step lands where the distributed run's next step did (rel 1e-6).
+    For torchtitan the plain model is its own llama3 model, whose load hook fuses wq/wk/wv again."""
+    ckpt, truth, producer, *_ = _layout(request, name)
     out = tmp_path / "plain.pt"
     result = runner.invoke(app, ["consolidate", str(ckpt), str(out), "--optim-keys", "ids", "--nproc", "1"])
     assert result.exit_code == 0, result.stderr
     state = torch.load(out, weights_only=True)
-    assert sorted(state["optim"]["state"]) == list(range(len(truth["model"])))
-    assert state["optim"]["param_groups"][0]["params"] == list(range(len(truth["model"])))
-    stepped = _plain_step(state["model"], state["optim"], truth["batch"])
+    n_params = len(truth["optim"]["state"])
+    assert sorted(state["optim"]["state"]) == list(range(n_params))
+    assert state["optim"]["param_groups"][0]["params"] == list(range(n_params))
+    if producer == "torchtitan":
+        from tests._frameworks import titan_plain_step
+
+        stepped, head = titan_plain_step(state["model"], state["optim"], truth["batch"]), "lm_head.weight"
+    else:
+        stepped, head = _plain_step(state["model"], state["optim"], truth["batch"]), "output.weight"
+    assert list(stepped) == list(truth["next_model"])
     for fqn, want in truth["next_model"].items():
         torch.testing.assert_close(stepped[fqn], want, rtol=1e-6, atol=1e-7, msg=fqn)
     # and the step moved the weights: a stale optimizer state would not land there
-    assert not torch.equal(stepped["output.weight"], truth["model"]["output.weight"])
+    assert not torch.equal(stepped[head], truth["model"][head])
 
 
 def test_ids_follow_model_order_for_fsdp1_flat_params(fsdp1_layouts: Path, tmp_path: Path) -> None:
@@ -130,23 +179,29 @@ def test_ids_follow_model_order_for_fsdp1_flat_params(fsdp1_layouts: Path, tmp_p
         assert torch.equal(optim.state[param]["exp_avg"], truth["optim"]["state"][name]["exp_avg"]), name
 
 
-def test_parent_folder_errors_name_the_folder_to_pass(runner: CliRunner, fsdp2_layouts: Path, tmp_path: Path) -> None:
-    parent = fsdp2_layouts / "torchtitan"
+def test_parent_folder_errors_name_the_folder_to_pass(runner: CliRunner, torchtitan_run: Path, tmp_path: Path) -> None:
+    """torchtitan's CheckpointManager saves under checkpoint/step-N: its checkpoint folder answers
+    with the step folder to pass."""
+    parent = torchtitan_run / "torchtitan/checkpoint"
     result = runner.invoke(app, ["consolidate", str(parent), str(tmp_path / "x.pt")])
     assert result.exit_code == 3
     assert result.stderr.strip() == f"error: {parent} has no .metadata, but {parent / 'step-2'} has: pass that folder"
     assert not (tmp_path / "x.pt").exists()
 
 
-def test_reshard_keeps_the_producer_layout(fsdp2_layouts: Path, tmp_path: Path) -> None:
-    """A torchtitan checkpoint resharded to 3 keeps weights at the top level and the flattened
-    optimizer state, so torchtitan's own loader reads it; consolidating it gives the same state."""
-    ckpt = fsdp2_layouts / "torchtitan/step-2"
+@pytest.mark.parametrize("name", ["torchtitan", "lightning-fsdp1", "lightning-fsdp2"])
+def test_reshard_keeps_the_producer_layout(request: pytest.FixtureRequest, name: str, tmp_path: Path) -> None:
+    """A checkpoint resharded to 3 keeps every key as saved (torchtitan: weights at the top level
+    and the flattened optimizer state, so torchtitan's own loader reads it); consolidating it gives
+    the same bytes."""
+    ckpt, _, producer, *_ = _layout(request, name)
     out = tmp_path / "ws3"
     fsdp_convert.reshard(ckpt, out, world_size=3)
     keys = {e.fqn for e in fsdp_convert.inspect_checkpoint(out).entries}
     assert keys == {e.fqn for e in fsdp_convert.inspect_checkpoint(ckpt).entries}
     assert fsdp_convert.inspect_checkpoint(out).world_size == 3
+    if producer == "torchtitan":
+        assert fsdp_convert.inspect_checkpoint(out).producer == "torchtitan"
     a, b = tmp_path / "a.pt", tmp_path / "b.pt"
     fsdp_convert.consolidate(ckpt, a)
     fsdp_convert.consolidate(out, b)
