@@ -75,7 +75,9 @@ def fsdp2_layouts(rank: int, world_size: int, out: Path) -> None:
       (``save_distributed=True``): per-rank safetensors shards, no ``.metadata``.
     - ``verl``: not DCP: per-rank ``torch.save`` of ``model.state_dict()`` (DTensors) and
       ``optim.state_dict()`` (id-keyed) as ``model_world_size_2_rank_{r}.pt`` / ``optim_...`` /
-      ``extra_state_...``, as verl's FSDP checkpoint manager writes them.
+      ``extra_state_...``, as verl's FSDP checkpoint manager writes them: an imitation, as verl
+      needs Ray and transformers>=5.5 (the test extra pins transformers<5) and saves from inside
+      its Ray workers.
 
     ``truth.pt``: ``model`` and ``optim`` (full, FQN-keyed), and for the resume test the fixed
     ``batch`` every rank then trains on and the full ``next_model`` after that step.
