@@ -9,16 +9,29 @@ checked by the tool. Here the reshard is read by torch alone (``dcp_to_torch_sav
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
-from torch.distributed.checkpoint.state_dict import _flatten_optim_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    _flatten_optim_state_dict,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
 
 import fsdp_convert
+from fsdp_convert._sample import Transformer
 from tests._compare import assert_same_state
+from tests._dist import run_ranks
+from tests._producers import CFG
 from tests.test_reshard import assert_torch_chunk_layout, torch_view
 
 TARGET = 3  # the producers saved at 2
@@ -58,6 +71,46 @@ def test_torchtitan_reshard_is_the_run_in_torchtitans_layout(fsdp2_layouts: Path
     assert others, "the torchtitan fixture saves lr_scheduler, train_state and dataloader beside the weights"
     assert_same_state({k: got[k] for k in others}, {k: source[k] for k in others})
     assert assert_torch_chunk_layout(out, TARGET) == 4 * len(truth["model"])
+
+
+def _load_as_torchtitan(rank: int, world_size: int, checkpoint: Path, truth_path: Path, work: Path) -> None:
+    """What torchtitan's checkpointer does at this world size: ``dcp.load`` into FSDP2 state dicts
+    with the weights at the top level and the optimizer under ``optimizer``, flattened
+    (``flatten_optimizer_state_dict=True``). Each rank sees only ``.metadata``, its own data file
+    and rank 0's. Rank 0 compares the full state with the run's."""
+    torch.manual_seed(4321)  # a different init: only the load can make the values right
+    model = Transformer(CFG)  # the run's FQNs (its activation checkpointing names none)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    model_sd = get_model_state_dict(model)
+    state = {**model_sd, "optimizer": get_optimizer_state_dict(model, optim, options=flat)}
+    mine = work / f"rank{rank}"
+    mine.mkdir()
+    for name in {".metadata", f"__{rank}_0.distcp", "__0_0.distcp"}:
+        if (checkpoint / name).exists():
+            shutil.copy(checkpoint / name, mine / name)
+    dcp.load(state, checkpoint_id=mine)
+    set_model_state_dict(model, {k: state[k] for k in model_sd})
+    set_optimizer_state_dict(model, optim, state["optimizer"], options=flat)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    got = {"model": get_model_state_dict(model, options=full), "optim": get_optimizer_state_dict(model, optim, options=full)}
+    if rank == 0:
+        truth = torch.load(truth_path, weights_only=True)
+        assert_same_state(got, {"model": truth["model"], "optim": truth["optim"]})
+
+
+def test_torchtitan_reshard_loads_the_way_torchtitan_loads_at_three_ranks(fsdp2_layouts: Path, tmp_path: Path) -> None:
+    """README: "a torchtitan checkpoint keeps its top-level weights and flattened optimizer
+    state", so its producer's loader reads the result: FSDP2 on 3 ranks loads it as torchtitan
+    does, each rank from its own file, and holds the run's full model and optimizer state."""
+    out = tmp_path / "ws3"
+    fsdp_convert.reshard(fsdp2_layouts / "torchtitan/step-2", out, world_size=TARGET)
+    work = tmp_path / "load"
+    work.mkdir()
+    run_ranks(_load_as_torchtitan, TARGET, out, fsdp2_layouts / "truth.pt", work)
 
 
 def test_verl_reshard_is_the_run_as_dcp(fsdp2_layouts: Path, tmp_path: Path) -> None:
