@@ -19,6 +19,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -27,9 +30,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.fsdp import fully_shard
 from typer.testing import CliRunner
 
@@ -71,7 +71,8 @@ def assert_torch_chunk_layout(checkpoint: Path, world_size: int) -> int:
         assert isinstance(meta, TensorStorageMetadata), fqn
         shape = tuple(meta.size)
         if shape:
-            want = [((start, *(0,) * (len(shape) - 1)), (rows, *shape[1:])) for start, rows in torch_chunk_rows(shape, world_size)]
+            rest = (0,) * (len(shape) - 1)
+            want = [((start, *rest), (rows, *shape[1:])) for start, rows in torch_chunk_rows(shape, world_size)]
         else:
             want = [((), ())]
         got = [(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks]
