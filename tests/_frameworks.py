@@ -3,10 +3,10 @@
 Each ``*_run`` function runs on every rank of a 2-rank gloo group (``tests._dist.run_ranks``, forked),
 trains a few steps through the framework, saves through the framework's own checkpoint call, and
 writes on rank 0 ``truth.pt``: the full state dicts taken in the same run with torch's
-``get_model_state_dict``/``get_optimizer_state_dict(full_state_dict=True)`` (cloned), the fixed
-``batch`` every rank then trains one more step on, and the full ``next_model`` after that step
-(for the resume test). What is patched to run on CPU, and nothing else, is said at each patch
-(see ``../shared/FRAMEWORKS.md``).
+``get_model_state_dict``/``get_optimizer_state_dict(full_state_dict=True)`` (cloned; torchtitan's
+model: its own state dict, gathered), the fixed ``batch`` every rank then trains one more step on,
+and the full ``next_model`` after that step (for the resume test). What is patched to run on CPU,
+and nothing else, is said at each patch.
 
 ``preload(name)`` imports a framework in the parent before forking, so the two ranks do not import
 it side by side on a 2-core box.
@@ -32,7 +32,6 @@ from torch.distributed.tensor import DTensor
 from fsdp_convert._sample import Transformer
 from tests._producers import CFG, TRUTH, _batch, _clone
 
-VERSIONS = {"accelerate": "1.15", "lightning": "2.6", "torchtitan": "0.3.0"}
 _MODULES = {
     "accelerate": ("accelerate", "accelerate.utils"),
     "lightning": ("lightning.fabric", "lightning.fabric.strategies"),
