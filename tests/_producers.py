@@ -62,12 +62,6 @@ def fsdp2_layouts(rank: int, world_size: int, out: Path) -> None:
 
     accelerate, Lightning Fabric and torchtitan checkpoints come from those frameworks' own save
     calls (tests/_frameworks.py). Layouts here:
-    - ``torchtitan/step-2``: an imitation of torchtitan's layout written with ``dcp.save``: model
-      weights at the top level beside ``optimizer`` (torch's flattened optimizer state dict,
-      ``flatten_optimizer_state_dict=True``), ``lr_scheduler``, ``train_state`` and
-      ``dataloader``, on the sample model, whose model and optimizer FQNs are the same (real
-      torchtitan names its fused ``wqkv`` in the optimizer and ``wq``/``wk``/``wv`` in the model).
-      Kept for tests/test_reshard_oracles.py, which flattens the truth's optimizer with torch's helper.
     - ``wrapped``: ``{"model": torch.compile(model).state_dict(), "optim": ...}``: a compiled
       module's own state dict puts ``_orig_mod.`` before every key (activation checkpointing's
       wrapper removes its own name from state dicts; torch.compile's does not).
@@ -92,15 +86,6 @@ def fsdp2_layouts(rank: int, world_size: int, out: Path) -> None:
         train_step(model, optim, _batch(cfg, 100 * step + rank), cfg.vocab_size)
 
     model_sd, optim_sd = get_state_dict(model, optim)
-    flat_optim = get_optimizer_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=True))
-    titan = {
-        **model_sd,
-        "optimizer": flat_optim,
-        "lr_scheduler": {"last_epoch": cfg.steps, "base_lrs": [1e-2]},
-        "train_state": {"step": cfg.steps, "ntokens_seen": 1234},
-        "dataloader": {"sample_index": 7},
-    }
-    dcp_save(titan, checkpoint_id=out / "torchtitan" / f"step-{cfg.steps}")
     # torch.compile wraps lazily (nothing compiles until a call), and its state dict says _orig_mod.
     dcp_save({"model": torch.compile(model).state_dict(), "optim": optim_sd}, checkpoint_id=out / "wrapped")
     dcp_save(model_sd, storage_writer=HuggingFaceStorageWriter(str(out / "hf_storage"), save_distributed=True))

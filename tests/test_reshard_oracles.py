@@ -9,30 +9,25 @@ checked by the tool. Here the reshard is read by torch alone (``dcp_to_torch_sav
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    _flatten_optim_state_dict,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, _flatten_optim_state_dict, get_optimizer_state_dict
+from torch.distributed.tensor import DTensor
 
 import fsdp_convert
-from fsdp_convert._sample import Transformer
 from tests._compare import assert_same_state
 from tests._dist import run_ranks
+from tests._frameworks import TITAN_LAYERS, TITAN_SEQ, TITAN_VOCAB, _torchtitan_on_cpu, preload, titan_model_config
 from tests._producers import CFG
-from tests.test_reshard import assert_torch_chunk_layout, torch_view
+from tests.test_reshard import assert_torch_chunk_layout, torch_chunk_rows, torch_view
 
 TARGET = 3  # the producers saved at 2
 
@@ -53,64 +48,238 @@ def _by_id(optim: dict[str, Any], order: list[str]) -> dict[str, Any]:
     return {"state": {ids[fqn]: s for fqn, s in optim["state"].items()}, "param_groups": groups}
 
 
-def test_torchtitan_reshard_is_the_run_in_torchtitans_layout(fsdp2_layouts: Path, tmp_path: Path) -> None:
+TITAN_CKPT, TITAN_TRUTH = "torchtitan/checkpoint/step-2", "torchtitan/truth.pt"
+
+
+def _titan_truth(run: Path) -> dict[str, Any]:
+    """The torchtitan run's truth: its model's own state dict, gathered (``wq``/``wk``/``wv`` as its
+    save hook writes them), and torch's full optimizer state dict, keyed by the fused ``wqkv``."""
+    return _truth(run / TITAN_TRUTH)
+
+
+def _in_torchtitans_layout(truth: dict[str, Any]) -> dict[str, Any]:
+    """The run's truth as torchtitan's CheckpointManager lays it out: the model's weights at the top
+    level and, under ``optimizer``, the optimizer state flattened by torch's own
+    ``_flatten_optim_state_dict`` (``state.<fqn>.<name>``, ``param_groups.<fqn>.<field>``) less
+    ``param_names``, which torchtitan's flattening drops (the params list names the same FQNs)."""
+    optim = copy.deepcopy(truth["optim"])
+    for group in optim["param_groups"]:
+        assert group.pop("param_names") == group["params"]
+    return {**truth["model"], "optimizer": _flatten_optim_state_dict(optim)}
+
+
+def _n_tensors(truth: dict[str, Any]) -> int:
+    """Tensors in the run's checkpoint: the model's, and AdamW's step, exp_avg, exp_avg_sq per parameter."""
+    return len(truth["model"]) + 3 * len(truth["optim"]["state"])
+
+
+def _assert_is_the_run(got: dict[str, Any], source: dict[str, Any], truth: dict[str, Any]) -> None:
+    """``got`` (torch's reading of a reshard) has the source's keys at both levels (torch reads a
+    DCP folder in its ``.metadata``'s order, which is the saver's, so the order is not compared),
+    the run's weights at the top level and its flattened optimizer state under ``optimizer``,
+    and the trainer's other state (``lr_scheduler``, ``train_state``, ``dataloader``) as torch
+    reads it in the source."""
+    want = _in_torchtitans_layout(truth)
+    assert sorted(got) == sorted(source)
+    assert sorted(got["optimizer"]) == sorted(source["optimizer"]) == sorted(want["optimizer"])
+    got_in_order = {**{k: got[k] for k in truth["model"]}, "optimizer": {k: got["optimizer"][k] for k in want["optimizer"]}}
+    assert assert_same_state(got_in_order, want) == _n_tensors(truth)
+    others = sorted(k for k in source if k not in want)
+    assert others == ["dataloader", "lr_scheduler", "train_state"]
+    assert_same_state({k: got[k] for k in others}, {k: source[k] for k in others})
+
+
+def _chunks(meta: TensorStorageMetadata) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    return sorted((tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks)
+
+
+def _assert_titan_layout(out: Path, source: Path, world_size: int) -> int:
+    """``assert_torch_chunk_layout`` with README's one exception, from torch's reading of both
+    ``.metadata`` files: a tensor the source kept whole (one chunk, the whole tensor: the 0-dim
+    ``step``s, and llama3's ``wq``/``wk``/``wv``, which torchtitan's save hook cuts whole out of
+    every rank's fused ``wqkv``) stays one whole chunk in rank 0's file; every other tensor is cut on dim 0 as
+    ``torch.chunk(world_size)`` cuts it, chunk r in ``__r_0.distcp``; bytes entries are in rank 0's
+    file. Returns the number of tensors checked."""
+    src = FileSystemReader(str(source)).read_metadata().state_dict_metadata
+    md = FileSystemReader(str(out)).read_metadata()
+    assert sorted(md.state_dict_metadata) == sorted(src)
+    whole = {
+        fqn: tuple(meta.size)
+        for fqn, meta in src.items()
+        if isinstance(meta, TensorStorageMetadata) and _chunks(meta) == [((0,) * len(meta.size), tuple(meta.size))]
+    }
+    fused = {f"layers.{i}.attention.qkv_linear.{w}.weight" for i in range(TITAN_LAYERS) for w in ("wq", "wk", "wv")}
+    assert {fqn for fqn, shape in whole.items() if shape} == fused, "torchtitan's save hook writes wq, wk and wv whole"
+    tensors = 0
+    for fqn, meta in md.state_dict_metadata.items():
+        if isinstance(meta, BytesStorageMetadata):
+            assert md.storage_data[MetadataIndex(fqn)].relative_path == "__0_0.distcp", fqn
+            continue
+        assert isinstance(meta, TensorStorageMetadata), fqn
+        shape = tuple(meta.size)
+        if fqn in whole:
+            want = [((0,) * len(shape), shape)]
+        else:
+            rest = (0,) * (len(shape) - 1)
+            want = [((start, *rest), (rows, *shape[1:])) for start, rows in torch_chunk_rows(shape, world_size)]
+        assert _chunks(meta) == want, (fqn, _chunks(meta), want)
+        for rank, (offsets, _) in enumerate(want):
+            assert md.storage_data[MetadataIndex(fqn, torch.Size(offsets))].relative_path == f"__{rank}_0.distcp", (fqn, rank)
+        tensors += 1
+    return tensors
+
+
+def test_torchtitan_reshard_is_the_run_in_torchtitans_layout(torchtitan_run: Path, tmp_path: Path) -> None:
     """README: "a torchtitan checkpoint keeps its top-level weights and flattened optimizer state".
-    torch reads the reshard to 3 as the run's weights at the top level and, under ``optimizer``,
-    the run's optimizer state flattened by torch's own ``_flatten_optim_state_dict`` (what
-    ``flatten_optimizer_state_dict=True`` saves), in that order; the other entries are what torch
-    reads in the source; and every tensor is cut as ``torch.chunk(3)`` cuts it."""
-    ckpt = fsdp2_layouts / "torchtitan/step-2"
+    torchtitan's own Trainer and CheckpointManager saved the run at 2 ranks; torch reads its
+    reshard to 3 as the run's weights at the top level (llama3's ``wq``/``wk``/``wv``) and, under
+    ``optimizer``, the run's optimizer state flattened (keyed by the fused ``wqkv``); the other
+    entries are what torch reads in the source; every tensor is cut as ``torch.chunk(3)`` cuts
+    it, except those the source kept whole, which stay whole on rank 0."""
+    ckpt = torchtitan_run / TITAN_CKPT
     out = tmp_path / "ws3"
     fsdp_convert.reshard(ckpt, out, world_size=TARGET)
-    truth = _truth(fsdp2_layouts / "truth.pt")
-    got, source = torch_view(out, tmp_path), torch_view(ckpt, tmp_path)
-    want = {**truth["model"], "optimizer": _flatten_optim_state_dict(copy.deepcopy(truth["optim"]))}
-    assert list(got) == list(source)
-    assert assert_same_state({k: got[k] for k in want}, want) == 4 * len(truth["model"])
-    others = [k for k in source if k not in want]
-    assert others, "the torchtitan fixture saves lr_scheduler, train_state and dataloader beside the weights"
-    assert_same_state({k: got[k] for k in others}, {k: source[k] for k in others})
-    assert assert_torch_chunk_layout(out, TARGET) == 4 * len(truth["model"])
+    truth = _titan_truth(torchtitan_run)
+    _assert_is_the_run(torch_view(out, tmp_path), torch_view(ckpt, tmp_path), truth)
+    assert _assert_titan_layout(out, ckpt, TARGET) == _n_tensors(truth)
+
+
+def _titan_trainer(rank: int, dump_folder: Path) -> Any:
+    """torchtitan's ``Trainer`` as the run built it (tests/_frameworks.py ``torchtitan_run``: the
+    tiny llama3, its FSDP2 ``parallelize_llama`` with ``full_dtensor``, its AdamW container and LR
+    schedulers, its CheckpointManager under ``dump_folder/checkpoint``), at this process group's
+    size and with another seed, so that only a load can make the weights the run's. The
+    tokenizer and the data loader are stand-ins; the loader keeps the run's ``{"batches"}`` state."""
+    from dataclasses import dataclass
+
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.dataloader import BaseDataLoader
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+    from torchtitan.components.tokenizer import BaseTokenizer
+    from torchtitan.components.validate import Validator
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config.configs import DebugConfig
+    from torchtitan.models.llama3 import parallelize_llama
+    from torchtitan.protocols.model_spec import ModelSpec
+    from torchtitan.trainer import Trainer
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    _torchtitan_on_cpu()
+
+    class Tokens(BaseTokenizer):
+        @dataclass(kw_only=True, slots=True)
+        class Config(BaseTokenizer.Config):
+            pass
+
+        def __init__(self, config: Any, tokenizer_path: str | None = None) -> None:
+            super().__init__()
+
+        def encode(self, *_: Any, **__: Any) -> list[int]:
+            return []
+
+        def decode(self, *_: Any, **__: Any) -> str:
+            return ""
+
+        def get_vocab_size(self) -> int:
+            return TITAN_VOCAB
+
+    class NoData(BaseDataLoader):
+        @dataclass(kw_only=True, slots=True)
+        class Config(BaseDataLoader.Config):
+            pass
+
+        def __init__(self, config: Any, **_: Any) -> None:
+            self.batches = 0
+
+        def __iter__(self) -> Any:
+            raise AssertionError("this trainer only loads")
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"batches": self.batches}
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            self.batches = state_dict["batches"]
+
+    spec = ModelSpec(
+        name="llama3",
+        flavor="tiny",
+        model=titan_model_config(),
+        parallelize_fn=parallelize_llama,
+        pipelining_fn=None,
+        post_optimizer_build_fn=None,
+        state_dict_adapter=None,
+    )
+    config = Trainer.Config(
+        model_spec=spec,
+        dump_folder=str(dump_folder),
+        hf_assets_path=str(dump_folder),
+        tokenizer=Tokens.Config(),
+        dataloader=NoData.Config(),
+        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=TITAN_VOCAB)),
+        optimizer=default_adamw(lr=1e-2),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=1, decay_ratio=0.0),
+        training=TrainingConfig(
+            local_batch_size=2, seq_len=TITAN_SEQ, steps=CFG.steps, mixed_precision_param="float32", disable_cuda_graphs=True
+        ),
+        parallelism=ParallelismConfig(spmd_backend="full_dtensor"),
+        checkpoint=CheckpointManager.Config(enable=True, interval=CFG.steps, last_save_model_only=False),
+        activation_checkpoint=None,
+        compile=CompileConfig(enable=False),
+        metrics=MetricsProcessor.Config(log_freq=CFG.steps),
+        validator=Validator.Config(enable=False),
+        debug=DebugConfig(seed=4321, enable_structured_logging=False),
+    )
+    return config.build()
 
 
 def _load_as_torchtitan(rank: int, world_size: int, checkpoint: Path, truth_path: Path, work: Path) -> None:
-    """What torchtitan's checkpointer does at this world size: ``dcp.load`` into FSDP2 state dicts
-    with the weights at the top level and the optimizer under ``optimizer``, flattened
-    (``flatten_optimizer_state_dict=True``). Each rank sees only ``.metadata``, its own data file
-    and rank 0's. Rank 0 compares the full state with the run's."""
-    torch.manual_seed(4321)  # a different init: only the load can make the values right
-    model = Transformer(CFG)  # the run's FQNs (its activation checkpointing names none)
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    flat = StateDictOptions(flatten_optimizer_state_dict=True)
-    model_sd = get_model_state_dict(model)
-    state = {**model_sd, "optimizer": get_optimizer_state_dict(model, optim, options=flat)}
+    """What a torchtitan job resumed at this world size does: its Trainer's ``checkpointer.load()``
+    (the newest ``step-N`` under its checkpoint folder: ``dcp.load`` of the model's own state dict
+    at the top level beside the flattened ``optimizer``, ``lr_scheduler``, ``train_state`` and
+    ``dataloader``, then the model's ``load_state_dict``, whose hook fuses ``wq``/``wk``/``wv``).
+    Each rank's folder holds only ``.metadata``, its own data file and rank 0's. Every rank then
+    holds the trainer's step, data position and LR schedule; rank 0 compares the full model (its
+    own state dict, gathered) and optimizer state with the run's."""
     mine = work / f"rank{rank}"
-    mine.mkdir()
+    step = mine / "checkpoint" / checkpoint.name
+    step.mkdir(parents=True)
     for name in {".metadata", f"__{rank}_0.distcp", "__0_0.distcp"}:
         if (checkpoint / name).exists():
-            shutil.copy(checkpoint / name, mine / name)
-    dcp.load(state, checkpoint_id=mine)
-    set_model_state_dict(model, {k: state[k] for k in model_sd})
-    set_optimizer_state_dict(model, optim, state["optimizer"], options=flat)
+            shutil.copy(checkpoint / name, step / name)
+    trainer = _titan_trainer(rank, mine)
+    model, optim = trainer.model_parts[0], trainer.optimizers.optimizers[0]
+    before = model.lm_head.weight.full_tensor()
+    assert trainer.checkpointer.load()
+    assert (trainer.step, trainer.ntokens_seen) == (CFG.steps, 2 * TITAN_SEQ * CFG.steps)  # local batch 2
+    assert trainer.dataloader.state_dict() == {"batches": CFG.steps}
+    assert trainer.lr_schedulers.state_dict() == {"last_epoch": CFG.steps}
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    got = {"model": get_model_state_dict(model, options=full), "optim": get_optimizer_state_dict(model, optim, options=full)}
+    got = {
+        "model": {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()},
+        "optim": get_optimizer_state_dict(model, optim, options=full),
+    }
+    trainer.close()
     if rank == 0:
         truth = torch.load(truth_path, weights_only=True)
-        assert_same_state(got, {"model": truth["model"], "optim": truth["optim"]})
+        assert not torch.equal(before, truth["model"]["lm_head.weight"]), "the seed must not give the run's weights"
+        for optim_sd in (got["optim"], truth["optim"]):  # torchtitan's load rebuilds each group in its own key order
+            optim_sd["param_groups"] = [dict(sorted(group.items())) for group in optim_sd["param_groups"]]
+        assert assert_same_state(got, {"model": truth["model"], "optim": truth["optim"]}) == _n_tensors(truth)
 
 
-def test_torchtitan_reshard_loads_the_way_torchtitan_loads_at_three_ranks(fsdp2_layouts: Path, tmp_path: Path) -> None:
+def test_torchtitan_reshard_loads_the_way_torchtitan_loads_at_three_ranks(torchtitan_run: Path, tmp_path: Path) -> None:
     """README: "a torchtitan checkpoint keeps its top-level weights and flattened optimizer
-    state", so its producer's loader reads the result: FSDP2 on 3 ranks loads it as torchtitan
-    does, each rank from its own file, and holds the run's full model and optimizer state."""
-    out = tmp_path / "ws3"
-    fsdp_convert.reshard(fsdp2_layouts / "torchtitan/step-2", out, world_size=TARGET)
+    state", so its producer's loader reads the result: torchtitan's own Trainer at 3 ranks resumes
+    from the reshard of its 2-rank run with its CheckpointManager, each rank from its own file,
+    and holds the run's full model and optimizer state, step, data position and LR schedule."""
+    preload("torchtitan")
+    out = tmp_path / "step-2"
+    fsdp_convert.reshard(torchtitan_run / TITAN_CKPT, out, world_size=TARGET)
     work = tmp_path / "load"
     work.mkdir()
-    run_ranks(_load_as_torchtitan, TARGET, out, fsdp2_layouts / "truth.pt", work)
+    run_ranks(_load_as_torchtitan, TARGET, out, torchtitan_run / TITAN_TRUTH, work)
 
 
 def test_verl_reshard_is_the_run_as_dcp(fsdp2_layouts: Path, tmp_path: Path) -> None:
@@ -150,14 +319,12 @@ def test_fsdp1_rank_files_reshard_is_the_run_as_dcp(fsdp1_layouts: Path, tmp_pat
 
 
 @pytest.mark.parametrize("target", [1, 2, 5])
-def test_torchtitan_reshard_at_other_world_sizes(fsdp2_layouts: Path, tmp_path: Path, target: int) -> None:
-    """The same, to 1 (one chunk each), 2 (the source's own world size) and 5 (more ranks than
-    rows of the 1-row tensors)."""
-    ckpt = fsdp2_layouts / "torchtitan/step-2"
+def test_torchtitan_reshard_at_other_world_sizes(torchtitan_run: Path, tmp_path: Path, target: int) -> None:
+    """The same, to 1 (one chunk each), 2 (the source's own world size) and 5 (``torch.chunk(5)``
+    cuts the 16-row weights into 4 chunks of 4: rank 4 holds none of them)."""
+    ckpt = torchtitan_run / TITAN_CKPT
     out = tmp_path / f"ws{target}"
     fsdp_convert.reshard(ckpt, out, world_size=target)
-    truth = _truth(fsdp2_layouts / "truth.pt")
-    got = torch_view(out, tmp_path)
-    want = {**truth["model"], "optimizer": _flatten_optim_state_dict(copy.deepcopy(truth["optim"]))}
-    assert assert_same_state({k: got[k] for k in want}, want) == 4 * len(truth["model"])
-    assert assert_torch_chunk_layout(out, target) == 4 * len(truth["model"])
+    truth = _titan_truth(torchtitan_run)
+    _assert_is_the_run(torch_view(out, tmp_path), torch_view(ckpt, tmp_path), truth)
+    assert _assert_titan_layout(out, ckpt, target) == _n_tensors(truth)
