@@ -409,6 +409,14 @@ MUTATIONS: list[Mutation] = [
         'tests/test_reshard.py::test_reshard_round_trip_consolidates_byte_identical[4]',
     ),
     Mutation(
+        'reshard-splits-tensors-the-source-kept-whole',
+        "0-dim tensors (`step`) and tensors the source kept whole on every rank stay whole, ... both in rank 0's file",
+        'fsdp_convert/plan.py',
+        'replicated = index.world_size > 1 and len(full) == 1 and full[0].sizes == e.shape',
+        'replicated = False',
+        'tests/test_reshard_oracles.py::test_torchtitan_reshard_is_the_run_in_torchtitans_layout',
+    ),
+    Mutation(
         'reshard-planner-data-dictkeys-unconverted',
         "The result needs nothing from this tool: ... torch's `dcp_to_torch_save`; per-rank files ... become a regular DCP folder",
         'fsdp_convert/writers/dcp.py',
