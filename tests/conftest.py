@@ -99,7 +99,7 @@ def big_sample(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def fsdp2_layouts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One FSDP2 run on 2 ranks saved by torch's own writers (wrapper-named, HuggingFaceStorageWriter)
-    and in verl's and torchtitan's layouts (see tests/_producers.py)."""
+    and in verl's layout, an imitation (see tests/_producers.py)."""
     from tests._producers import fsdp2_layouts as write
 
     out = tmp_path_factory.mktemp("fsdp2_layouts")

@@ -141,7 +141,9 @@ def _readers(log_dir: Path) -> set[int]:
 
 
 @pytest.mark.slow
-def test_consolidate_nproc3_is_byte_identical_to_nproc1(ws3_ckpt: Sample, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_consolidate_nproc3_is_byte_identical_to_nproc1(
+    ws3_ckpt: Sample, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Three workers: ranks 1 and 2 both send tensors to rank 0, interleaved in file order, and a
     folder's shards (of uneven sizes) are split three ways; every output file is the same bytes as
     one in-process worker writes, and bitwise the run's own full state dict."""

@@ -125,8 +125,9 @@ def test_peak_memory_is_bounded_by_budget_plus_largest_tensor(
     roles = ["parent", "rank0"] if nproc == 1 else ["parent", "rank0", "rank1"]
     assert sorted(str(r["role"]) for r in records) == roles, records
     report = ", ".join(
-        f"{r['role']}: {int(r['base']) / MiB:.0f} -> {int(r['peak']) / MiB:.0f} MiB (+{(int(r['peak']) - int(r['base'])) / MiB:.1f})"
+        f"{r['role']}: {base / MiB:.0f} -> {peak / MiB:.0f} MiB (+{(peak - base) / MiB:.1f})"
         for r in records
+        for base, peak in [(int(r["base"]), int(r["peak"]))]
     )
     print(f"\n--nproc {nproc}, write delay {write_delay} s, {seconds:.1f} s: {report}; bound +{bound / MiB:.0f} MiB")
     for r in records:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -119,12 +120,18 @@ def test_a_dead_node_fails_the_job(big_sample: Path, tmp_path: Path) -> None:
 
 def test_cli_runs_as_the_workers_of_users_torchrun(ws3_ckpt: Sample, tmp_path: Path) -> None:
     """``torchrun ... -m fsdp_convert consolidate``: each worker is one rank, rank 0 writes."""
-    out = tmp_path / "hf"
+    out, logs = tmp_path / "hf", tmp_path / "reads"
+    logs.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += ["-m", "fsdp_convert", "consolidate", str(ws3_ckpt.checkpoint), str(out), "--max-shard-size", "8000"]
-    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, env={**ENV, "FSDP_CONVERT_READ_LOG": str(logs)}, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[rank 1] read and sent this node's share" in proc.stdout
+    # the two processes shared the work as ranks 0 and 1 of one job: each read, no chunk twice
+    reads = _reads(logs)
+    assert sorted(reads) == [0, 1] and all(reads.values()), reads
+    assert sorted({*reads[0], *reads[1]}) == sorted([*reads[0], *reads[1]])
+    shutil.rmtree(logs)
     single = tmp_path / "single"
     fsdp_convert.consolidate(ws3_ckpt.checkpoint, single, nproc=1, max_shard_bytes=8000)
     names = sorted(p.name for p in single.iterdir())

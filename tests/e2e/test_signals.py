@@ -129,7 +129,9 @@ def _interrupted_run(
 
 @pytest.mark.parametrize(("sig", "nproc", "code"), [(signal.SIGINT, 1, 130), (signal.SIGTERM, 1, 143), (signal.SIGTERM, 2, 143)])
 def test_signal_mid_write_leaves_nothing(big_sample: Path, tmp_path: Path, sig: int, nproc: int, code: int) -> None:
-    returncode, stdout, stderr, _ = _interrupted_run(big_sample / CHECKPOINT_DIRNAME, tmp_path, nproc, lambda p: p.send_signal(sig))
+    returncode, stdout, stderr, _ = _interrupted_run(
+        big_sample / CHECKPOINT_DIRNAME, tmp_path, nproc, lambda p: p.send_signal(sig)
+    )
     assert returncode == code, stderr
     assert stdout == ""
     lines = stderr.strip().splitlines()
