@@ -12,6 +12,7 @@ Usage (from the repository root, after ``scripts/setup.sh``):
 
     .venv/bin/python scripts/mutations.py                 # every mutation, a table at the end
     .venv/bin/python scripts/mutations.py --list          # names and claims
+    .venv/bin/python scripts/mutations.py --check         # each edit still applies (after a refactor), runs nothing
     .venv/bin/python scripts/mutations.py NAME [NAME...]  # some of them
     .venv/bin/python scripts/mutations.py --baseline NAME # also run the test unmutated (must pass)
     .venv/bin/python scripts/mutations.py --try FILE OLD NEW TEST   # an ad-hoc mutation
@@ -655,6 +656,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--check", action="store_true", help="check that every edit applies exactly once; run no test")
     parser.add_argument("--baseline", action="store_true", help="first check each test passes unmutated")
     parser.add_argument("--try", dest="adhoc", nargs=4, metavar=("FILE", "OLD", "NEW", "TEST"), help="an ad-hoc mutation")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per test run (default 900)")
@@ -664,6 +666,14 @@ def main() -> int:
         for m in MUTATIONS:
             print(f"{m.name:<40} {m.test}\n    claim: {m.claim}\n    {m.file}: {m.old!r} -> {m.new!r}")
         return 0
+    if args.check:
+        stale = [
+            f"{m.name}: {m.file} holds the text {(ROOT / m.file).read_text().count(m.old) if (ROOT / m.file).is_file() else 'no file, so'} times"
+            for m in MUTATIONS
+            if not (ROOT / m.file).is_file() or (ROOT / m.file).read_text().count(m.old) != 1
+        ]
+        print("\n".join(stale) or f"all {len(MUTATIONS)} mutations apply")
+        return 1 if stale else 0
     if args.adhoc:
         file, old, new, test = args.adhoc
         chosen = [Mutation("adhoc", "ad hoc", file, old, new, test)]
