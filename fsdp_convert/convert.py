@@ -25,7 +25,6 @@ from fsdp_convert.errors import InvalidOptionError, VerificationError
 from fsdp_convert.launch import Cluster, GlooTransport, job_world_size, run_ranks, shared_tag
 from fsdp_convert.layout import GROUPS, Group, classify, dcp_key, detect_producer
 from fsdp_convert.metadata import METADATA_FILENAME, BytesEntry, TensorEntry, dtype_name, read_index
-from fsdp_convert.pipeline import prefetch
 from fsdp_convert.plan import (
     DEFAULT_MAX_SHARD_BYTES,
     DEFAULT_MEMORY_BUDGET_BYTES,
@@ -41,6 +40,7 @@ from fsdp_convert.plan import (
     plan_reshard,
 )
 from fsdp_convert.plan import output_format as plan_output_format
+from fsdp_convert.prefetch import prefetch
 from fsdp_convert.reader import ChunkReader, check_data_files
 from fsdp_convert.remote import Location, as_location, staged_upload
 from fsdp_convert.sources import FileBoxReader, file_index, prepare_items

@@ -484,7 +484,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "no-read-ahead-budget-nproc1",
         "A reader thread runs ahead of the writer by at most the budget, and workers keep at most the budget in flight to rank 0, so peak memory is about the interpreter + budget + the largest tensor, whatever the checkpoint's size.",
-        "fsdp_convert/pipeline.py",
+        "fsdp_convert/prefetch.py",
         "self._cond.wait_for(lambda: self._closed or self.held_bytes == 0 or self.held_bytes + nbytes <= self.budget_bytes)",
         "pass",
         "tests/e2e/test_memory.py::test_peak_memory_is_bounded_by_budget_plus_largest_tensor[1-slow-writer]",
@@ -492,7 +492,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "no-read-ahead-budget-nproc2",
         "A reader thread runs ahead of the writer by at most the budget, and workers keep at most the budget in flight to rank 0, so peak memory is about the interpreter + budget + the largest tensor, whatever the checkpoint's size.",
-        "fsdp_convert/pipeline.py",
+        "fsdp_convert/prefetch.py",
         "self._cond.wait_for(lambda: self._closed or self.held_bytes == 0 or self.held_bytes + nbytes <= self.budget_bytes)",
         "pass",
         "tests/e2e/test_memory.py::test_peak_memory_is_bounded_by_budget_plus_largest_tensor[2-slow-writer]",
@@ -548,18 +548,18 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "close-does-not-mark-closed",
         "A reader thread runs ahead of the writer by at most the budget (and stops when the writer does)",
-        "fsdp_convert/pipeline.py",
+        "fsdp_convert/prefetch.py",
         "            self._closed = True\n",
         "",
-        "tests/unit/test_pipeline.py::test_prefetch_consumer_stopping_early_stops_the_producer[budget-above-all-jobs]",
+        "tests/unit/test_prefetch.py::test_prefetch_consumer_stopping_early_stops_the_producer[budget-above-all-jobs]",
     ),
     Mutation(
         "close-does-not-wake-waiter",
         "A reader thread runs ahead of the writer by at most the budget (and stops when the writer does)",
-        "fsdp_convert/pipeline.py",
+        "fsdp_convert/prefetch.py",
         "            self._closed = True\n            self._cond.notify_all()",
         "            self._closed = True",
-        "tests/unit/test_pipeline.py::test_prefetch_consumer_stopping_early_stops_the_producer[waiting-on-the-budget]",
+        "tests/unit/test_prefetch.py::test_prefetch_consumer_stopping_early_stops_the_producer[waiting-on-the-budget]",
     ),
     Mutation(
         "multinode-plans-one-node",

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from fsdp_convert import pipeline
-from fsdp_convert.pipeline import prefetch
+import fsdp_convert.prefetch as prefetch_module
+from fsdp_convert.prefetch import prefetch
 
 
 class _Meter:
@@ -67,7 +67,7 @@ def test_prefetch_consumer_stopping_early_stops_the_producer(monkeypatch: pytest
     """Closing the generator stops the producer thread after its current job: woken from the
     budget's wait when the budget holds it, told to stop when the budget never would (1000 jobs of
     10 ms: 10 s of work it must not do)."""
-    monkeypatch.setattr(pipeline, "JOIN_TIMEOUT_S", 5.0)  # how long close() waits for it: 5 s, not 60
+    monkeypatch.setattr(prefetch_module, "JOIN_TIMEOUT_S", 5.0)  # how long close() waits for it: 5 s, not 60
     produced = []
 
     def job(i: int) -> tuple[int, object]:
