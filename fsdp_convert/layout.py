@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fsdp_convert.metadata import CheckpointIndex, Entry, ObjPath, TensorEntry
+from fsdp_convert.formats.index import CheckpointIndex, Entry, ObjPath, TensorEntry, dcp_key
 
 __all__ = [
     "Group",
@@ -62,11 +62,6 @@ class Slot:
     def group_name(self) -> Group:
         """``model``, ``optim`` or ``other``."""
         return "model" if self.role == "model" else "optim" if self.role.startswith("optim") else "other"
-
-
-def dcp_key(path: ObjPath) -> str:
-    """DCP's flattened key of a nested path: its elements joined by dots (``optim.param_groups.0.lr``)."""
-    return ".".join(str(p) for p in path)
 
 
 def _flat_layout(index: CheckpointIndex) -> bool:

@@ -15,21 +15,32 @@ import os
 import pathlib
 import pickle
 import re
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
 
 from fsdp_convert._torch import MEM_FORMAT_ENCODING, StorageInfo
+from fsdp_convert.constants import METADATA_FILENAME, SUPPORTED_DTYPES
 from fsdp_convert.errors import (
     CheckpointNotFoundError,
     NotADcpCheckpointError,
     UnsafeContentError,
 )
-from fsdp_convert.remote import Location, Url, as_location, read_bytes, size_of
+from fsdp_convert.formats.index import (
+    BytesEntry,
+    CheckpointIndex,
+    ChunkEntry,
+    Entry,
+    Location,
+    ObjPath,
+    TensorEntry,
+    Url,
+    dtype_name,
+)
+from fsdp_convert.remote import as_location, read_bytes, size_of
 
 __all__ = [
     "METADATA_FILENAME",
@@ -41,186 +52,13 @@ __all__ = [
     "read_index",
     "load_metadata",
     "dtype_name",
+    "ObjPath",
+    "SUPPORTED_DTYPES",
 ]
 
-METADATA_FILENAME = ".metadata"
-# dtypes a full tensor can be allocated, written by torch.save and read back for (no quantized types)
-SUPPORTED_DTYPES = frozenset(
-    {
-        torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
-        torch.complex128, torch.complex64, torch.complex32,
-        torch.int64, torch.int32, torch.int16, torch.int8,
-        torch.uint64, torch.uint32, torch.uint16, torch.uint8, torch.bool,
-    }
-)  # fmt: skip
-_DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 # accelerate's FSDP checkpoint folder: one DCP folder for the model, one per optimizer
 _ACCELERATE_DIR_RE = re.compile(r"^(pytorch_model_fsdp|optimizer)_\d+$")
 LIGHTNING_META_FILENAME = "meta.pt"  # Lightning Fabric's FSDP strategy: user metadata beside .metadata
-
-ObjPath = tuple[str | int, ...]
-ChunkEncoding = Literal["dcp", "raw", "rank_file"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ChunkEntry:
-    """One stored box of a tensor and where its bytes lie.
-
-    Attributes:
-        offsets: per-dimension start of the box in the global tensor, in elements.
-        sizes: per-dimension extent of the box, in elements.
-        relative_path: data file holding the payload, relative to the checkpoint folder; ``None``
-            for an empty box (some size 0) that DCP recorded without a payload.
-        offset_bytes: start of the payload in the data file, in bytes.
-        length_bytes: length of the payload, in bytes (a torch.save zip of the box).
-        transform_descriptors: stream transforms applied on write (e.g. compression), in order.
-        encoding: how the bytes hold the box: ``dcp`` (a torch.save payload, as DCP's
-            ``FileSystemWriter`` writes), ``raw`` (the box's elements, row-major little-endian, as
-            in a safetensors file) or ``rank_file`` (a tensor inside a per-rank torch.save file,
-            found by ``record``; see ``rank_files``).
-        record: for ``rank_file``, the tensor's path inside the loaded file.
-    """
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    relative_path: str | None
-    offset_bytes: int
-    length_bytes: int
-    transform_descriptors: tuple[str, ...] = ()
-    encoding: ChunkEncoding = "dcp"
-    record: ObjPath = ()
-
-    @property
-    def numel(self) -> int:
-        """Number of elements in the box."""
-        return math.prod(self.sizes)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TensorEntry:
-    """A tensor of the checkpoint: global shape and dtype, and its chunks.
-
-    Attributes:
-        fqn: the flattened key as DCP stores it (e.g. ``model.layers.0.attn.wq.weight``).
-        path: the key's path in the nested state dict the producer saved (from ``planner_data``).
-        shape: global shape, in elements.
-        dtype: element type.
-        chunks: the stored boxes, in ``.metadata`` order.
-    """
-
-    fqn: str
-    path: ObjPath
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    chunks: tuple[ChunkEntry, ...]
-
-    @property
-    def numel(self) -> int:
-        """Number of elements of the global tensor."""
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Size of the full tensor in memory, in bytes."""
-        return self.numel * self.dtype.itemsize
-
-    @property
-    def stored_bytes(self) -> int:
-        """Sum of the chunk payload lengths in the data files, in bytes."""
-        return sum(c.length_bytes for c in self.chunks)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BytesEntry:
-    """A non-tensor value (param group field, train state), stored as a torch.save payload.
-
-    Attributes:
-        fqn: the flattened key as DCP stores it.
-        path: the key's path in the nested state dict.
-        relative_path: data file holding the payload.
-        offset_bytes: start of the payload in the data file, in bytes.
-        length_bytes: length of the payload, in bytes.
-        transform_descriptors: stream transforms applied on write, in order.
-        encoding: ``dcp`` (a torch.save payload) or ``rank_file`` (a value inside a per-rank
-            torch.save file, at ``record``).
-        record: for ``rank_file``, the value's path inside the loaded file.
-    """
-
-    fqn: str
-    path: ObjPath
-    relative_path: str
-    offset_bytes: int
-    length_bytes: int
-    transform_descriptors: tuple[str, ...] = ()
-    encoding: ChunkEncoding = "dcp"
-    record: ObjPath = ()
-
-    @property
-    def nbytes(self) -> int:
-        """Payload size, in bytes."""
-        return self.length_bytes
-
-    @property
-    def stored_bytes(self) -> int:
-        """Payload size, in bytes."""
-        return self.length_bytes
-
-
-Entry = TensorEntry | BytesEntry
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CheckpointIndex:
-    """Everything ``.metadata`` says about a DCP checkpoint.
-
-    Attributes:
-        checkpoint_id: the checkpoint folder.
-        entries: tensors and bytes values in the order the producer flattened them.
-        data_files: the data files that hold at least one payload, sorted.
-        version: DCP's metadata version string, if recorded.
-        save_id: DCP's save id, if recorded.
-        producer: the producer when the folder's files name it (``accelerate``, ``lightning``,
-            ``verl``, ``hf_storage``...), else None and ``layout.detect_producer`` judges by the keys.
-        ranks: the producer's world size when the data file names do not follow DCP's
-            ``__<rank>_<n>.distcp`` (per-rank torch.save files, safetensors shards).
-    """
-
-    checkpoint_id: Location
-    entries: tuple[Entry, ...]
-    data_files: tuple[str, ...]
-    version: str | None = None
-    save_id: str | None = None
-    producer: str | None = None
-    ranks: int | None = None
-
-    @property
-    def writer_ranks(self) -> tuple[int, ...]:
-        """Ranks that wrote data files, parsed from ``__<rank>_<n>.distcp`` names."""
-        ranks = {int(m.group(1)) for f in self.data_files if (m := _DATA_FILE_RE.match(Path(f).name))}
-        return tuple(sorted(ranks))
-
-    @property
-    def world_size(self) -> int:
-        """The producer's world size, inferred as the number of distinct writer ranks.
-
-        A rank that wrote nothing (possible only in tiny checkpoints) is not counted.
-        """
-        return self.ranks if self.ranks is not None else len(self.writer_ranks)
-
-    @property
-    def total_bytes(self) -> int:
-        """Tensor data (elements x item size) plus bytes payloads, in bytes."""
-        return sum(e.nbytes for e in self.entries)
-
-    def tensors(self) -> Iterator[TensorEntry]:
-        """The tensor entries, in order."""
-        return (e for e in self.entries if isinstance(e, TensorEntry))
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``, as JSON output and tables write dtypes."""
-    return str(dtype).removeprefix("torch.")
 
 
 # --- restricted unpickling ----------------------------------------------------------------------

@@ -7,15 +7,23 @@ chunks that do not tile their tensor) is caught here, before a tensor is read.
 from __future__ import annotations
 
 import heapq
-import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from fsdp_convert.errors import CoverageError, InvalidOptionError, NotADcpCheckpointError
+from fsdp_convert.constants import (
+    EXTRA_STATE_FILENAME,
+    HF_INDEX_FILENAME,
+    HF_SINGLE_FILENAME,
+    METADATA_FILENAME,
+    OPTIMIZER_FILENAME,
+    SAFETENSORS_SUFFIXES,
+    TORCH_SAVE_SUFFIXES,
+)
+from fsdp_convert.errors import InvalidOptionError, NotADcpCheckpointError
+from fsdp_convert.formats.index import CheckpointIndex, TensorEntry, check_coverage
 from fsdp_convert.layout import GROUPS, Group, unflatten
-from fsdp_convert.metadata import METADATA_FILENAME, CheckpointIndex, TensorEntry
 from fsdp_convert.transform import OutputItem
 
 __all__ = [
@@ -30,6 +38,8 @@ __all__ = [
     "DEFAULT_MEMORY_BUDGET_BYTES",
     "DEFAULT_MAX_SHARD_BYTES",
     "HF_INDEX_FILENAME",
+    "HF_SINGLE_FILENAME",
+    "METADATA_FILENAME",
     "Only",
     "TORCH_SAVE_SUFFIXES",
     "SAFETENSORS_SUFFIXES",
@@ -47,15 +57,9 @@ __all__ = [
 OutputFormat = Literal["torch_save", "safetensors", "hf_dir"]
 Only = Literal["all", "model", "optim"]
 RequestedFormat = Literal["auto", "torch", "safetensors"]
-TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin")
-SAFETENSORS_SUFFIXES = (".safetensors",)
 DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # "5GB", transformers' save_pretrained default
 MIN_BYTES_PER_WORKER = 256 << 20  # below this a worker's start-up (~2 s) costs more than it saves
-HF_INDEX_FILENAME = "model.safetensors.index.json"
-HF_SINGLE_FILENAME = "model.safetensors"
-OPTIMIZER_FILENAME = "optimizer.pt"  # beside HF shards, as transformers' Trainer names it
-EXTRA_STATE_FILENAME = "extra_state.pt"
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -117,41 +121,6 @@ def output_format(output: Path, requested: RequestedFormat = "auto") -> OutputFo
     if suffix == "" or output.is_dir():
         return "hf_dir"
     raise InvalidOptionError(f"{output}: unknown output suffix {output.suffix!r}; use one of {known}, or a folder name")
-
-
-def _box_end(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(o + s for o, s in zip(offsets, sizes, strict=True))
-
-
-def check_coverage(entry: TensorEntry) -> None:
-    """Check that the entry's chunks tile its global shape exactly: inside it, no overlap, no gap.
-
-    Runs in O(chunks^2 x ndim), which is small: one chunk per writing rank and placement.
-
-    Raises:
-        CoverageError: a chunk lies outside the shape, two chunks overlap, or elements are missing;
-            the message names the FQN and the chunks' offsets.
-    """
-    for c in entry.chunks:
-        if len(c.offsets) != len(entry.shape) or len(c.sizes) != len(entry.shape):
-            raise CoverageError(
-                f"{entry.fqn}: chunk at offsets {list(c.offsets)} has not the {len(entry.shape)} dims of its tensor"
-            )
-        if any(o < 0 for o in c.offsets) or any(s < 0 for s in c.sizes):
-            raise CoverageError(f"{entry.fqn}: chunk at offsets {list(c.offsets)} with sizes {list(c.sizes)} is negative")
-    boxes = [(c.offsets, c.sizes) for c in entry.chunks if c.numel > 0]
-    for offsets, sizes in boxes:
-        if any(e > s for e, s in zip(_box_end(offsets, sizes), entry.shape, strict=True)):
-            raise CoverageError(
-                f"{entry.fqn}: chunk at offsets {list(offsets)} with sizes {list(sizes)} lies outside shape {list(entry.shape)}"
-            )
-    for (oa, sa), (ob, sb) in itertools.combinations(boxes, 2):
-        ea, eb = _box_end(oa, sa), _box_end(ob, sb)
-        if all(max(a0, b0) < min(a1, b1) for a0, a1, b0, b1 in zip(oa, ea, ob, eb, strict=True)):
-            raise CoverageError(f"{entry.fqn}: chunks at offsets {list(oa)} and {list(ob)} overlap")
-    covered = sum(c.numel for c in entry.chunks)
-    if covered != entry.numel:
-        raise CoverageError(f"{entry.fqn}: chunks cover {covered} of {entry.numel} elements; the checkpoint has a gap")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -27,6 +27,7 @@ from fsdp_convert.errors import (
     OutputExistsError,
     OutputWriteError,
 )
+from fsdp_convert.formats.index import Location, Url
 
 __all__ = [
     "Url",
@@ -41,23 +42,6 @@ __all__ = [
     "upload",
     "staged_upload",
 ]
-
-
-class Url(str):
-    """A remote location (``s3://bucket/ckpt``) that joins like a ``Path``: ``url / "__0_0.distcp"``."""
-
-    __slots__ = ()
-
-    def __truediv__(self, other: str | os.PathLike[str]) -> Url:
-        return Url(self.rstrip("/") + "/" + os.fspath(other))
-
-    @property
-    def name(self) -> str:
-        """The last component."""
-        return self.rstrip("/").rsplit("/", 1)[-1]
-
-
-Location = Path | Url
 
 
 def is_url(location: object) -> bool:

@@ -19,34 +19,11 @@ from typing import IO, Any
 
 import torch
 
-from fsdp_convert.layout import dcp_key
-from fsdp_convert.metadata import ObjPath
+from fsdp_convert.constants import SAFETENSORS_DTYPES, SAFETENSORS_TO_TORCH
+from fsdp_convert.formats.index import ObjPath, dcp_key
 from fsdp_convert.writers._buffer import byte_view, close_synced, dense
 
-__all__ = ["SafetensorsWriter", "SAFETENSORS_DTYPES", "safetensors_name"]
-
-SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.complex64: "C64",
-}
-
-
-# safetensors dtype name -> torch dtype (the inverse of SAFETENSORS_DTYPES)
-SAFETENSORS_TO_TORCH = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+__all__ = ["SafetensorsWriter", "SAFETENSORS_DTYPES", "SAFETENSORS_TO_TORCH", "safetensors_name"]
 
 
 def safetensors_name(path: ObjPath) -> str:
