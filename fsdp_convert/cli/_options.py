@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from enum import Enum
+from typing import Annotated, Any, TypeVar
 
 import typer
 
+from fsdp_convert.cli._errors import handle_errors
 from fsdp_convert.errors import InvalidOptionError
 from fsdp_convert.launch import Cluster
 from fsdp_convert.transform import TransformOptions, parse_dtype, parse_rename
 
 __all__ = [
+    "Choice",
+    "OnlyChoice",
+    "FormatChoice",
+    "OptimKeysChoice",
+    "DtypeChoice",
+    "RdzvBackendChoice",
+    "choice_option",
     "CheckpointArg",
     "OutputArg",
     "JsonOpt",
@@ -34,6 +43,106 @@ __all__ = [
     "RdzvIdOpt",
     "cluster_options",
 ]
+
+C = TypeVar("C", bound="Choice")
+
+
+class Choice(str, Enum):
+    """The values an option takes, listed by ``--help`` and offered by shell completion.
+
+    The command receives a member; the library functions take its ``value`` (or, for a dtype,
+    the torch dtype), as before.
+    """
+
+    @classmethod
+    def metavar(cls) -> str:
+        """``[a|b|c]``, as ``--help`` shows the option's value."""
+        return "[" + "|".join(m.value for m in cls) + "]"
+
+    @classmethod
+    def parse(cls: type[C], text: str, flag: str) -> C:
+        """The member spelled ``text``.
+
+        Raises:
+            InvalidOptionError: any other spelling.
+        """
+        try:
+            return cls(text)
+        except ValueError:
+            *rest, last = [m.value for m in cls]
+            raise InvalidOptionError(f"{flag} {text!r}: use {', '.join(rest)} or {last}") from None
+
+
+class OnlyChoice(Choice):
+    """``consolidate --only``: which part of the state dict to write."""
+
+    all = "all"
+    model = "model"
+    optim = "optim"
+
+
+class FormatChoice(Choice):
+    """``consolidate --format``: the writer, or ``auto`` by OUT's suffix."""
+
+    auto = "auto"
+    torch = "torch"
+    safetensors = "safetensors"
+
+
+class OptimKeysChoice(Choice):
+    """``--optim-keys``: optimizer state keyed by parameter FQN or by integer id."""
+
+    names = "names"
+    ids = "ids"
+
+
+class DtypeChoice(Choice):
+    """``--dtype`` / ``--optim-dtype``: also spelled float32, bfloat16, float16 or half, in any case."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+    @classmethod
+    def parse(cls: type[C], text: str, flag: str) -> C:
+        """The member for any name ``transform.parse_dtype`` takes.
+
+        Raises:
+            InvalidOptionError: not a dtype name.
+        """
+        try:
+            dtype = parse_dtype(text)
+        except InvalidOptionError as e:
+            raise InvalidOptionError(f"{flag} {e}") from None
+        return next(m for m in cls if parse_dtype(m.value) == dtype)
+
+
+class RdzvBackendChoice(Choice):
+    """``--rdzv-backend``: torchrun's rendezvous backends that need no extra service."""
+
+    c10d = "c10d"
+    static = "static"
+
+
+def choice_option(kind: type[Choice], flag: str, *, help: str, **kwargs: Any) -> Any:
+    """A ``typer.Option`` taking one of ``kind``'s values.
+
+    ``--help`` lists them and shell completion offers them. A bad value is one line, ``error:
+    --flag 'x': use a, b or c``, and exit code 2, like every other bad option value (rather than
+    typer's usage box).
+    """
+
+    def parse(value: str) -> Choice:
+        if isinstance(value, kind):  # the default
+            return value
+        with handle_errors():
+            return kind.parse(value, flag)
+
+    def complete(incomplete: str) -> list[str]:
+        return [m.value for m in kind if m.value.startswith(incomplete)]
+
+    return typer.Option(flag, metavar=kind.metavar(), parser=parse, autocompletion=complete, help=help, **kwargs)
+
 
 CheckpointArg = Annotated[
     str,
@@ -83,8 +192,9 @@ NoCrcOpt = Annotated[
 ]
 
 OptimKeysOpt = Annotated[
-    str,
-    typer.Option(
+    OptimKeysChoice,
+    choice_option(
+        OptimKeysChoice,
         "--optim-keys",
         help="Key optimizer state by parameter FQN (names, as get_optimizer_state_dict) or by integer id in "
         "param-group order (ids, as torch.optim.Optimizer.state_dict, for load_state_dict on a plain model).",
@@ -119,37 +229,41 @@ ExcludeOpt = Annotated[
     ),
 ]
 DtypeOpt = Annotated[
-    str | None,
-    typer.Option("--dtype", help="Cast floating-point model tensors: fp32, bf16 or fp16. [default: keep]", show_default=False),
+    DtypeChoice | None,
+    choice_option(
+        DtypeChoice,
+        "--dtype",
+        help="Cast floating-point model tensors (float32, bfloat16, float16 or half work too). \\[default: keep]",
+        show_default=False,
+    ),
 ]
 OptimDtypeOpt = Annotated[
-    str | None,
-    typer.Option(
+    DtypeChoice | None,
+    choice_option(
+        DtypeChoice,
         "--optim-dtype",
-        help="Cast floating-point optimizer state (never step): fp32, bf16 or fp16. [default: keep]",
+        help="Cast floating-point optimizer state (never step). \\[default: keep]",
         show_default=False,
     ),
 ]
 
 
 def transform_options(
-    optim_keys: str,
+    optim_keys: OptimKeysChoice,
     keep_wrapper_names: bool,
     rename: list[str] | None,
     include: list[str] | None,
     exclude: list[str] | None,
-    dtype: str | None,
-    optim_dtype: str | None,
+    dtype: DtypeChoice | None,
+    optim_dtype: DtypeChoice | None,
 ) -> TransformOptions:
     """The ``TransformOptions`` the command line asks for.
 
     Raises:
-        InvalidOptionError: a bad ``--optim-keys``, ``--rename`` or dtype name.
+        InvalidOptionError: a bad ``--rename``.
     """
-    if optim_keys not in ("names", "ids"):
-        raise InvalidOptionError(f"--optim-keys {optim_keys!r}: use names or ids")
     return TransformOptions(
-        optim_keys=optim_keys,  # type: ignore[arg-type]
+        optim_keys=optim_keys.value,
         keep_wrapper_names=keep_wrapper_names,
         renames=tuple(parse_rename(r) for r in rename or ()),
         include=tuple(include or ()),
@@ -178,8 +292,10 @@ NodeRankOpt = Annotated[
     ),
 ]
 RdzvBackendOpt = Annotated[
-    str,
-    typer.Option("--rdzv-backend", help="Rendezvous backend: c10d or static.", rich_help_panel="Multi-node (torchrun's flags)"),
+    RdzvBackendChoice,
+    choice_option(
+        RdzvBackendChoice, "--rdzv-backend", help="Rendezvous backend.", rich_help_panel="Multi-node (torchrun's flags)"
+    ),
 ]
 RdzvEndpointOpt = Annotated[
     str,
@@ -202,14 +318,14 @@ RdzvIdOpt = Annotated[
 ]
 
 
-def cluster_options(nnodes: int, node_rank: int, rdzv_backend: str, rdzv_endpoint: str, rdzv_id: str) -> Cluster:
+def cluster_options(nnodes: int, node_rank: int, rdzv_backend: RdzvBackendChoice, rdzv_endpoint: str, rdzv_id: str) -> Cluster:
     """The ``Cluster`` torchrun's flags describe.
 
     Raises:
-        InvalidOptionError: an unknown rendezvous backend, or a node rank outside ``--nnodes``.
+        InvalidOptionError: a node rank outside ``--nnodes``.
     """
-    if rdzv_backend not in ("c10d", "static"):
-        raise InvalidOptionError(f"--rdzv-backend {rdzv_backend!r}: use c10d or static")
     if node_rank >= nnodes:
         raise InvalidOptionError(f"--node-rank {node_rank} is not below --nnodes {nnodes}")
-    return Cluster(nnodes=nnodes, node_rank=node_rank, rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+    return Cluster(
+        nnodes=nnodes, node_rank=node_rank, rdzv_backend=rdzv_backend.value, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id
+    )

@@ -6,6 +6,8 @@ import logging
 import os
 import signal
 import sys
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as distribution_version
 from typing import Annotated
 
 import typer
@@ -13,14 +15,14 @@ from rich.logging import RichHandler
 
 from fsdp_convert._signals import raise_or_defer
 from fsdp_convert.cli._errors import set_debug
-from fsdp_convert.cli._output import err_console
+from fsdp_convert.cli._output import console, err_console
 from fsdp_convert.cli.consolidate_cmd import consolidate_command
 from fsdp_convert.cli.inspect_cmd import inspect_command
 from fsdp_convert.cli.reshard_cmd import reshard_command
 from fsdp_convert.cli.verify_cmd import verify_command
 from fsdp_convert.errors import TerminatedError
 
-__all__ = ["app", "main", "EXIT_CODES"]
+__all__ = ["app", "main", "EXIT_CODES", "version_line"]
 
 EXIT_CODES = """
 Exit codes: 0 success (verify: equal); 1 conversion failed, checkpoints differ, or unexpected
@@ -34,12 +36,33 @@ app = typer.Typer(
     epilog=EXIT_CODES,
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
-    add_completion=False,
 )
+
+
+def version_line() -> str:
+    """``fsdp-convert 0.1.0 (torch 2.6.0)``: both from the installed distributions' metadata."""
+
+    def installed(name: str) -> str:
+        try:
+            return distribution_version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"fsdp-convert {installed('fsdp-convert')} (torch {installed('torch')})"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        console.print(version_line(), markup=False, highlight=False)
+        raise typer.Exit()
 
 
 @app.callback()
 def _global_options(
+    version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=_print_version, help="Print the fsdp-convert and torch versions."),
+    ] = False,
     verbose: Annotated[int, typer.Option("--verbose", "-v", count=True, help="More log output on stderr.")] = 0,
     debug: Annotated[bool, typer.Option("--debug", envvar="FSDP_CONVERT_DEBUG", help="Show tracebacks on errors.")] = False,
 ) -> None:

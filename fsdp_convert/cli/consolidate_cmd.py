@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Literal
+from typing import Annotated
 
 import typer
 
@@ -12,6 +12,7 @@ from fsdp_convert.cli._options import (
     CheckpointArg,
     DtypeOpt,
     ExcludeOpt,
+    FormatChoice,
     IncludeOpt,
     JsonOpt,
     KeepWrapperNamesOpt,
@@ -20,15 +21,19 @@ from fsdp_convert.cli._options import (
     NoCrcOpt,
     NodeRankOpt,
     NprocOpt,
+    OnlyChoice,
     OptimDtypeOpt,
+    OptimKeysChoice,
     OptimKeysOpt,
     OutputArg,
     OverwriteOpt,
     ProgressOpt,
+    RdzvBackendChoice,
     RdzvBackendOpt,
     RdzvEndpointOpt,
     RdzvIdOpt,
     RenameOpt,
+    choice_option,
     cluster_options,
     transform_options,
 )
@@ -56,19 +61,20 @@ MaxShardSizeOpt = Annotated[
     str, typer.Option("--max-shard-size", help="Largest shard of a folder output (decimal GB as in transformers, or GiB).")
 ]
 FormatOpt = Annotated[
-    str,
-    typer.Option(
+    FormatChoice,
+    choice_option(
+        FormatChoice,
         "--format",
         help="auto (by OUT's suffix: .pt/.pth/.bin torch.save, .safetensors, folder = HF shards), torch, or safetensors.",
     ),
 ]
 OnlyOpt = Annotated[
-    str,
-    typer.Option(
+    OnlyChoice,
+    choice_option(
+        OnlyChoice,
         "--only",
-        help="Which part to write: all, model or optim (a .safetensors file holds the model only; "
+        help="Which part to write (a .safetensors file holds the model only; "
         "a folder holds the model as shards, the optimizer state in optimizer.pt).",
-        show_default=True,
     ),
 ]
 
@@ -77,9 +83,9 @@ def consolidate_command(
     checkpoint: CheckpointArg,
     output: OutputArg,
     nproc: NprocOpt = None,
-    only: OnlyOpt = "all",
-    output_format: FormatOpt = "auto",
-    optim_keys: OptimKeysOpt = "names",
+    only: OnlyOpt = OnlyChoice.all,
+    output_format: FormatOpt = FormatChoice.auto,
+    optim_keys: OptimKeysOpt = OptimKeysChoice.names,
     keep_wrapper_names: KeepWrapperNamesOpt = False,
     rename: RenameOpt = None,
     include: IncludeOpt = None,
@@ -98,14 +104,11 @@ def consolidate_command(
     json_output: JsonOpt = False,
     nnodes: NnodesOpt = 1,
     node_rank: NodeRankOpt = 0,
-    rdzv_backend: RdzvBackendOpt = "c10d",
+    rdzv_backend: RdzvBackendOpt = RdzvBackendChoice.c10d,
     rdzv_endpoint: RdzvEndpointOpt = "",
     rdzv_id: RdzvIdOpt = "",
 ) -> None:
     """Write the full (unsharded) model and optimizer state of CHECKPOINT_DIR into one file OUT."""
-    if only not in ("all", "model", "optim"):
-        raise typer.BadParameter(f"{only!r} is not one of all, model, optim", param_hint="--only")
-    only_value: Literal["all", "model", "optim"] = only  # type: ignore[assignment]
     show_progress = progress if progress is not None else (not json_output and sys.stderr.isatty())
     with handle_errors():
         options = transform_options(optim_keys, keep_wrapper_names, rename, include, exclude, dtype, optim_dtype)
@@ -114,9 +117,9 @@ def consolidate_command(
             checkpoint,
             output,
             nproc=nproc,
-            only=only_value,
+            only=only.value,
             options=options,
-            output_format=output_format,  # type: ignore[arg-type]
+            output_format=output_format.value,
             overwrite=overwrite,
             memory_budget_bytes=parse_size(memory_budget),
             max_shard_bytes=parse_size(max_shard_size),

@@ -18,8 +18,10 @@ from fsdp_convert.cli._options import (
     NoCrcOpt,
     NodeRankOpt,
     OptimDtypeOpt,
+    OptimKeysChoice,
     OptimKeysOpt,
     OverwriteOpt,
+    RdzvBackendChoice,
     RdzvBackendOpt,
     RdzvEndpointOpt,
     RdzvIdOpt,
@@ -46,7 +48,7 @@ WritersOpt = Annotated[
         "--nproc",
         "--nproc-per-node",
         min=1,
-        help="Workers writing rank files in parallel (torch's elastic launcher, gloo). [default: 1]",
+        help="Workers writing rank files in parallel (torch's elastic launcher, gloo). \\[default: 1]",
     ),
 ]
 
@@ -56,7 +58,7 @@ def reshard_command(
     output: OutDirArg,
     world_size: WorldSizeOpt,
     nproc: WritersOpt = None,
-    optim_keys: OptimKeysOpt = "names",
+    optim_keys: OptimKeysOpt = OptimKeysChoice.names,
     keep_wrapper_names: KeepWrapperNamesOpt = False,
     rename: RenameOpt = None,
     include: IncludeOpt = None,
@@ -68,7 +70,7 @@ def reshard_command(
     json_output: JsonOpt = False,
     nnodes: NnodesOpt = 1,
     node_rank: NodeRankOpt = 0,
-    rdzv_backend: RdzvBackendOpt = "c10d",
+    rdzv_backend: RdzvBackendOpt = RdzvBackendChoice.c10d,
     rdzv_endpoint: RdzvEndpointOpt = "",
     rdzv_id: RdzvIdOpt = "",
 ) -> None:

@@ -13,6 +13,7 @@ from fsdp_convert.cli._options import (
     NnodesOpt,
     NoCrcOpt,
     NodeRankOpt,
+    RdzvBackendChoice,
     RdzvBackendOpt,
     RdzvEndpointOpt,
     RdzvIdOpt,
@@ -72,11 +73,11 @@ def verify_command(
     json_output: JsonOpt = False,
     nproc: Annotated[
         int | None,
-        typer.Option("--nproc", "--nproc-per-node", min=1, help="Workers comparing keys in parallel. [default: 1]"),
+        typer.Option("--nproc", "--nproc-per-node", min=1, help="Workers comparing keys in parallel. \\[default: 1]"),
     ] = None,
     nnodes: NnodesOpt = 1,
     node_rank: NodeRankOpt = 0,
-    rdzv_backend: RdzvBackendOpt = "c10d",
+    rdzv_backend: RdzvBackendOpt = RdzvBackendChoice.c10d,
     rdzv_endpoint: RdzvEndpointOpt = "",
     rdzv_id: RdzvIdOpt = "",
 ) -> None:

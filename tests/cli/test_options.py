@@ -1,0 +1,115 @@
+"""Global options and option values: --version, shell completion, choices listed by --help."""
+
+from __future__ import annotations
+
+import re
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from fsdp_convert.cli import app
+from fsdp_convert.cli._options import DtypeChoice, OptimKeysChoice
+
+WIDE = {"COLUMNS": "250"}  # one help line per option, so each metavar can be found whole
+
+
+def test_version_prints_package_and_torch_versions(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == f"fsdp-convert {version('fsdp-convert')} (torch {version('torch')})\n"
+    assert torch.__version__ in result.stdout and result.stderr == ""
+
+
+def test_shell_completion_is_on(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["--help"], env=WIDE)
+    assert result.exit_code == 0, result.stderr
+    assert "--install-completion" in result.stdout and "--show-completion" in result.stdout
+    # and the choices of an option complete, as the shell asks through typer's environment protocol
+    words = "fsdp-convert consolidate ck o.pt --dtype b"
+    env = {"_FSDP_CONVERT_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": "5"}
+    result = runner.invoke(app, [], prog_name="fsdp-convert", env=env)
+    assert result.exit_code == 0 and result.stdout.split() == ["bf16"], (result.stdout, result.stderr)
+
+
+@pytest.mark.parametrize(
+    ("command", "choices"),
+    [
+        (
+            "consolidate",
+            {
+                "--only": "[all|model|optim]",
+                "--format": "[auto|torch|safetensors]",
+                "--optim-keys": "[names|ids]",
+                "--dtype": "[fp32|bf16|fp16]",
+                "--optim-dtype": "[fp32|bf16|fp16]",
+                "--rdzv-backend": "[c10d|static]",
+            },
+        ),
+        ("reshard", {"--optim-keys": "[names|ids]", "--dtype": "[fp32|bf16|fp16]", "--rdzv-backend": "[c10d|static]"}),
+        ("verify", {"--rdzv-backend": "[c10d|static]"}),
+    ],
+)
+def test_help_lists_the_choices(runner: CliRunner, command: str, choices: dict[str, str]) -> None:
+    result = runner.invoke(app, [command, "--help"], env=WIDE)
+    assert result.exit_code == 0, result.stderr
+    lines = {m.group(1): line for line in result.stdout.splitlines() if (m := re.match(r"│[\s*]+(--[\w-]+)", line))}
+    for flag, metavar in choices.items():
+        assert metavar in lines[flag], lines[flag]
+    assert "[default: keep]" in lines.get("--dtype", "[default: keep]")  # rich markup must not eat it
+
+
+@pytest.mark.parametrize(
+    ("command", "extra", "message"),
+    [
+        ("consolidate", ["--only", "weights"], "--only 'weights': use all, model or optim"),
+        ("consolidate", ["--format", "gguf"], "--format 'gguf': use auto, torch or safetensors"),
+        ("consolidate", ["--optim-keys", "numbers"], "--optim-keys 'numbers': use names or ids"),
+        ("consolidate", ["--dtype", "fp8"], "--dtype 'fp8' is not a dtype; use fp32, bf16 or fp16"),
+        ("reshard", ["--world-size=2", "--optim-dtype", "int8"], "--optim-dtype 'int8' is not a dtype; use fp32, bf16 or fp16"),
+        ("verify", ["--rdzv-backend", "etcd"], "--rdzv-backend 'etcd': use c10d or static"),
+    ],
+)
+def test_bad_choice_is_a_one_line_usage_error(
+    runner: CliRunner, tmp_path: Path, command: str, extra: list[str], message: str
+) -> None:
+    result = runner.invoke(app, [command, str(tmp_path / "missing"), str(tmp_path / "out.pt"), *extra])
+    assert result.exit_code == 2, (result.stdout, result.stderr)
+    assert result.stdout == "" and result.stderr == f"error: {message}\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("text", "member"),
+    [("fp32", DtypeChoice.fp32), ("float32", DtypeChoice.fp32), (" BF16 ", DtypeChoice.bf16), ("bfloat16", DtypeChoice.bf16)]
+    + [("fp16", DtypeChoice.fp16), ("float16", DtypeChoice.fp16), ("half", DtypeChoice.fp16)],
+)
+def test_dtype_keeps_its_other_spellings(text: str, member: DtypeChoice) -> None:
+    assert DtypeChoice.parse(text, "--dtype") is member
+
+
+def test_the_library_gets_its_own_types(runner: CliRunner, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Choices are Enums up to the command; consolidate() still takes strings and torch dtypes."""
+    import fsdp_convert.cli.consolidate_cmd as consolidate_cmd
+
+    seen: dict[str, Any] = {}
+
+    def fake_consolidate(checkpoint: str, output: str, **kwargs: Any) -> None:
+        seen.update(kwargs)
+        raise KeyboardInterrupt  # stop before rendering a result
+
+    monkeypatch.setattr(consolidate_cmd, "consolidate", fake_consolidate)
+    args = ["consolidate", "ck", str(tmp_path / "o.pt"), "--only", "model", "--format", "torch", "--optim-keys", "ids"]
+    args += ["--dtype", "half", "--optim-dtype", "BF16", "--rdzv-backend", "static", "--max-shard-size", "2GB"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 130, result.stderr
+    assert type(seen["only"]) is str and seen["only"] == "model"
+    assert type(seen["output_format"]) is str and seen["output_format"] == "torch"
+    options, cluster = seen["options"], seen["cluster"]
+    assert type(options.optim_keys) is str and options.optim_keys == OptimKeysChoice.ids.value
+    assert (options.dtype, options.optim_dtype) == (torch.float16, torch.bfloat16)
+    assert type(cluster.rdzv_backend) is str and cluster.rdzv_backend == "static"
+    assert (seen["max_shard_bytes"], seen["memory_budget_bytes"]) == (2 * 10**9, 2**30)
