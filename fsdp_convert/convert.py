@@ -47,7 +47,7 @@ from fsdp_convert.sources import FileBoxReader, file_index, prepare_items
 from fsdp_convert.transform import OutputItem, TransformOptions
 from fsdp_convert.writers import SafetensorsWriter, StateDictWriter, TorchSaveWriter, atomic_output
 from fsdp_convert.writers._atomic import LeaveToOwner, check_output_free, writing
-from fsdp_convert.writers.dcp import RankFileWriter, StoredChunk, rank_filename, write_metadata
+from fsdp_convert.writers.dcp import MetadataEntry, RankFileWriter, StoredChunk, rank_filename, write_metadata
 from fsdp_convert.writers.safetensors import safetensors_name
 
 __all__ = [
@@ -583,9 +583,9 @@ def _reshard_rank(job: _ReshardJob, worker: int, world_size: int, transport: Glo
         for rank in plan.ranks_of(worker):
             out = RankFileWriter(job.tmp_output, rank)
             try:
-                for item, boxes in zip(plan.items, plan.boxes, strict=True):
-                    for box_rank, offsets, sizes in boxes:
-                        if box_rank != rank:
+                for item, chunks in zip(plan.items, plan.chunks, strict=True):
+                    for chunk in chunks:
+                        if chunk.rank != rank:
                             continue
                         fqn = dcp_key(item.path)
                         if item.constant:
@@ -593,14 +593,14 @@ def _reshard_rank(job: _ReshardJob, worker: int, world_size: int, transport: Glo
                         elif isinstance(item.entry, BytesEntry):
                             out.add_raw(fqn, reader.read_raw(item.entry))
                         else:
-                            box = reader.read_box(item.entry, offsets, sizes)
-                            out.add_box(fqn, offsets, box if box.dtype == item.dtype else box.to(item.dtype))
+                            box = reader.read_box(item.entry, chunk.offsets, chunk.sizes)
+                            out.add_box(fqn, chunk.offsets, box if box.dtype == item.dtype else box.to(item.dtype))
                 out.finish()
             except BaseException:
                 out.close()
                 raise
             # our own records for the parent, which writes .metadata once every rank is done
-            records = [[c.fqn, c.offsets, c.relative_path, c.offset_bytes, c.length_bytes] for c in out.stored]
+            records = [c.to_json() for c in out.stored]
             (job.tmp_output / f".records-{rank}").write_text(json.dumps(records))
 
 
@@ -669,28 +669,25 @@ def reshard(
             stored = []
             for rank in range(world_size):
                 records = tmp / f".records-{rank}"
-                stored += [
-                    StoredChunk(fqn, None if off is None else tuple(off), rel, at, n)
-                    for fqn, off, rel, at, n in json.loads(records.read_text())
-                ]
+                stored += [StoredChunk.from_json(row) for row in json.loads(records.read_text())]
                 records.unlink()
             for rank in range(world_size):  # a rank that holds nothing needs no file
                 data_file = tmp / rank_filename(rank)
                 if data_file.stat().st_size == 0:
                     data_file.unlink()
             entries = [
-                (
-                    dcp_key(item.path),
-                    item.path,
-                    item.dtype if item.is_tensor else None,
-                    item.shape if item.is_tensor else None,
-                    [(o, sz) for _, o, sz in boxes],
+                MetadataEntry(
+                    fqn=dcp_key(item.path),
+                    path=item.path,
+                    dtype=item.dtype if item.is_tensor else None,
+                    shape=item.shape if item.is_tensor else None,
+                    chunks=chunks,
                 )
-                for item, boxes in zip(plan.items, plan.boxes, strict=True)
+                for item, chunks in zip(plan.items, plan.chunks, strict=True)
             ]
             write_metadata(tmp, entries, stored, index.version)
             file_bytes = sum(p.stat().st_size for p in tmp.iterdir())
-        chunks = sum(len(b) for item, b in zip(plan.items, plan.boxes, strict=True) if item.is_tensor)
+        chunks = sum(len(c) for item, c in zip(plan.items, plan.chunks, strict=True) if item.is_tensor)
         result = ReshardResult(
             output=output,
             target_world_size=world_size,

@@ -28,6 +28,7 @@ from fsdp_convert.transform import OutputItem
 
 __all__ = [
     "ReshardPlan",
+    "TargetChunk",
     "plan_reshard",
     "dim0_boxes",
     "OutputFormat",
@@ -367,19 +368,35 @@ def plan_consolidate(
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TargetChunk:
+    """One chunk of the reshard output: the box of an item that one target rank stores.
+
+    Attributes:
+        rank: the target rank whose data file holds it.
+        offsets: per-dimension start of the chunk in the global tensor, in elements (``()`` for
+            a bytes entry or a 0-dim tensor).
+        sizes: per-dimension extent of the chunk, in elements (``()`` likewise).
+    """
+
+    rank: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ReshardPlan:
-    """Target layout of a reshard: every item's boxes per target rank, and who writes each rank.
+    """Target layout of a reshard: every item's chunks per target rank, and who writes each rank.
 
     Attributes:
         items: the output items (``transform.build_items``), in output order.
-        boxes: per item, ``(rank, offsets, sizes)`` of each target chunk, in elements; values get
-            ``(0, (), ())`` (rank 0 carries them).
+        chunks: per item, its ``TargetChunk`` s; a value gets one on rank 0 with empty offsets
+            and sizes (rank 0 carries them).
         target_world_size: ranks of the output.
         nproc: workers; worker ``w`` writes the rank files ``w, w + nproc, ...``.
     """
 
     items: tuple[OutputItem, ...]
-    boxes: tuple[tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...], ...]
+    chunks: tuple[tuple[TargetChunk, ...], ...]
     target_world_size: int
     nproc: int
 
@@ -388,21 +405,22 @@ class ReshardPlan:
         return list(range(worker, self.target_world_size, self.nproc)) if worker < self.nproc else []
 
 
-def dim0_boxes(shape: tuple[int, ...], world_size: int) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+def dim0_boxes(shape: tuple[int, ...], world_size: int) -> list[TargetChunk]:
     """``torch.chunk(world_size)`` on dim 0, as FSDP2's ``Shard(0)`` and FSDP1 lay tensors out.
 
     Chunks are ``ceil(shape[0] / world_size)`` rows; ranks past the last non-empty chunk get none.
-    Returns ``(rank, offsets, sizes)`` per chunk, in elements.
+    Returns one ``TargetChunk`` per non-empty chunk, in rank order.
     """
     rows = shape[0]
     step = -(-rows // world_size)
-    boxes = []
+    chunks = []
     for rank in range(world_size):
         start = rank * step
         if start >= rows:
             break
-        boxes.append((rank, (start, *(0,) * (len(shape) - 1)), (min(step, rows - start), *shape[1:])))
-    return boxes
+        offsets = (start, *(0,) * (len(shape) - 1))
+        chunks.append(TargetChunk(rank=rank, offsets=offsets, sizes=(min(step, rows - start), *shape[1:])))
+    return chunks
 
 
 def plan_reshard(
@@ -429,20 +447,19 @@ def plan_reshard(
         unflatten((item.path, None) for item in items)
     except ValueError as err:
         raise NotADcpCheckpointError(f"{index.checkpoint_id / METADATA_FILENAME}: planner data is inconsistent: {err}") from err
-    Box = tuple[int, tuple[int, ...], tuple[int, ...]]
-    boxes: list[tuple[Box, ...]] = []
+    chunks: list[tuple[TargetChunk, ...]] = []
     for item in items:
         e = item.entry
         if not item.is_tensor:
-            boxes.append(((0, (), ()),))
+            chunks.append((TargetChunk(rank=0, offsets=(), sizes=()),))
             continue
         assert isinstance(e, TensorEntry)
         check_coverage(e)
         full = [c for c in e.chunks if c.numel > 0]
         replicated = index.world_size > 1 and len(full) == 1 and full[0].sizes == e.shape
         if not e.shape or e.numel == 0 or replicated:
-            boxes.append(((0, (0,) * len(e.shape), e.shape),))
+            chunks.append((TargetChunk(rank=0, offsets=(0,) * len(e.shape), sizes=e.shape),))
         else:
-            boxes.append(tuple(dim0_boxes(e.shape, target_world_size)))
+            chunks.append(tuple(dim0_boxes(e.shape, target_world_size)))
     workers = min(nproc or 1, target_world_size)
-    return ReshardPlan(items=items, boxes=tuple(boxes), target_world_size=target_world_size, nproc=workers)
+    return ReshardPlan(items=items, chunks=tuple(chunks), target_world_size=target_world_size, nproc=workers)

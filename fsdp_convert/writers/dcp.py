@@ -14,9 +14,10 @@ import io
 import os
 import pickle
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any, Protocol
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -34,7 +35,7 @@ from fsdp_convert.layout import plain_path
 from fsdp_convert.metadata import METADATA_FILENAME, ObjPath
 from fsdp_convert.writers._buffer import close_synced, dense
 
-__all__ = ["StoredChunk", "RankFileWriter", "write_metadata", "rank_filename"]
+__all__ = ["StoredChunk", "MetadataEntry", "Box", "RankFileWriter", "write_metadata", "rank_filename"]
 
 
 def rank_filename(rank: int) -> str:
@@ -44,13 +45,81 @@ def rank_filename(rank: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class StoredChunk:
-    """Where one payload went: the entry, its box (``None`` for a bytes entry) and byte range."""
+    """Where one payload went: the entry, its box (``None`` for a bytes entry) and byte range.
+
+    Attributes:
+        fqn: the entry's flattened key.
+        offsets: per-dimension start of the chunk in the global tensor, in elements; ``None``
+            for a bytes entry.
+        relative_path: the data file, relative to the checkpoint folder (``__0_0.distcp``).
+        offset_bytes: where the payload starts in that file, in bytes.
+        length_bytes: the payload's length, in bytes.
+    """
 
     fqn: str
     offsets: tuple[int, ...] | None
     relative_path: str
     offset_bytes: int
     length_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready row (offsets as a list), as a worker records its rank file's payloads."""
+        return {
+            "fqn": self.fqn,
+            "offsets": None if self.offsets is None else list(self.offsets),
+            "relative_path": self.relative_path,
+            "offset_bytes": self.offset_bytes,
+            "length_bytes": self.length_bytes,
+        }
+
+    @classmethod
+    def from_json(cls, row: dict[str, Any]) -> StoredChunk:
+        """The record ``to_json`` wrote.
+
+        Raises:
+            KeyError, TypeError: a row ``to_json`` did not write.
+        """
+        offsets = row["offsets"]
+        return cls(
+            fqn=str(row["fqn"]),
+            offsets=None if offsets is None else tuple(int(o) for o in offsets),
+            relative_path=str(row["relative_path"]),
+            offset_bytes=int(row["offset_bytes"]),
+            length_bytes=int(row["length_bytes"]),
+        )
+
+
+class Box(Protocol):
+    """A chunk's place in its global tensor, in elements (``plan.TargetChunk`` is one)."""
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Per-dimension start, in elements."""
+        ...
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Per-dimension extent, in elements."""
+        ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MetadataEntry:
+    """One entry of the ``.metadata`` to write.
+
+    Attributes:
+        fqn: the flattened key.
+        path: its place in the nested state dict (``planner_data``).
+        dtype: the tensor's element type; ``None`` for a bytes entry.
+        shape: the global shape, in elements; ``None`` for a bytes entry.
+        chunks: the tensor's stored chunks (ignored for a bytes entry).
+    """
+
+    fqn: str
+    path: ObjPath
+    dtype: torch.dtype | None
+    shape: tuple[int, ...] | None
+    chunks: Sequence[Box]
 
 
 class RankFileWriter:
@@ -90,29 +159,26 @@ class RankFileWriter:
         self._file.close()
 
 
-def write_metadata(
-    folder: Path,
-    entries: list[tuple[str, ObjPath, torch.dtype | None, tuple[int, ...] | None, list[tuple[tuple[int, ...], tuple[int, ...]]]]],
-    stored: list[StoredChunk],
-    version: str | None,
-) -> None:
-    """Write ``.metadata`` for the stored chunks, last, and fsync it.
+def write_metadata(folder: Path, entries: Sequence[MetadataEntry], stored: Sequence[StoredChunk], version: str | None) -> None:
+    """Write ``.metadata`` for the stored chunks, last, and fsync it. Rank 0 only.
 
     Args:
         folder: the output folder.
-        entries: ``(fqn, path, dtype, shape, boxes)`` per entry in order; dtype and shape are
-            ``None`` for bytes entries; boxes are ``(offsets, sizes)`` in elements.
+        entries: every entry, in order.
         stored: every payload written, from all rank files.
         version: DCP metadata version to record (the source's).
+
+    Raises:
+        FileExistsError: ``.metadata`` is already there.
     """
     state_dict_metadata: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-    for fqn, _path, dtype, shape, boxes in entries:
-        if dtype is None or shape is None:
-            state_dict_metadata[fqn] = BytesStorageMetadata()
+    for e in entries:
+        if e.dtype is None or e.shape is None:
+            state_dict_metadata[e.fqn] = BytesStorageMetadata()
         else:
-            chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in boxes]
-            state_dict_metadata[fqn] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=dtype), size=torch.Size(shape), chunks=chunks
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)) for c in e.chunks]
+            state_dict_metadata[e.fqn] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=e.dtype), size=torch.Size(e.shape), chunks=chunks
             )
     storage_data = {
         MetadataIndex(c.fqn, c.offsets): StorageInfo(relative_path=c.relative_path, offset=c.offset_bytes, length=c.length_bytes)
@@ -120,7 +186,7 @@ def write_metadata(
     }
     metadata = Metadata(
         state_dict_metadata=state_dict_metadata,
-        planner_data={fqn: plain_path(path) for fqn, path, *_ in entries},
+        planner_data={e.fqn: plain_path(e.path) for e in entries},
         storage_data=storage_data,
         storage_meta=StorageMeta(save_id=str(uuid.uuid4())),
         version=version or "1.0.0",
