@@ -52,7 +52,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "chunk-placed-at-row-0",
         "consolidate: every tensor bitwise equal to the run's own full state dict",
-        "fsdp_convert/reader.py",
+        "fsdp_convert/formats/_reader.py",
         "box = box.narrow(dim, offset, size)",
         "box = box.narrow(dim, 0, size)",
         "tests/test_consolidate.py::test_consolidate_pt_equals_ground_truth",
@@ -60,7 +60,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "crc-never-compared",
         "CRC-32: every zip record of every payload is checked as it is read",
-        "fsdp_convert/reader.py",
+        "fsdp_convert/formats/_range.py",
         "if h.crc != h.record.crc32:",
         "if False:",
         "tests/cli/test_bad_inputs.py::test_bad_input_fails_cleanly[zeros inside tensor data (CRC)]",
@@ -68,7 +68,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "metadata-unpickler-admits-all",
         ".metadata is read with an unpickler that admits only DCP's metadata classes",
-        "fsdp_convert/metadata.py",
+        "fsdp_convert/formats/_dcp_metadata.py",
         'raise UnsafeContentError(f"refusing global {module}.{name}")',
         "return super().find_class(module, name)",
         "tests/cli/test_bad_inputs.py::test_bad_input_fails_cleanly[.metadata would run code]",
@@ -76,7 +76,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "payload-not-weights-only",
         "every payload is decoded with torch.load(weights_only=True)",
-        "fsdp_convert/reader.py",
+        "fsdp_convert/formats/dcp.py",
         'map_location="cpu", weights_only=True)',
         'map_location="cpu", weights_only=bool(0))',
         "tests/cli/test_bad_inputs.py::test_bad_input_fails_cleanly[payload would run code]",
@@ -84,7 +84,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "data-file-may-escape",
         "data file names must stay inside the checkpoint folder",
-        "fsdp_convert/metadata.py",
+        "fsdp_convert/formats/_dcp_metadata.py",
         'if Path(rel).is_absolute() or ".." in parts or len(parts) != 1:',
         "if False:",
         "tests/unit/test_metadata.py::test_data_file_outside_the_folder_is_refused",
@@ -92,7 +92,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "overlap-not-checked",
         "chunks must tile each tensor exactly (overlap)",
-        "fsdp_convert/plan.py",
+        "fsdp_convert/formats/index.py",
         "if all(max(a0, b0) < min(a1, b1) for a0, a1, b0, b1 in zip(oa, ea, ob, eb, strict=True)):",
         "if False:",
         "tests/cli/test_bad_inputs.py::test_bad_input_fails_cleanly[chunks overlap]",
@@ -100,7 +100,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "gap-not-checked",
         "chunks must tile each tensor exactly (gap)",
-        "fsdp_convert/plan.py",
+        "fsdp_convert/formats/index.py",
         "if covered != entry.numel:",
         "if False:",
         "tests/cli/test_bad_inputs.py::test_bad_input_fails_cleanly[chunks leave a gap]",
@@ -116,7 +116,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "safetensors-bf16-as-f16",
         "OUT ending in .safetensors: the model weights, read by safetensors.torch.load_file",
-        "fsdp_convert/writers/safetensors.py",
+        "fsdp_convert/constants.py",
         'torch.bfloat16: "BF16",',
         'torch.bfloat16: "F16",',
         "tests/test_consolidate.py::test_consolidate_safetensors_holds_model_weights",
@@ -196,7 +196,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "rank-file-builds-real-classes",
         "Per-rank files: DTensor, DeviceMesh and ShardedTensor are read as inert records (no process group)",
-        "fsdp_convert/rank_files.py",
+        "fsdp_convert/formats/_rank_unpickler.py",
         "if full in _RECORDS:\n            return _RECORDS[full]",
         'if full in _RECORDS:\n            return getattr(__import__("importlib").import_module(module), name)',
         "tests/test_producers.py::test_rank_files_never_build_a_mesh",
@@ -308,7 +308,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "torchtitan-parent-no-hint",
         "the parent folder answers with the `step-N/` to pass",
-        "fsdp_convert/metadata.py",
+        "fsdp_convert/formats/dcp.py",
         "    if len(subs) == 1:",
         "    if len(subs) == 0:",
         "tests/test_producers.py::test_parent_folder_errors_name_the_folder_to_pass",
@@ -316,7 +316,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "accelerate-optimizer-folder-ignored",
         "`save_state`'s folder: `pytorch_model_fsdp_0/` + `optimizer_0/`, two DCP folders, and `random_states_<r>.pkl` | pass the parent folder",
-        "fsdp_convert/metadata.py",
+        "fsdp_convert/formats/dcp.py",
         '_ACCELERATE_DIR_RE = re.compile(r"^(pytorch_model_fsdp|optimizer)_\\d+$")',
         '_ACCELERATE_DIR_RE = re.compile(r"^(pytorch_model_fsdp)_\\d+$")',
         "tests/test_producers.py::test_each_producer_consolidates_to_its_ground_truth[accelerate]",
@@ -324,7 +324,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "accelerate-pickles-loaded",
         "the pickles are never loaded",
-        "fsdp_convert/metadata.py",
+        "fsdp_convert/formats/dcp.py",
         "    parts = [d for d in subs if _ACCELERATE_DIR_RE.match(d.name)]",
         '    parts = [d for d in subs if _ACCELERATE_DIR_RE.match(d.name)] + [__import__("pickle").load(open(p, "rb")) for p in root.glob("random_states_*.pkl")][:0]',
         "tests/test_producers.py::test_accelerate_random_states_are_never_unpickled",
@@ -332,7 +332,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "lightning-meta-ignored",
         "`lightning` | DCP with `meta.pt` beside `.metadata`",
-        "fsdp_convert/metadata.py",
+        "fsdp_convert/formats/dcp.py",
         'index = dataclasses.replace(index, producer="lightning")',
         "index = dataclasses.replace(index, producer=None)",
         "tests/test_producers.py::test_each_producer_consolidates_to_its_ground_truth[lightning-fsdp2]",
@@ -348,7 +348,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "reshard-reads-every-chunk",
         "Only the source chunks a target chunk meets are read.",
-        "fsdp_convert/reader.py",
+        "fsdp_convert/formats/_reader.py",
         "            if chunk.numel == 0 or any(a >= b for a, b in zip(lo, hi, strict=True)):\n                continue\n            data = self.read_chunk(entry, chunk)",
         "            data = self.read_chunk(entry, chunk) if chunk.numel else None\n            if chunk.numel == 0 or any(a >= b for a, b in zip(lo, hi, strict=True)):\n                continue",
         "tests/test_reshard.py::test_reshard_reads_only_the_source_chunks_a_target_chunk_meets[4-1]",
@@ -428,7 +428,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "verl-local-tensor-reversed",
         "Any source in the table above works, including per-rank files ..., which become a regular DCP folder (holding the run's state)",
-        "fsdp_convert/rank_files.py",
+        "fsdp_convert/formats/_rank_unpickler.py",
         'return obj.fields["_local_tensor"]',
         'return obj.fields["_local_tensor"].flip(-1) if obj.fields["_local_tensor"].dim() else obj.fields["_local_tensor"]',
         "tests/test_reshard_oracles.py::test_verl_reshard_is_the_run_as_dcp",
@@ -452,7 +452,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "inspect-world-size-max-rank",
         "prints the producer ..., its world size (the number of distinct ranks that wrote data files), the total bytes, and every entry grouped by top-level key: FQN, global shape, dtype, number of chunks and bytes",
-        "fsdp_convert/metadata.py",
+        "fsdp_convert/formats/index.py",
         "return self.ranks if self.ranks is not None else len(self.writer_ranks)",
         "return self.ranks if self.ranks is not None else max(self.writer_ranks)",
         "tests/cli/test_cli.py::test_inspect_json_agrees_with_torchs_reading_of_metadata",

@@ -1,4 +1,159 @@
-"""Read side: one module per source format, each owning its index and its reads.
+"""Read side: one module per source format, each owning its index and its reads; this decides which.
 
-``index.py`` is the data model (no I/O).
+As torch's storage readers do (``torch/distributed/checkpoint/filesystem.py`` ``FileSystemReader``:
+``read_metadata`` + ``read_data``; ``hf_storage.py``), each source format is one module that
+builds a ``CheckpointIndex`` (``formats/index.py``, the data model, no I/O) and reads its bytes:
+
+- ``dcp``: a DCP folder (``.metadata`` + ``__<rank>_<n>.distcp``), local or remote, or
+  accelerate's parent folder of two DCP folders;
+- ``rank_files``: one torch.save file of a sharded state dict per rank (verl, FSDP1);
+- ``hf_storage``: torch's ``HuggingFaceStorageWriter`` safetensors shards.
+
+``open_checkpoint`` is the one place that decides what a path is. Submodules are imported where
+used, so that importing ``formats.index`` loads nothing else.
 """
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from fsdp_convert.constants import METADATA_FILENAME
+
+if TYPE_CHECKING:
+    import torch
+
+    from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Location, TensorEntry
+
+__all__ = ["Reader", "SourceFormat", "detect_format", "read_index", "open_reader", "open_checkpoint"]
+
+SourceFormat = Literal["dcp", "rank_files", "hf_storage"]
+
+
+class Reader(Protocol):
+    """What every source format's reader offers: chunks, full tensors, boxes and values of its index.
+
+    Shapes and offsets are in elements; tensors come back on CPU in the entry's dtype. Use as a
+    context manager; one reader per thread.
+    """
+
+    def read_chunk(self, entry: TensorEntry, chunk: ChunkEntry) -> torch.Tensor:
+        """One stored chunk of ``entry``: shape ``chunk.sizes``, dtype ``entry.dtype``."""
+        ...
+
+    def read_tensor(self, entry: TensorEntry) -> torch.Tensor:
+        """The full tensor of ``entry``, contiguous, shape ``entry.shape``."""
+        ...
+
+    def read_tensor_with_crc(self, entry: TensorEntry) -> tuple[torch.Tensor, int | None]:
+        """``read_tensor``, plus the CRC-32 of its bytes when the read computed it anyway."""
+        ...
+
+    def read_box(self, entry: TensorEntry, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        """The box ``[offsets, offsets + sizes)`` of ``entry``, contiguous, shape ``sizes``."""
+        ...
+
+    def read_value(self, entry: BytesEntry) -> Any:
+        """The plain Python value of a bytes entry."""
+        ...
+
+    def read_raw(self, entry: BytesEntry) -> bytes:
+        """A bytes entry as DCP stores it: a torch.save payload."""
+        ...
+
+    def close(self) -> None:
+        """Release open files."""
+        ...
+
+    def __enter__(self) -> Reader: ...
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None: ...
+
+
+def detect_format(checkpoint_id: str | os.PathLike[str]) -> SourceFormat:
+    """Which source format a path holds, from its file names alone (no file is read).
+
+    A remote URL, a folder with ``.metadata`` or with DCP folders inside is ``dcp`` (which also
+    names what is wrong with any other path); a folder of ``*rank*.pt`` files is ``rank_files``;
+    one of safetensors files carrying DCP sharding info is ``hf_storage``.
+
+    Raises:
+        NotADcpCheckpointError: the folder cannot be listed, or holds rank files of two saves.
+        MissingDataFileError: a rank file is missing.
+    """
+    from fsdp_convert.formats import dcp, hf_storage, rank_files
+    from fsdp_convert.remote import as_location
+
+    root = as_location(checkpoint_id)
+    if not isinstance(root, Path) or not root.is_dir() or (root / METADATA_FILENAME).is_file():
+        return "dcp"
+    if dcp.metadata_subfolders(root):
+        return "dcp"
+    if rank_files.find_rank_files(root):
+        return "rank_files"
+    if hf_storage.has_sharding_info(root):
+        return "hf_storage"
+    return "dcp"
+
+
+def read_index(checkpoint_id: str | os.PathLike[str]) -> CheckpointIndex:
+    """The ``CheckpointIndex`` of a checkpoint of any source format; no tensor data is read.
+
+    Args:
+        checkpoint_id: a DCP folder (local or fsspec URL), accelerate's checkpoint folder, a
+            folder of per-rank torch.save files, or of ``HuggingFaceStorageWriter`` shards.
+
+    Raises:
+        CheckpointNotFoundError: the path does not exist.
+        NotADcpCheckpointError: none of the above, or a malformed index (the message says which).
+        UnsafeContentError: ``.metadata`` or a rank file would run code when unpickled.
+        MissingDataFileError, CorruptChunkError: a rank file or safetensors header is missing or broken.
+    """
+    from fsdp_convert.formats import dcp, hf_storage, rank_files
+    from fsdp_convert.remote import as_location
+
+    fmt = detect_format(checkpoint_id)
+    root = as_location(checkpoint_id)
+    if fmt == "rank_files" and isinstance(root, Path):
+        return rank_files.rank_files_index(root)
+    if fmt == "hf_storage" and isinstance(root, Path):
+        return hf_storage.describe_safetensors_dcp(root)
+    return dcp.read_dcp_index(checkpoint_id)
+
+
+def open_reader(checkpoint_id: str | os.PathLike[str] | Location, *, check_crc: bool = True) -> Reader:
+    """A reader for the checkpoint at ``checkpoint_id``, of the format ``detect_format`` finds.
+
+    Opens nothing until the first read; workers call this with the path the index was read from.
+
+    Args:
+        checkpoint_id: as for ``read_index``.
+        check_crc: check the CRC-32s the format stores (DCP payloads' zip records) on every read.
+
+    Raises:
+        As ``detect_format``.
+    """
+    from fsdp_convert.formats import dcp, hf_storage, rank_files
+
+    fmt = detect_format(checkpoint_id)
+    if fmt == "rank_files":
+        return rank_files.RankFilesReader(checkpoint_id, check_crc=check_crc)
+    if fmt == "hf_storage":
+        return hf_storage.HfStorageReader(checkpoint_id, check_crc=check_crc)
+    return dcp.DcpReader(checkpoint_id, check_crc=check_crc)
+
+
+def open_checkpoint(checkpoint_id: str | os.PathLike[str], *, check_crc: bool = True) -> tuple[CheckpointIndex, Reader]:
+    """The index of a checkpoint and a reader of its bytes (close the reader, or use it in ``with``).
+
+    Args:
+        checkpoint_id: as for ``read_index``.
+        check_crc: as for ``open_reader``.
+
+    Raises:
+        As ``read_index``.
+    """
+    index = read_index(checkpoint_id)
+    return index, open_reader(index.checkpoint_id, check_crc=check_crc)

@@ -16,7 +16,6 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 
@@ -57,7 +56,6 @@ Location = Path | Url
 
 
 ObjPath = tuple[str | int, ...]
-ChunkEncoding = Literal["dcp", "raw", "rank_file"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,11 +70,10 @@ class ChunkEntry:
         offset_bytes: start of the payload in the data file, in bytes.
         length_bytes: length of the payload, in bytes (a torch.save zip of the box).
         transform_descriptors: stream transforms applied on write (e.g. compression), in order.
-        encoding: how the bytes hold the box: ``dcp`` (a torch.save payload, as DCP's
-            ``FileSystemWriter`` writes), ``raw`` (the box's elements, row-major little-endian, as
-            in a safetensors file) or ``rank_file`` (a tensor inside a per-rank torch.save file,
-            found by ``record``; see ``rank_files``).
-        record: for ``rank_file``, the tensor's path inside the loaded file.
+        record: where the box lies inside a data file that holds many values (a per-rank
+            torch.save file: the tensor's path in the loaded file; see ``formats/rank_files.py``);
+            ``()`` where the byte range alone says it. How the bytes hold the box is the source
+            format's to know: its reader reads its own chunks.
     """
 
     offsets: tuple[int, ...]
@@ -85,7 +82,6 @@ class ChunkEntry:
     offset_bytes: int
     length_bytes: int
     transform_descriptors: tuple[str, ...] = ()
-    encoding: ChunkEncoding = "dcp"
     record: ObjPath = ()
 
     @property
@@ -139,9 +135,7 @@ class BytesEntry:
         offset_bytes: start of the payload in the data file, in bytes.
         length_bytes: length of the payload, in bytes.
         transform_descriptors: stream transforms applied on write, in order.
-        encoding: ``dcp`` (a torch.save payload) or ``rank_file`` (a value inside a per-rank
-            torch.save file, at ``record``).
-        record: for ``rank_file``, the value's path inside the loaded file.
+        record: the value's path inside a per-rank torch.save file; ``()`` for a DCP payload.
     """
 
     fqn: str
@@ -150,7 +144,6 @@ class BytesEntry:
     offset_bytes: int
     length_bytes: int
     transform_descriptors: tuple[str, ...] = ()
-    encoding: ChunkEncoding = "dcp"
     record: ObjPath = ()
 
     @property

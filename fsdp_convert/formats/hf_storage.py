@@ -1,4 +1,4 @@
-"""Index stage for DCP checkpoints written as safetensors: torch's ``HuggingFaceStorageWriter``.
+"""DCP checkpoints written as safetensors (torch's ``HuggingFaceStorageWriter``): index from headers, raw reads.
 
 ``torch/distributed/checkpoint/hf_storage.py`` writes each rank's chunks as tensors of a
 safetensors file (``shard-00001-model-00001-of-00001.safetensors``) with no ``.metadata``; the
@@ -6,23 +6,34 @@ header's ``__metadata__["DCP_SHARDING_INFO"]`` is a JSON string mapping each FQN
 ``{"saved_offsets": [...]}``, the chunk's offsets in the global tensor. The global shape is not
 stored: like torch's ``HuggingFaceStorageReader``, it is the largest offset + size per dim. A
 safetensors file without sharding info (a consolidated or plain Hugging Face file) holds whole
-tensors. Only headers are read here; chunk bytes are read later as raw elements.
+tensors. The index comes from the headers alone; a chunk is read as its raw elements, with one pread.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
 from pathlib import Path
 from typing import Any
 
-from fsdp_convert.errors import CorruptChunkError, NotADcpCheckpointError
-from fsdp_convert.metadata import CheckpointIndex, ChunkEntry, Entry, TensorEntry
-from fsdp_convert.writers.safetensors import SAFETENSORS_TO_TORCH
+import torch
 
-__all__ = ["SHARDING_INFO_KEY", "read_header", "safetensors_files", "has_sharding_info", "describe_safetensors_dcp"]
+from fsdp_convert.constants import SAFETENSORS_SUFFIXES, SAFETENSORS_TO_TORCH
+from fsdp_convert.errors import CorruptChunkError, NotADcpCheckpointError, ShapeMismatchError
+from fsdp_convert.formats._reader import ChunkedReader
+from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Entry, TensorEntry
+
+__all__ = [
+    "SHARDING_INFO_KEY",
+    "read_header",
+    "safetensors_files",
+    "has_sharding_info",
+    "describe_safetensors_dcp",
+    "HfStorageReader",
+]
 
 SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors refuses larger headers
@@ -56,7 +67,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
 
 def safetensors_files(root: Path) -> list[Path]:
     """The ``*.safetensors`` files directly in ``root``, sorted."""
-    return sorted(p for p in root.iterdir() if p.suffix == ".safetensors" and p.is_file())
+    return sorted(p for p in root.iterdir() if p.suffix in SAFETENSORS_SUFFIXES and p.is_file())
 
 
 def has_sharding_info(root: Path) -> bool:
@@ -130,7 +141,7 @@ def describe_safetensors_dcp(root: Path) -> CheckpointIndex:
             chunks.setdefault(fqn, []).append(
                 ChunkEntry(
                     offsets=offsets, sizes=shape, relative_path=path.name, offset_bytes=data_start + begin,
-                    length_bytes=end - begin, encoding="raw",
+                    length_bytes=end - begin,
                 )
             )  # fmt: skip
     entries: list[Entry] = []
@@ -149,3 +160,43 @@ def describe_safetensors_dcp(root: Path) -> CheckpointIndex:
         producer="hf_storage" if sharded else "safetensors",
         ranks=len(writers) if writers else 1,
     )
+
+
+class HfStorageReader(ChunkedReader):
+    """Reads chunks stored as their bare elements (a safetensors tensor's data), one pread each.
+
+    Args:
+        checkpoint_id: the folder of safetensors files.
+        check_crc: unused (safetensors stores no checksums); kept for the shared signature.
+    """
+
+    def _load_chunk(self, entry: TensorEntry, chunk: ChunkEntry) -> Any:
+        assert chunk.relative_path is not None
+        where = self._where(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, entry.fqn)
+        if chunk.length_bytes != chunk.numel * entry.dtype.itemsize:
+            raise ShapeMismatchError(f"{where}: {chunk.length_bytes} bytes cannot hold {entry.dtype} {list(chunk.sizes)}")
+        fd, at = self._range(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, where)
+        buffer = bytearray(chunk.length_bytes)
+        if chunk.length_bytes and os.preadv(fd, [buffer], at) != chunk.length_bytes:
+            raise CorruptChunkError(f"{where}: short read; the file changed while it was read")
+        return (
+            torch.frombuffer(buffer, dtype=entry.dtype).reshape(chunk.sizes)
+            if chunk.length_bytes
+            else torch.empty(chunk.sizes, dtype=entry.dtype)
+        )
+
+    def read_value(self, entry: BytesEntry) -> Any:
+        """Never called: safetensors files hold tensors only, so the index has no bytes entries.
+
+        Raises:
+            NotADcpCheckpointError: always.
+        """
+        raise NotADcpCheckpointError(f"{self.root}: {entry.fqn} is not a tensor; safetensors files hold tensors only")
+
+    def read_raw(self, entry: BytesEntry) -> bytes:
+        """Never called, as ``read_value``.
+
+        Raises:
+            NotADcpCheckpointError: always.
+        """
+        return self.read_value(entry)  # type: ignore[no-any-return]

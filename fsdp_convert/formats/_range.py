@@ -1,0 +1,131 @@
+"""Read stage, DCP payloads: a file object over one byte range of a data file that checks CRC-32s.
+
+A DCP payload is a torch.save zip at ``[offset, offset + length)`` of a ``.distcp`` file
+(``torch/distributed/checkpoint/filesystem.py`` ``_write_item``). ``torch.load`` reads it through
+``ByteRangeFile``, which uses ``os.preadv`` into the buffers torch allocates (no intermediate
+``bytes``, never outside the range) and hashes each zip record's data as it passes, so the CRC-32s
+torch never checks cost no extra read.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import zlib
+from typing import Any
+
+from fsdp_convert._zip import ZipRecord
+
+__all__ = ["ByteRangeFile", "RecordHash"]
+
+
+class RecordHash:
+    """Running CRC-32 of one zip record's data, fed by the reads torch.load makes anyway."""
+
+    __slots__ = ("record", "crc", "done_to", "in_order")
+
+    def __init__(self, record: ZipRecord) -> None:
+        self.record = record
+        self.crc = 0
+        self.done_to = record.data_offset  # bytes hashed so far end here (offsets within the payload)
+        self.in_order = True
+
+
+class ByteRangeFile(io.RawIOBase):
+    """A read-only, seekable file object over ``[offset, offset + length)`` of an open descriptor.
+
+    Reads use ``os.preadv`` into the caller's buffer, so several readers can share one
+    descriptor and nothing outside the range is ever read. Given the zip records of the payload,
+    it also hashes each record's data as it passes (``zlib.crc32``, several GB/s), so checking
+    CRC-32s costs no extra read.
+
+    Args:
+        fd: an open descriptor of the data file.
+        offset_bytes: start of the range in the file, in bytes.
+        length_bytes: length of the range, in bytes.
+        records: zip records to hash, with offsets relative to the range's start.
+    """
+
+    def __init__(self, fd: int, offset_bytes: int, length_bytes: int, records: list[ZipRecord] | None = None) -> None:
+        super().__init__()
+        self._fd, self._start, self._length, self._pos = fd, offset_bytes, length_bytes, 0
+        self.hashes = [RecordHash(r) for r in records or ()]
+        self.error: BaseException | None = None
+
+    def readable(self) -> bool:
+        """Always true."""
+        return True
+
+    def seekable(self) -> bool:
+        """Always true."""
+        return True
+
+    def tell(self) -> int:
+        """Position within the range, in bytes."""
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        """Move within the range (clamped at 0); return the new position in bytes."""
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def pread(self, length: int, offset: int) -> bytes:
+        """Read up to ``length`` bytes at ``offset`` within the range (fewer at its end)."""
+        length = max(0, min(length, self._length - offset))
+        return os.pread(self._fd, length, self._start + offset)
+
+    def readinto(self, buffer: Any) -> int:
+        """Read up to ``len(buffer)`` bytes of the range into ``buffer``; 0 at the end.
+
+        torch.load calls this from C++; an exception (a read error, or Ctrl-C landing here) must
+        not cross that code, so it is kept in ``error``, the read reports the end of the range,
+        and the caller re-raises it once torch.load returns.
+        """
+        if self.error is not None:
+            return 0
+        try:
+            return self._readinto(buffer)
+        except BaseException as e:
+            self.error = e
+            return 0
+
+    def _readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = min(len(view), self._length - self._pos)
+        if n <= 0:
+            return 0
+        got = os.preadv(self._fd, [view[:n]], self._start + self._pos)
+        begin, end = self._pos, self._pos + got
+        for h in self.hashes:
+            lo, hi = max(begin, h.record.data_offset), min(end, h.record.data_offset + h.record.size)
+            if lo >= hi:
+                continue
+            if lo == h.done_to and h.in_order:
+                h.crc = zlib.crc32(view[lo - begin : hi - begin], h.crc)
+                h.done_to = hi
+            elif hi > h.done_to:
+                h.in_order = False  # re-read once at the end
+        self._pos = end
+        return got
+
+    def finish_crcs(self) -> list[tuple[ZipRecord, int]]:
+        """Complete every record's CRC-32 (reading what torch did not) and return the mismatches.
+
+        Returns:
+            ``(record, computed_crc)`` for each record whose data does not match its stored CRC.
+        """
+        bad = []
+        for h in self.hashes:
+            end = h.record.data_offset + h.record.size
+            if not h.in_order:
+                h.crc, h.done_to = 0, h.record.data_offset
+            while h.done_to < end:
+                data = self.pread(min(end - h.done_to, 16 << 20), h.done_to)
+                if not data:
+                    break
+                h.crc = zlib.crc32(data, h.crc)
+                h.done_to += len(data)
+            if h.crc != h.record.crc32:
+                bad.append((h.record, h.crc))
+        return bad

@@ -1,0 +1,255 @@
+"""Per-rank torch.save files, loading: a restricted unpickler that makes distributed classes inert records.
+
+A per-rank file is a torch.save zip (``torch/serialization.py``) whose ``data.pkl`` names DTensor
+(``torch/distributed/tensor``), DeviceMesh, ShardedTensor (``torch/distributed/_shard``) and their
+placements and metadata. torch's own ``weights_only`` loader would call the real classes:
+``DeviceMesh(...)`` can start a process group, and ``ShardedTensor`` needs one. Here they become
+``Record`` stand-ins holding their pickled state; tensor storages are memory-mapped from the file
+(no data is read until a chunk is); nothing else resolves, so nothing in the file runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import mmap
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fsdp_convert._signals import torch_call
+from fsdp_convert._zip import ZipFormatError, read_records
+from fsdp_convert.errors import CorruptChunkError, UnsafeContentError
+from fsdp_convert.metadata import ObjPath
+
+__all__ = ["Record", "SHARDED_TENSOR", "kind", "load_rank_file", "local_value"]
+
+
+class Record:
+    """What a pickled DTensor, DeviceMesh, ShardedTensor or placement becomes.
+
+    It keeps the pickled arguments and state and never runs anything: no process group and no
+    mesh is made, whatever the file says.
+    """
+
+    qualname = "?"
+    args: tuple[Any, ...]
+    state: Any
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Record:
+        obj = object.__new__(cls)
+        obj.args, obj.state = args, None
+        return obj
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        """The BUILD state as one dict (a dict, or ``(dict | None, slots)``); another tuple as ``__tuple_state__``."""
+        state = self.state
+        if state is None:
+            return {}
+        if isinstance(state, dict):
+            return state
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict) and state[0] in (None, {}):
+            return {**(state[0] or {}), **state[1]}
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], dict) and state[1] is None:
+            return state[0]
+        return {"__tuple_state__": state}
+
+    def __repr__(self) -> str:
+        return f"<{self.qualname}>"
+
+
+class _Wrapper(Record):
+    """``torch._utils._rebuild_wrapper_subclass``'s result: the subclass, its dtype and global shape."""
+
+    qualname = "wrapper subclass"
+
+
+# Classes a rank file of DTensors or ShardedTensors names, each read as a Record of its own kind.
+_RECORD_NAMES = (
+    "torch.distributed.tensor._api.DTensor",
+    "torch.distributed.tensor.DTensor",
+    "torch.distributed.tensor._dtensor_spec.DTensorSpec",
+    "torch.distributed.tensor._dtensor_spec.TensorMeta",
+    "torch.distributed.tensor._dtensor_spec.ShardOrderEntry",
+    "torch.distributed.device_mesh.DeviceMesh",
+    "torch.distributed.device_mesh._DeviceMesh",
+    "torch.distributed._mesh_layout._MeshLayout",
+    "torch.distributed._mesh_layout._FlatLayout",
+    "torch.distributed.tensor.placement_types.Shard",
+    "torch.distributed.tensor.placement_types.Replicate",
+    "torch.distributed.tensor.placement_types.Partial",
+    "torch.distributed.tensor.placement_types._StridedShard",
+    "torch.distributed._shard.sharded_tensor.api.ShardedTensor",
+    "torch.distributed._shard.sharded_tensor.api.ShardedTensor.ProcessGroupState",
+    "torch.distributed._shard.sharded_tensor.metadata.ShardedTensorMetadata",
+    "torch.distributed._shard.sharded_tensor.metadata.TensorProperties",
+    "torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING",
+    "torch.distributed._shard.sharded_tensor.shard.Shard",
+    "torch.distributed._shard.metadata.ShardMetadata",
+    "torch.distributed._shard.sharding_spec.chunk_sharding_spec.ChunkShardingSpec",
+    "torch.distributed._shard.sharding_spec.api.EnumerableShardingSpec",
+    "torch.distributed.remote_device._remote_device",
+)
+_RECORDS: dict[str, type[Record]] = {name: type(name.rsplit(".", 1)[-1], (Record,), {"qualname": name}) for name in _RECORD_NAMES}
+SHARDED_TENSOR = _RECORDS["torch.distributed._shard.sharded_tensor.api.ShardedTensor"]
+
+
+def kind(obj: Any) -> str:
+    """The class name a Record stands for (``DTensor``, ``Shard``...), or ``""``."""
+    return obj.qualname.rsplit(".", 1)[-1] if isinstance(obj, Record) else ""
+
+
+def _rebuild_wrapper_subclass(cls: Any, dtype: Any, size: Any, *rest: Any) -> _Wrapper:
+    if not (isinstance(cls, type) and issubclass(cls, Record)) or not isinstance(dtype, torch.dtype):
+        raise pickle.UnpicklingError(f"wrapper subclass {cls!r} is not allowed")
+    return _Wrapper(cls, dtype, tuple(size))
+
+
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    if func is _rebuild_wrapper_subclass:
+        wrapper = func(*args)
+        if new_type is not wrapper.args[0]:
+            raise pickle.UnpicklingError("wrapper subclass and type disagree")
+        obj = new_type()
+        obj.wrapper = wrapper
+        obj.__setstate__(state)
+        return obj
+    if func is torch._utils._rebuild_tensor_v2 and new_type in (torch.Tensor, torch.nn.Parameter):
+        if state not in (None, {}) and not (isinstance(state, tuple) and not any(state)):
+            raise pickle.UnpicklingError("a tensor with Python attributes is not allowed")
+        return func(*args)  # type: ignore[no-untyped-call]
+    raise pickle.UnpicklingError(f"rebuilding {new_type!r} is not allowed")
+
+
+def _restricted_getattr(obj: Any, name: str) -> Any:
+    # ShardedTensor.__reduce_ex__ names its nested dataclass as getattr(ShardedTensor, "ProcessGroupState")
+    if obj is SHARDED_TENSOR and name == "ProcessGroupState":
+        return _RECORDS["torch.distributed._shard.sharded_tensor.api.ShardedTensor.ProcessGroupState"]
+    raise pickle.UnpicklingError(f"getattr({obj!r}, {name!r}) is not allowed")
+
+
+def _rebuild_parameter(data: Any, requires_grad: Any, backward_hooks: Any) -> torch.Tensor:
+    if not isinstance(data, torch.Tensor):
+        raise pickle.UnpicklingError("a parameter without tensor data is not allowed")
+    return data
+
+
+_FUNCTIONS: dict[str, Any] = {
+    "torch._utils._rebuild_tensor_v2": torch._utils._rebuild_tensor_v2,
+    "torch._utils._rebuild_parameter": _rebuild_parameter,
+    "torch._utils._rebuild_wrapper_subclass": _rebuild_wrapper_subclass,
+    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+    "torch.serialization._get_layout": torch.serialization._get_layout,
+    "torch.Size": torch.Size,
+    "torch.device": torch.device,
+    "collections.OrderedDict": collections.OrderedDict,
+    "builtins.getattr": _restricted_getattr,
+    "__builtin__.getattr": _restricted_getattr,
+}
+
+
+class _RankFileUnpickler(pickle.Unpickler):
+    """Reads a rank file's ``data.pkl`` with an allow-list.
+
+    Plain tensors (storages memory-mapped from the file), dtypes, and ``Record`` stand-ins for
+    the distributed classes resolve; nothing else does, so nothing in the file runs.
+    """
+
+    def __init__(self, data: bytes, storages: dict[str, tuple[int, int]], buffer: mmap.mmap) -> None:
+        super().__init__(io.BytesIO(data))
+        self._storages = storages  # key -> (data offset, size) in the file, in bytes
+        self._buffer = buffer
+
+    def find_class(self, module: str, name: str) -> Any:
+        full = f"{module}.{name}"
+        if full in _FUNCTIONS:
+            return _FUNCTIONS[full]
+        if full in _RECORDS:
+            return _RECORDS[full]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module == "torch" and name.endswith("Storage"):
+            return torch.serialization.StorageType(name)  # type: ignore[no-untyped-call]
+        raise pickle.UnpicklingError(f"global {full} is not allowed")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
+        storage_type, key, _location, numel = pid[1:]
+        dtype = storage_type.dtype if isinstance(storage_type, torch.serialization.StorageType) else torch.uint8
+        if str(key) not in self._storages or type(numel) is not int or numel < 0:
+            raise pickle.UnpicklingError(f"storage {key!r} is not in the file")
+        offset, size = self._storages[str(key)]
+        nbytes = numel * dtype.itemsize
+        if nbytes > size:
+            raise pickle.UnpicklingError(f"storage {key!r} claims {nbytes} bytes; the file holds {size}")
+        if nbytes:
+            data = torch.frombuffer(self._buffer, dtype=torch.uint8, count=nbytes, offset=offset)
+        else:
+            data = torch.empty(0, dtype=torch.uint8)
+        return torch.storage.TypedStorage(wrap_storage=data.untyped_storage(), dtype=dtype, _internal=True)  # type: ignore[no-untyped-call]
+
+
+def load_rank_file(path: Path) -> Any:
+    """Load a per-rank torch.save file (the zip format of ``torch/serialization.py``) without running it.
+
+    ``data.pkl`` is read by ``_RankFileUnpickler``: tensors are memory-mapped from the file's
+    storage records (nothing is read until used); DTensor, DeviceMesh, ShardedTensor and their
+    placements and metadata become ``Record`` stand-ins, so no process group or mesh is made.
+
+    Raises:
+        UnsafeContentError: the pickle names anything else (it could run code).
+        CorruptChunkError: not a torch.save zip, or a storage it names is missing or short.
+    """
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                raise ZipFormatError("empty file")
+            buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        records = read_records(lambda length, offset: buffer[offset : offset + length], size)
+    except (OSError, ZipFormatError) as e:
+        raise CorruptChunkError(f"{path}: not a torch.save file ({e})") from e
+    pickles = [r for r in records if r.name.endswith("/data.pkl") and r.name.count("/") == 1]
+    if len(pickles) != 1 or any(r.compression != 0 for r in records):
+        raise CorruptChunkError(f"{path}: not a torch.save file (no single stored data.pkl)")
+    prefix = pickles[0].name[: -len("data.pkl")] + "data/"
+    storages = {r.name[len(prefix) :]: (r.data_offset, r.size) for r in records if r.name.startswith(prefix)}
+    data = buffer[pickles[0].data_offset : pickles[0].data_offset + pickles[0].size]
+    try:
+        with torch_call():
+            return _RankFileUnpickler(data, storages, buffer).load()
+    except pickle.UnpicklingError as e:
+        if "is not allowed" in str(e):
+            raise UnsafeContentError(f"{path}: would run code when loaded, refused ({e})") from e
+        raise CorruptChunkError(f"{path}: does not load ({e})") from e
+    except (EOFError, ValueError, TypeError, RuntimeError, IndexError, AttributeError, KeyError) as e:
+        raise CorruptChunkError(f"{path}: does not load ({type(e).__name__}: {e})") from e
+
+
+def local_value(obj: Any, record: ObjPath) -> Any:
+    """The value a chunk's or value's ``record`` names in a loaded rank file.
+
+    ``record`` is the path in the nested dict, then ``_local_tensor`` for a DTensor or
+    ``("local_shards", i)`` for a ShardedTensor.
+
+    Raises:
+        KeyError, IndexError: the record is not in the file (it changed since it was indexed).
+    """
+    for i, key in enumerate(record):
+        if key == "_local_tensor" and i == len(record) - 1 and kind(obj) == "DTensor":
+            return obj.fields["_local_tensor"]
+        if key == "local_shards" and i == len(record) - 2 and obj.__class__ is SHARDED_TENSOR:
+            return obj.fields["__tuple_state__"][0][record[i + 1]].fields["tensor"]
+        obj = obj[key]
+    return obj

@@ -1,0 +1,240 @@
+"""Read stage, shared by the chunked formats: data file handles, the read log, boxes to full tensors.
+
+Each source format's reader (``dcp.DcpReader``, ``rank_files.RankFilesReader``,
+``hf_storage.HfStorageReader``) subclasses ``ChunkedReader`` and says how one stored chunk of
+its own becomes a tensor (``_load_chunk``); assembling a full tensor or an arbitrary box from the
+chunks it meets is the same for all of them. A tensor's chunks are copied into one preallocated
+tensor, each chunk freed once copied.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+import torch
+
+from fsdp_convert.errors import CorruptChunkError, MissingDataFileError, ShapeMismatchError
+from fsdp_convert.formats._crc import combine
+from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Location, TensorEntry, Url
+from fsdp_convert.remote import as_location, read_range, size_of
+
+__all__ = ["ChunkedReader", "check_data_files", "READ_LOG_ENV"]
+
+READ_LOG_ENV = "FSDP_CONVERT_READ_LOG"
+
+
+def check_data_files(index: CheckpointIndex) -> None:
+    """Check that every data file the index names exists and is readable.
+
+    Raises:
+        MissingDataFileError: naming the first missing or unreadable file.
+    """
+    for name in index.data_files:
+        path = index.checkpoint_id / name
+        if isinstance(path, Url):
+            if size_of(path) is None:
+                raise MissingDataFileError(f"{path} is missing; .metadata names it as a data file")
+            continue
+        if not path.is_file():
+            raise MissingDataFileError(f"{path} is missing; .metadata names it as a data file")
+        if not os.access(path, os.R_OK):
+            raise MissingDataFileError(f"{path} is not readable (permission denied)")
+
+
+class ChunkedReader:
+    """Reads one checkpoint's chunks, keeping one open descriptor per data file.
+
+    Use as a context manager; ``close`` releases the descriptors. One reader per thread.
+    Subclasses implement ``_load_chunk``, ``read_value`` and ``read_raw``.
+
+    Args:
+        checkpoint_id: the checkpoint folder (local, or an fsspec URL).
+        check_crc: check the CRC-32s the format stores, for every payload read.
+    """
+
+    def __init__(self, checkpoint_id: str | os.PathLike[str] | Location, *, check_crc: bool = True) -> None:
+        self.root = as_location(checkpoint_id)
+        self.check_crc = check_crc
+        self._temp_fd: int | None = None  # a remote byte range, fetched into memory
+        self._files: dict[str, tuple[int, int]] = {}  # relative path -> (fd, size in bytes)
+        # FSDP_CONVERT_READ_LOG=<folder>: one JSON line per chunk read, [rank, fqn, offsets, file,
+        # offset, length], in reads-<pid>.jsonl (to see which worker read what)
+        log_dir = os.environ.get(READ_LOG_ENV)
+        self._read_log: IO[str] | None = open(Path(log_dir) / f"reads-{os.getpid()}.jsonl", "a") if log_dir else None  # noqa: SIM115
+        # CRC-32 of the last chunk's storage bytes, when the read checked it (DCP payloads)
+        self._last_storage_crc: int | None = None
+
+    def __enter__(self) -> ChunkedReader:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close every open data file."""
+        for fd, _ in self._files.values():
+            if fd >= 0:  # remote files have no descriptor
+                os.close(fd)
+        self._files.clear()
+        self._drop_temp()
+        if self._read_log is not None:
+            self._read_log.close()
+            self._read_log = None
+
+    def _drop_temp(self) -> None:
+        if self._temp_fd is not None:
+            os.close(self._temp_fd)
+            self._temp_fd = None
+
+    def _range(self, relative_path: str, offset: int, length: int, where: str) -> tuple[int, int]:
+        """A descriptor and the offset in it of a byte range of a data file, its end checked.
+
+        Local: the data file itself. Remote: one ranged read of exactly the range into an
+        anonymous in-memory file (kept until the next range), so decoding reads it the same way.
+
+        Raises:
+            MissingDataFileError: the data file is gone. CorruptChunkError: the range lies past its end.
+        """
+        fd, size = self._open(relative_path)
+        if offset + length > size:
+            raise CorruptChunkError(f"{where}: the range lies past the end of the file ({size} bytes); the file is truncated")
+        if isinstance(self.root, Path):
+            return fd, offset
+        data = read_range(self.root / relative_path, offset, length)
+        self._drop_temp()
+        self._temp_fd = os.memfd_create("fsdp-convert-range")
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._temp_fd, view) :]
+        return self._temp_fd, 0
+
+    def _open(self, relative_path: str) -> tuple[int, int]:
+        """The data file's descriptor and size in bytes (remote: no descriptor, -1)."""
+        opened = self._files.get(relative_path)
+        if opened is None and isinstance(self.root, Url):
+            size = size_of(self.root / relative_path)
+            if size is None:
+                raise MissingDataFileError(f"cannot open {self.root / relative_path}: No such object")
+            opened = self._files[relative_path] = (-1, size)
+        if opened is None:
+            assert isinstance(self.root, Path)
+            path = self.root / relative_path
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise MissingDataFileError(f"cannot open {path}: {e.strerror}") from e
+            opened = (fd, os.fstat(fd).st_size)
+            self._files[relative_path] = opened
+        return opened
+
+    def _where(self, relative_path: str, offset: int, length: int, fqn: str) -> str:
+        return f"{self.root / relative_path} bytes [{offset}, {offset + length}) ({fqn})"
+
+    def _load_chunk(self, entry: TensorEntry, chunk: ChunkEntry) -> Any:
+        """The stored value of one chunk (a tensor, checked by ``read_chunk``); the format's own read."""
+        raise NotImplementedError
+
+    def read_value(self, entry: BytesEntry) -> Any:
+        """Decode a bytes entry: the plain Python value (float, tuple, list of FQNs, ...)."""
+        raise NotImplementedError
+
+    def read_raw(self, entry: BytesEntry) -> bytes:
+        """A bytes entry as DCP stores it: a torch.save payload."""
+        raise NotImplementedError
+
+    def read_chunk(self, entry: TensorEntry, chunk: ChunkEntry) -> torch.Tensor:
+        """Read and decode one chunk of ``entry``; shape ``chunk.sizes``, dtype ``entry.dtype``.
+
+        Raises:
+            MissingDataFileError, CorruptChunkError, UnsupportedTransformError, UnsafeContentError:
+                as their names say.
+            ShapeMismatchError: the stored shape or dtype disagrees with the index.
+        """
+        if chunk.relative_path is None:
+            return torch.empty(chunk.sizes, dtype=entry.dtype)
+        args = (chunk.relative_path, chunk.offset_bytes, chunk.length_bytes)
+        if self._read_log is not None:
+            self._read_log.write(json.dumps([os.environ.get("RANK", "0"), entry.fqn, list(chunk.offsets), *args]) + "\n")
+            self._read_log.flush()
+        self._last_storage_crc = None
+        tensor = self._load_chunk(entry, chunk)
+        if not isinstance(tensor, torch.Tensor):
+            raise ShapeMismatchError(f"{self._where(*args, entry.fqn)}: payload is a {type(tensor).__name__}, not a tensor")
+        if tuple(tensor.shape) != chunk.sizes or tensor.dtype != entry.dtype:
+            raise ShapeMismatchError(
+                f"{self._where(*args, entry.fqn)}: payload is {tensor.dtype} {list(tensor.shape)}, "
+                f".metadata says {entry.dtype} {list(chunk.sizes)}"
+            )
+        return tensor
+
+    def read_tensor(self, entry: TensorEntry) -> torch.Tensor:
+        """Assemble the full tensor of ``entry`` from its chunks, on CPU.
+
+        Returns:
+            A contiguous tensor of shape ``entry.shape`` and dtype ``entry.dtype``.
+
+        Warning:
+            Holds the full tensor (``entry.nbytes`` bytes) plus one decoded chunk at a time.
+
+        Raises:
+            As ``read_chunk``. Coverage is checked by the planner (``index.check_coverage``).
+        """
+        return self.read_tensor_with_crc(entry)[0]
+
+    def read_tensor_with_crc(self, entry: TensorEntry) -> tuple[torch.Tensor, int | None]:
+        """``read_tensor``, plus the CRC-32 of the full tensor's bytes when it comes for free.
+
+        With CRC checking on and chunks that split only dim 0 (so the full tensor is the chunks'
+        bytes back to back), the checked chunk CRCs are combined; otherwise the CRC is None.
+
+        Raises:
+            As ``read_chunk``.
+        """
+        chunks = sorted((c for c in entry.chunks if c.numel > 0), key=lambda c: c.offsets)
+        dim0_only = all(c.offsets[1:] == (0,) * (len(c.offsets) - 1) and c.sizes[1:] == entry.shape[1:] for c in chunks)
+        parts: list[tuple[int, int]] | None = [] if self.check_crc and dim0_only else None
+        if len(chunks) == 1 and chunks[0].sizes == entry.shape:
+            tensor = self.read_chunk(entry, chunks[0])
+            crc = self._last_storage_crc if parts is not None else None
+            return tensor.contiguous(), crc
+        full = torch.empty(entry.shape, dtype=entry.dtype)
+        for chunk in chunks:
+            box = full
+            for dim, (offset, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
+                box = box.narrow(dim, offset, size)
+            box.copy_(self.read_chunk(entry, chunk))
+            if parts is not None:
+                if self._last_storage_crc is None:
+                    parts = None
+                else:
+                    parts.append((self._last_storage_crc, chunk.numel * entry.dtype.itemsize))
+        return full, (combine(parts) if parts else None)
+
+    def read_box(self, entry: TensorEntry, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        """Read the box ``[offsets, offsets + sizes)`` (in elements) of ``entry`` from the chunks it meets.
+
+        Only chunks that intersect the box are read; each is freed once its part is copied.
+
+        Returns:
+            A contiguous tensor of shape ``sizes`` and dtype ``entry.dtype``.
+
+        Raises:
+            As ``read_chunk``.
+        """
+        box = torch.empty(sizes, dtype=entry.dtype)
+        for chunk in entry.chunks:
+            lo = [max(o, co) for o, co in zip(offsets, chunk.offsets, strict=True)]
+            hi = [min(o + s, co + cs) for o, s, co, cs in zip(offsets, sizes, chunk.offsets, chunk.sizes, strict=True)]
+            if chunk.numel == 0 or any(a >= b for a, b in zip(lo, hi, strict=True)):
+                continue
+            data = self.read_chunk(entry, chunk)
+            dst, src = box, data
+            for dim, (a, b) in enumerate(zip(lo, hi, strict=True)):
+                dst = dst.narrow(dim, a - offsets[dim], b - a)
+                src = src.narrow(dim, a - chunk.offsets[dim], b - a)
+            dst.copy_(src)
+        return box

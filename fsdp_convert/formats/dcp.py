@@ -1,0 +1,238 @@
+"""DCP folders (``FileSystemWriter``): index from ``.metadata``, payloads by byte range, CRC-32s checked.
+
+Index: ``.metadata`` is unpickled safely and checked field by field (``_dcp_metadata``);
+accelerate's FSDP checkpoint folder (``pytorch_model_fsdp_0/`` + ``optimizer_0/``, two DCP folders
+side by side) is read as one checkpoint whose data file names carry their subfolder, and
+Lightning Fabric's ``meta.pt`` beside ``.metadata`` names the producer.
+
+Reads: each payload (a torch.save zip, ``torch/distributed/checkpoint/filesystem.py``
+``_write_item``) is decoded with ``torch.load(weights_only=True)`` from a ``ByteRangeFile`` over
+its byte range of the data file: never the whole data file, and the tensor's storage is read
+straight into the memory torch allocates for it. The zip's CRC-32s, which torch never checks, are
+checked on the way (``check_crc``). A remote checkpoint reads each payload with one ranged GET.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import re
+from pathlib import Path
+from typing import IO, Any, NoReturn, cast
+
+import torch
+
+from fsdp_convert._signals import torch_call
+from fsdp_convert._zip import ZipFormatError, read_records
+from fsdp_convert.constants import METADATA_FILENAME
+from fsdp_convert.errors import (
+    CheckpointNotFoundError,
+    CorruptChunkError,
+    NotADcpCheckpointError,
+    UnsafeContentError,
+    UnsupportedTransformError,
+)
+from fsdp_convert.formats._dcp_metadata import build_index, load_metadata, metadata_from_bytes
+from fsdp_convert.formats._range import ByteRangeFile, RecordHash
+from fsdp_convert.formats._reader import ChunkedReader
+from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Entry, Location, TensorEntry, Url
+from fsdp_convert.remote import as_location, read_bytes, size_of
+
+__all__ = ["read_dcp_index", "metadata_subfolders", "DcpReader", "LIGHTNING_META_FILENAME"]
+
+# accelerate's FSDP checkpoint folder: one DCP folder for the model, one per optimizer
+_ACCELERATE_DIR_RE = re.compile(r"^(pytorch_model_fsdp|optimizer)_\d+$")
+LIGHTNING_META_FILENAME = "meta.pt"  # Lightning Fabric's FSDP strategy: user metadata beside .metadata
+
+
+def metadata_subfolders(root: Path) -> list[Path]:
+    """The folders directly in ``root`` that hold a ``.metadata`` (checkpoints one level down), sorted.
+
+    Raises:
+        NotADcpCheckpointError: ``root`` cannot be listed.
+    """
+    try:
+        return sorted(d for d in root.iterdir() if (d / METADATA_FILENAME).is_file())
+    except OSError as e:
+        raise NotADcpCheckpointError(f"{root} cannot be listed ({e.strerror})") from e
+
+
+def read_dcp_index(checkpoint_id: str | os.PathLike[str]) -> CheckpointIndex:
+    """Read a DCP checkpoint folder's ``.metadata`` (or accelerate's two folders') into a ``CheckpointIndex``.
+
+    Reads ``.metadata`` only; data files are neither opened nor checked here.
+
+    Args:
+        checkpoint_id: the checkpoint folder (the one holding ``.metadata``).
+
+    Raises:
+        CheckpointNotFoundError: the path does not exist.
+        NotADcpCheckpointError: no ``.metadata`` in the folder, or it is malformed.
+        UnsafeContentError: ``.metadata`` would run code when unpickled.
+    """
+    location = as_location(checkpoint_id)
+    if isinstance(location, Url):  # object storage: .metadata is read whole, chunks later by range
+        meta_url = location / METADATA_FILENAME
+        if size_of(meta_url) is None:
+            raise NotADcpCheckpointError(f"{location} has no {METADATA_FILENAME}; not a DCP checkpoint")
+        return build_index(metadata_from_bytes(read_bytes(meta_url), meta_url), location)
+    root = location
+    if not root.exists():
+        raise CheckpointNotFoundError(f"{root} does not exist")
+    if not root.is_dir():
+        raise NotADcpCheckpointError(f"{root} is not a folder; a DCP checkpoint is a folder with {METADATA_FILENAME}")
+    meta_path = root / METADATA_FILENAME
+    if not meta_path.is_file():
+        return _read_parent_folder(root)
+    index = build_index(load_metadata(meta_path), root)
+    if (root / LIGHTNING_META_FILENAME).is_file():
+        index = dataclasses.replace(index, producer="lightning")
+    return index
+
+
+def _read_parent_folder(root: Path) -> CheckpointIndex:
+    """A folder without ``.metadata``: accelerate's checkpoint folder, or a hint one level down."""
+    subs = metadata_subfolders(root)
+    parts = [d for d in subs if _ACCELERATE_DIR_RE.match(d.name)]
+    if parts:
+        return _merge_indexes(root, [build_index(load_metadata(d / METADATA_FILENAME), d) for d in parts], "accelerate")
+    if len(subs) == 1:
+        raise NotADcpCheckpointError(f"{root} has no {METADATA_FILENAME}, but {subs[0]} has: pass that folder")
+    if subs:
+        newest = max(subs, key=lambda d: (len(d.name), d.name))  # step-10 after step-9
+        names = ", ".join(d.name for d in subs[:5]) + (", ..." if len(subs) > 5 else "")
+        raise NotADcpCheckpointError(
+            f"{root} has no {METADATA_FILENAME}; it holds {len(subs)} checkpoints ({names}): pass one, e.g. {newest}"
+        )
+    raise NotADcpCheckpointError(f"{root} has no {METADATA_FILENAME}; not a DCP checkpoint")
+
+
+def _merge_indexes(root: Path, parts: list[CheckpointIndex], producer: str) -> CheckpointIndex:
+    """One index over several DCP folders inside ``root``; data file paths become relative to ``root``.
+
+    Raises:
+        NotADcpCheckpointError: two folders hold the same key.
+    """
+    entries: list[Entry] = []
+    owner: dict[str, Location] = {}
+    files: list[str] = []
+    for part in parts:
+        prefix = part.checkpoint_id.name
+        for e in part.entries:
+            if e.fqn in owner:
+                raise NotADcpCheckpointError(f"{e.fqn} is in both {owner[e.fqn]} and {part.checkpoint_id}")
+            owner[e.fqn] = part.checkpoint_id
+            if isinstance(e, TensorEntry):
+                chunks = tuple(
+                    c if c.relative_path is None else dataclasses.replace(c, relative_path=f"{prefix}/{c.relative_path}")
+                    for c in e.chunks
+                )
+                entries.append(dataclasses.replace(e, chunks=chunks))
+            else:
+                entries.append(dataclasses.replace(e, relative_path=f"{prefix}/{e.relative_path}"))
+        files += [f"{prefix}/{f}" for f in part.data_files]
+    return CheckpointIndex(
+        checkpoint_id=root,
+        entries=tuple(entries),
+        data_files=tuple(sorted(files)),
+        version=parts[0].version,
+        save_id=parts[0].save_id,
+        producer=producer,
+    )
+
+
+class DcpReader(ChunkedReader):
+    """Reads the payloads of a DCP folder (or accelerate's parent folder), one open descriptor per data file.
+
+    Use as a context manager; ``close`` releases the descriptors. One reader per thread.
+
+    Args:
+        checkpoint_id: the checkpoint folder, local or an fsspec URL.
+        check_crc: check every zip record's CRC-32 of every payload read (torch.load does not).
+    """
+
+    def _load_chunk(self, entry: TensorEntry, chunk: ChunkEntry) -> Any:
+        assert chunk.relative_path is not None
+        return self._load(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, chunk.transform_descriptors, entry.fqn)
+
+    def _load(self, relative_path: str, offset: int, length: int, transforms: tuple[str, ...], fqn: str) -> Any:
+        """Decode the torch.save payload at a byte range with ``weights_only=True``."""
+        where = self._where(relative_path, offset, length, fqn)
+        if transforms:
+            raise UnsupportedTransformError(
+                f"{where}: written through stream transform(s) {list(transforms)}, which this tool does not decode"
+            )
+        fd, at = self._range(relative_path, offset, length, where)
+        payload = ByteRangeFile(fd, at, length)
+        if self.check_crc:
+            try:
+                payload.hashes = [RecordHash(r) for r in read_records(payload.pread, length)]
+            except ZipFormatError as e:
+                raise CorruptChunkError(f"{where}: payload is not a torch.save zip ({e})") from e
+        try:
+            with torch_call():
+                value = torch.load(cast(IO[bytes], payload), map_location="cpu", weights_only=True)
+        except Exception as e:
+            if payload.error is not None:
+                raise payload.error from None  # the read failed or was interrupted: that is the cause
+            self._check_crcs(payload, where)  # a corrupt record explains a decode failure best
+            self._raise_decode_error(e, where)
+        if payload.error is not None:
+            raise payload.error
+        self._check_crcs(payload, where)
+        self._last_storage_crc = self._storage_crc(payload, value)
+        return value
+
+    @staticmethod
+    def _storage_crc(payload: ByteRangeFile, value: Any) -> int | None:
+        """The checked CRC-32 of a tensor payload's one storage record, if it is exactly the tensor's bytes."""
+        if not isinstance(value, torch.Tensor) or not value.is_contiguous() or value.storage_offset() != 0:
+            return None
+        storages = [h for h in payload.hashes if h.record.short_name.startswith("data/")]
+        if len(storages) != 1 or storages[0].record.size != value.nbytes:
+            return None
+        return storages[0].crc
+
+    def _check_crcs(self, payload: ByteRangeFile, where: str) -> None:
+        for record, computed in payload.finish_crcs():
+            raise CorruptChunkError(
+                f"{where}: CRC-32 mismatch in record {record.short_name} (stored {record.crc32:#010x}, "
+                f"computed {computed:#010x}); the data file is corrupt"
+            )
+
+    @staticmethod
+    def _raise_decode_error(e: Exception, where: str) -> NoReturn:
+        if isinstance(e, pickle.UnpicklingError):
+            # torch wraps every weights-only refusal in one message; the line naming the global
+            # tells a hostile payload from a broken one.
+            detail = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln), None)
+            if detail is not None:
+                raise UnsafeContentError(f"{where}: payload would run code, refused ({detail})") from e
+            raise CorruptChunkError(f"{where}: payload does not decode as a torch.save object") from e
+        # zip structure broken, truncated record
+        raise CorruptChunkError(f"{where}: payload does not decode ({type(e).__name__}: {_first_line(e)})") from e
+
+    def read_raw(self, entry: BytesEntry) -> bytes:
+        """A bytes entry's payload exactly as stored (to carry it over unchanged).
+
+        Raises:
+            MissingDataFileError, CorruptChunkError (truncated file).
+        """
+        self.read_value(entry)  # decode once: refuses a hostile or corrupt payload before it is copied
+        where = self._where(entry.relative_path, entry.offset_bytes, entry.length_bytes, entry.fqn)
+        fd, at = self._range(entry.relative_path, entry.offset_bytes, entry.length_bytes, where)
+        return os.pread(fd, entry.length_bytes, at)
+
+    def read_value(self, entry: BytesEntry) -> Any:
+        """Decode a bytes entry: the plain Python value (float, tuple, list of FQNs, ...).
+
+        Raises:
+            MissingDataFileError, CorruptChunkError, UnsupportedTransformError, UnsafeContentError.
+        """
+        return self._load(entry.relative_path, entry.offset_bytes, entry.length_bytes, entry.transform_descriptors, entry.fqn)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
