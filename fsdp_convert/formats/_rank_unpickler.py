@@ -23,7 +23,7 @@ import torch
 from fsdp_convert._signals import torch_call
 from fsdp_convert._zip import ZipFormatError, read_records
 from fsdp_convert.errors import CorruptChunkError, UnsafeContentError
-from fsdp_convert.metadata import ObjPath
+from fsdp_convert.formats.index import ObjPath
 
 __all__ = ["Record", "SHARDED_TENSOR", "kind", "load_rank_file", "local_value"]
 
