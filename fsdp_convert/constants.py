@@ -21,6 +21,7 @@ __all__ = [
     "SAFETENSORS_DTYPES",
     "SAFETENSORS_TO_TORCH",
     "SUPPORTED_DTYPES",
+    "READ_LOG_ENV",
 ]
 
 METADATA_FILENAME = ".metadata"  # DCP's pickled Metadata, FileSystemWriter.finish
@@ -63,3 +64,7 @@ SUPPORTED_DTYPES = frozenset(
         torch.uint64, torch.uint32, torch.uint16, torch.uint8, torch.bool,
     }
 )  # fmt: skip
+
+# FSDP_CONVERT_READ_LOG=<folder>: every reader appends one JSON line per chunk it reads to
+# <folder>/reads-<pid>.jsonl (which worker read what; the tests check the split of the reads)
+READ_LOG_ENV = "FSDP_CONVERT_READ_LOG"

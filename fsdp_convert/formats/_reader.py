@@ -17,14 +17,13 @@ from typing import IO, Any
 
 import torch
 
+from fsdp_convert.constants import READ_LOG_ENV
 from fsdp_convert.errors import CorruptChunkError, MissingDataFileError, ShapeMismatchError
 from fsdp_convert.formats._crc import combine
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Location, TensorEntry, Url
 from fsdp_convert.remote import as_location, read_range, size_of
 
 __all__ = ["ChunkedReader", "check_data_files", "READ_LOG_ENV"]
-
-READ_LOG_ENV = "FSDP_CONVERT_READ_LOG"
 
 
 def check_data_files(index: CheckpointIndex) -> None:

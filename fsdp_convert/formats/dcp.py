@@ -39,7 +39,7 @@ from fsdp_convert.formats._reader import ChunkedReader
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Entry, Location, TensorEntry, Url
 from fsdp_convert.remote import as_location, read_bytes, size_of
 
-__all__ = ["read_dcp_index", "metadata_subfolders", "DcpReader", "LIGHTNING_META_FILENAME"]
+__all__ = ["read_dcp_index", "load_metadata", "metadata_subfolders", "DcpReader", "LIGHTNING_META_FILENAME"]
 
 # accelerate's FSDP checkpoint folder: one DCP folder for the model, one per optimizer
 _ACCELERATE_DIR_RE = re.compile(r"^(pytorch_model_fsdp|optimizer)_\d+$")

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
-from fsdp_convert.metadata import ObjPath
+from fsdp_convert.formats.index import ObjPath
 from fsdp_convert.writers._atomic import atomic_output
 from fsdp_convert.writers.safetensors import SafetensorsWriter
 from fsdp_convert.writers.torch_save import TorchSaveWriter
