@@ -7,9 +7,10 @@ import json
 import sys
 from typing import Any
 
+from rich.cells import cell_len
 from rich.console import Console
 
-__all__ = ["console", "err_console", "print_json", "human_bytes", "print_result"]
+__all__ = ["console", "err_console", "print_json", "human_bytes", "print_result", "shorten_middle"]
 
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
@@ -29,6 +30,49 @@ def human_bytes(n: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+def shorten_middle(name: str, width: int) -> str:
+    """``name`` in at most ``width`` cells, its middle replaced by ``…``.
+
+    The first dotted part (the group: ``model``, ``optim``) and the last (the parameter or state
+    name) stay, then indices (``layers.17``: which layer), then as much of the rest as fits, read
+    from the end: ``optim.state.model.layers.31.self_attn.q_proj.weight.exp_avg_sq`` in 37 cells is
+    ``optim.….31.….q_proj.weight.exp_avg_sq``. When even the first and last parts do not fit,
+    characters go from the middle.
+    """
+    if cell_len(name) <= width:
+        return name
+    if width <= 1:
+        return "…"[:width]
+    parts = name.split(".")
+    last = len(parts) - 1
+
+    def joined(keep: set[int], fill: str = "") -> str:
+        # each run of dropped parts is one "…"; `fill` ends the run just before the kept tail
+        out: list[str] = []
+        for i in sorted(keep):
+            if out and i - 1 not in keep:
+                out.append("…" + (fill if i == tail else ""))
+            out.append(parts[i])
+        return ".".join(out)
+
+    keep, tail = {0, last}, last
+    if last < 2 or cell_len(joined(keep)) > width:
+        right = (width - 1) // 2
+        return name[: width - 1 - right] + "…" + (name[-right:] if right else "")
+    for i in range(last - 1, 0, -1):
+        if parts[i].isdigit() and cell_len(joined(keep | {i})) <= width:
+            keep.add(i)
+    for i in range(last - 1, 0, -1):  # the tail, without holes
+        if i not in keep and cell_len(joined(keep | {i})) > width:
+            break
+        keep.add(i)
+        tail = i
+    room = width - cell_len(joined(keep))
+    if tail - 1 not in keep and room >= 4:  # the end of the part that did not fit, where it says something
+        return joined(keep, parts[tail - 1][max(0, len(parts[tail - 1]) - room) :])
+    return joined(keep)
 
 
 # JSON names of result fields where they differ from the attribute's

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from rich.console import Console
 from rich.table import Table
 
 from fsdp_convert.cli._errors import handle_errors
 from fsdp_convert.cli._options import CheckpointArg, JsonOpt
-from fsdp_convert.cli._output import console, human_bytes, print_json
+from fsdp_convert.cli._output import console, human_bytes, print_json, shorten_middle
 from fsdp_convert.convert import InspectResult, inspect_checkpoint
 
 EXAMPLES = """
@@ -18,9 +19,13 @@ Examples:
 """
 
 
-def _render(result: InspectResult) -> None:
-    console.print(f"checkpoint: {result.checkpoint_id}", highlight=False)
-    console.print(
+_COLUMNS = (("shape", "left"), ("dtype", "left"), ("chunks", "right"), ("bytes", "right"))
+_MIN_FQN_WIDTH = 20
+
+
+def _render(result: InspectResult, out: Console = console) -> None:
+    out.print(f"checkpoint: {result.checkpoint_id}", highlight=False)
+    out.print(
         f"producer: {result.producer}   world size: {result.world_size}   "
         f"total: {human_bytes(result.total_bytes)} ({result.total_bytes} bytes) in {len(result.data_files)} data files",
         highlight=False,
@@ -29,17 +34,25 @@ def _render(result: InspectResult) -> None:
         rows = [e for e in result.entries if e.group == group]
         if not rows:
             continue
+        cells = [("bytes" if r.shape is None else str(r.shape), r.dtype or "-", str(r.chunks), str(r.nbytes)) for r in rows]
+        widths = [max(len(name), *(len(c[i]) for c in cells)) for i, (name, _) in enumerate(_COLUMNS)]
+        # one line per row: the FQN column gets what the others and the borders leave, and long FQNs
+        # are shortened in the middle to fit it instead of wrapping mid-word
+        fqn_width = max(_MIN_FQN_WIDTH, out.width - sum(widths) - 3 * (len(_COLUMNS) + 1) - 1)
         table = Table(title=f"{group}: {len(rows)} entries, {human_bytes(sum(r.nbytes for r in rows))}", title_justify="left")
-        for col, justify in (("FQN", "left"), ("shape", "left"), ("dtype", "left"), ("chunks", "right"), ("bytes", "right")):
-            table.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]
-        for r in rows:
-            shape = "bytes" if r.shape is None else str(r.shape)
-            table.add_row(r.fqn, shape, r.dtype or "-", str(r.chunks), str(r.nbytes))
-        console.print(table)
+        table.add_column("FQN", no_wrap=True)
+        for name, justify in _COLUMNS:
+            table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+        for r, c in zip(rows, cells):
+            table.add_row(shorten_middle(r.fqn, fqn_width), *c)
+        out.print(table)
 
 
 def inspect_command(checkpoint: CheckpointArg, json_output: JsonOpt = False) -> None:
-    """Show FQNs, global shapes, dtypes, chunks and bytes of a DCP checkpoint, and who wrote it."""
+    """Show FQNs, global shapes, dtypes, chunks and bytes of a DCP checkpoint, and who wrote it.
+
+    FQNs too long for the terminal lose parts from their middle (model.….17.mlp.weight); --json has them whole.
+    """
     with handle_errors():
         result = inspect_checkpoint(checkpoint)
     if json_output:
