@@ -7,7 +7,6 @@ chunks that do not tile their tensor) is caught here, before a tensor is read.
 from __future__ import annotations
 
 import heapq
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -32,7 +31,6 @@ __all__ = [
     "plan_reshard",
     "dim0_boxes",
     "OutputFormat",
-    "parse_size",
     "ShardPlan",
     "plan_shards",
     "default_nproc",
@@ -61,31 +59,6 @@ RequestedFormat = Literal["auto", "torch", "safetensors"]
 DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # "5GB", transformers' save_pretrained default
 MIN_BYTES_PER_WORKER = 256 << 20  # below this a worker's start-up (~2 s) costs more than it saves
-
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}  # fmt: skip
-
-
-def parse_size(text: str) -> int:
-    """Parse a byte size such as ``1GiB``, ``512MiB``, ``5GB`` or ``4096``; in bytes.
-
-    Decimal units (``KB``, ``MB``, ``GB``, ``TB``) are powers of 1000, binary ones (``KiB``, ...)
-    powers of 1024, as in transformers' ``max_shard_size``.
-
-    Raises:
-        InvalidOptionError: not a size, or not positive.
-    """
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = m.group(2).lower() if m else ""
-    if m is None or unit not in _SIZE_UNITS:
-        raise InvalidOptionError(f"{text!r} is not a size (examples: 1GiB, 512MiB, 5GB, 4096)")
-    value = int(float(m.group(1)) * _SIZE_UNITS[unit])
-    if value <= 0:
-        raise InvalidOptionError(f"size {text!r} must be positive")
-    return value
 
 
 def output_format(output: Path, requested: RequestedFormat = "auto") -> OutputFormat:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from enum import Enum
 from typing import Annotated, Any, TypeVar
 
@@ -20,6 +21,7 @@ __all__ = [
     "DtypeChoice",
     "RdzvBackendChoice",
     "choice_option",
+    "parse_size",
     "CheckpointArg",
     "OutputArg",
     "JsonOpt",
@@ -142,6 +144,33 @@ def choice_option(kind: type[Choice], flag: str, *, help: str, **kwargs: Any) ->
         return [m.value for m in kind if m.value.startswith(incomplete)]
 
     return typer.Option(flag, metavar=kind.metavar(), parser=parse, autocompletion=complete, help=help, **kwargs)
+
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """A byte size such as ``1GiB``, ``512MiB``, ``5GB`` or ``4096``; in bytes.
+
+    For ``--memory-budget`` and ``--max-shard-size``; the library takes bytes. Decimal units
+    (``KB``, ``MB``, ``GB``, ``TB``) are powers of 1000, binary ones (``KiB``, ...) powers of 1024,
+    as in transformers' ``max_shard_size``.
+
+    Raises:
+        InvalidOptionError: not a size, or not positive.
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _SIZE_UNITS:
+        raise InvalidOptionError(f"{text!r} is not a size (examples: 1GiB, 512MiB, 5GB, 4096)")
+    value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise InvalidOptionError(f"size {text!r} must be positive")
+    return value
 
 
 CheckpointArg = Annotated[

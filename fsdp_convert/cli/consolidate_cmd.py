@@ -35,11 +35,11 @@ from fsdp_convert.cli._options import (
     RenameOpt,
     choice_option,
     cluster_options,
+    parse_size,
     transform_options,
 )
 from fsdp_convert.cli._output import human_bytes, print_result
 from fsdp_convert.convert import consolidate
-from fsdp_convert.plan import parse_size
 
 EXAMPLES = """
 Examples:

@@ -12,7 +12,8 @@ import torch
 from typer.testing import CliRunner
 
 from fsdp_convert.cli import app
-from fsdp_convert.cli._options import DtypeChoice, OptimKeysChoice
+from fsdp_convert.cli._options import DtypeChoice, OptimKeysChoice, parse_size
+from fsdp_convert.errors import InvalidOptionError
 
 WIDE = {"COLUMNS": "250"}  # one help line per option, so each metavar can be found whole
 
@@ -71,6 +72,7 @@ def test_help_lists_the_choices(runner: CliRunner, command: str, choices: dict[s
         ("consolidate", ["--dtype", "fp8"], "--dtype 'fp8' is not a dtype; use fp32, bf16 or fp16"),
         ("reshard", ["--world-size=2", "--optim-dtype", "int8"], "--optim-dtype 'int8' is not a dtype; use fp32, bf16 or fp16"),
         ("verify", ["--rdzv-backend", "etcd"], "--rdzv-backend 'etcd': use c10d or static"),
+        ("consolidate", ["--max-shard-size", "lots"], "'lots' is not a size (examples: 1GiB, 512MiB, 5GB, 4096)"),
     ],
 )
 def test_bad_choice_is_a_one_line_usage_error(
@@ -113,3 +115,17 @@ def test_the_library_gets_its_own_types(runner: CliRunner, monkeypatch: pytest.M
     assert (options.dtype, options.optim_dtype) == (torch.float16, torch.bfloat16)
     assert type(cluster.rdzv_backend) is str and cluster.rdzv_backend == "static"
     assert (seen["max_shard_bytes"], seen["memory_budget_bytes"]) == (2 * 10**9, 2**30)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("4096", 4096), ("1GiB", 2**30), ("512MiB", 512 * 2**20), ("5GB", 5 * 10**9), ("1.5kb", 1500), (" 2 MB ", 2 * 10**6)],
+)
+def test_parse_size(text: str, value: int) -> None:
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "lots", "1XB", "0", "-5MB"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(InvalidOptionError):
+        parse_size(text)

@@ -15,7 +15,6 @@ from fsdp_convert.plan import (
     default_nproc,
     groups_for,
     output_format,
-    parse_size,
     plan_consolidate,
     plan_shards,
 )
@@ -86,20 +85,6 @@ def test_plan_rejects_bad_options(ws3_ckpt: Sample, tmp_path: Path) -> None:
     assert max(loads) - min(loads) <= max(item.nbytes for item in plan.items)
     with pytest.raises(InvalidOptionError, match="nothing to write"):
         plan_consolidate(index, (), tmp_path / "x.pt", fmt="torch_save")
-
-
-@pytest.mark.parametrize(
-    ("text", "value"),
-    [("4096", 4096), ("1GiB", 2**30), ("512MiB", 512 * 2**20), ("5GB", 5 * 10**9), ("1.5kb", 1500), (" 2 MB ", 2 * 10**6)],
-)
-def test_parse_size(text: str, value: int) -> None:
-    assert parse_size(text) == value
-
-
-@pytest.mark.parametrize("text", ["", "lots", "1XB", "0", "-5MB"])
-def test_parse_size_rejects(text: str) -> None:
-    with pytest.raises(InvalidOptionError):
-        parse_size(text)
 
 
 def test_shards_pack_in_order_like_save_pretrained() -> None:
