@@ -3,18 +3,10 @@
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fsdp_convert.convert import (
-        ConsolidateResult,
-        Difference,
-        EntrySummary,
-        InspectResult,
-        ReshardResult,
-        VerifyResult,
-        consolidate,
-        inspect_checkpoint,
-        reshard,
-        verify,
-    )
+    from fsdp_convert.ops.consolidate import ConsolidateResult, consolidate
+    from fsdp_convert.ops.inspect import EntrySummary, InspectResult, inspect_checkpoint
+    from fsdp_convert.ops.reshard import ReshardResult, reshard
+    from fsdp_convert.ops.verify import Difference, VerifyResult, verify
 
     inspect = inspect_checkpoint
 
@@ -35,32 +27,35 @@ from fsdp_convert.errors import (
     WorkerFailedError,
 )
 
-_FROM_CONVERT = frozenset(
-    {
-        "ConsolidateResult",
-        "Difference",
-        "EntrySummary",
-        "InspectResult",
-        "ReshardResult",
-        "VerifyResult",
-        "consolidate",
-        "inspect_checkpoint",
-        "reshard",
-        "verify",
-    }
-)
+# public name -> (module under fsdp_convert.ops, its name there)
+_OPERATIONS = {
+    "inspect": ("inspect", "inspect_checkpoint"),
+    "inspect_checkpoint": ("inspect", "inspect_checkpoint"),
+    "EntrySummary": ("inspect", "EntrySummary"),
+    "InspectResult": ("inspect", "InspectResult"),
+    "consolidate": ("consolidate", "consolidate"),
+    "ConsolidateResult": ("consolidate", "ConsolidateResult"),
+    "reshard": ("reshard", "reshard"),
+    "ReshardResult": ("reshard", "ReshardResult"),
+    "verify": ("verify", "verify"),
+    "VerifyResult": ("verify", "VerifyResult"),
+    "Difference": ("verify", "Difference"),
+}
 
 
 def __getattr__(name: str) -> Any:
     """The operations, imported on first use.
 
     Importing the package (and the CLI) stays free of torch until a command runs, so the CLI can
-    set torch's C++ log level first.
+    set torch's C++ log level first. They live in ``fsdp_convert.ops``, not in top-level modules
+    named like them: importing such a submodule would bind its name on this package and shadow
+    the function.
     """
-    if name in _FROM_CONVERT or name == "inspect":
-        from fsdp_convert import convert
+    if name in _OPERATIONS:
+        import importlib
 
-        return getattr(convert, "inspect_checkpoint" if name == "inspect" else name)
+        module, attr = _OPERATIONS[name]
+        return getattr(importlib.import_module(f"fsdp_convert.ops.{module}"), attr)
     raise AttributeError(f"module 'fsdp_convert' has no attribute {name!r}")
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "exists",
     "upload",
     "staged_upload",
+    "local_output",
 ]
 
 
@@ -160,3 +161,33 @@ def staged_upload(url: Url, *, overwrite: bool, last: tuple[str, ...] = ()) -> I
         upload(folder / url.name, url, last=last)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def local_output(
+    output: str | os.PathLike[str], *, overwrite: bool, shared: bool, last: tuple[str, ...]
+) -> Iterator[tuple[Path, Location]]:
+    """The local path to write an output to, and the location to report.
+
+    A local ``output`` is written in place. An fsspec URL is written to a local temporary and
+    uploaded when the block completes (``staged_upload``; the files in ``last`` go last).
+
+    Args:
+        output: the output path or URL.
+        overwrite: replace what is at a URL.
+        shared: a multi-node run, whose nodes write to a filesystem they all mount.
+        last: names of files in an output folder to upload after all others.
+
+    Raises:
+        InvalidOptionError: an fsspec URL for a multi-node run (nodes write to a shared filesystem).
+        OutputExistsError: the URL exists and ``overwrite`` is false.
+        OutputWriteError: the upload fails.
+    """
+    location = as_location(output)
+    if isinstance(location, Path):
+        yield location, location
+        return
+    if shared:
+        raise InvalidOptionError(f"{location}: a multi-node run writes to a filesystem every node shares, not to object storage")
+    with staged_upload(location, overwrite=overwrite, last=last) as local:
+        yield local, location

@@ -124,9 +124,9 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "hf-index-misnames-keys",
         "a Hugging Face folder that from_pretrained loads with the trained logits",
-        "fsdp_convert/convert.py",
-        "weight_map = {safetensors_name(plan.items[i].path): shard.filename",
-        'weight_map = {safetensors_name(plan.items[i].path) + "_": shard.filename',
+        "fsdp_convert/writers/safetensors.py",
+        "weight_map = {safetensors_name(p): shard.filename",
+        'weight_map = {safetensors_name(p) + "_": shard.filename',
         "tests/test_hf.py::test_from_pretrained_gives_the_trained_logits",
     ),
     Mutation(
@@ -188,7 +188,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "verify-drops-differences",
         "verify: exit 1 with a table of the differing, missing and extra keys",
-        "fsdp_convert/compare.py",
+        "fsdp_convert/ops/verify.py",
         'diffs += [Difference(key=k, kind="differs", detail=d) for k, d in (differing or [])]',
         "diffs += []",
         "tests/test_consolidate.py::test_verify_reports_differing_missing_and_extra",
@@ -204,7 +204,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "recv-always-from-rank-1",
         "for a single-file output each worker hands finished tensors to rank 0, the only writer, which writes them in the producer's order, so the output is byte-identical for any N",
-        "fsdp_convert/convert.py",
+        "fsdp_convert/ops/consolidate.py",
         "return transport.recv(item.shape, item.dtype, owner), None",
         "return transport.recv(item.shape, item.dtype, 1), None",
         "tests/test_consolidate.py::test_consolidate_nproc3_is_byte_identical_to_nproc1",
@@ -212,7 +212,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "shards-written-by-rank-mod-2",
         "Each worker writes its own shards; rank 0 writes the index.",
-        "fsdp_convert/convert.py",
+        "fsdp_convert/ops/consolidate.py",
         "mine = [s for s in plan.shards if s.owner == rank]",
         "mine = [s for s in plan.shards if s.owner == rank % 2]",
         "tests/test_consolidate.py::test_consolidate_nproc3_is_byte_identical_to_nproc1",
@@ -220,7 +220,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "verify-option-never-fails",
         "`--verify` reads the written output back and compares it with the checkpoint, tensor by tensor, before it is moved into place.",
-        "fsdp_convert/convert.py",
+        "fsdp_convert/ops/consolidate.py",
         "if not check.equal:",
         "if False:",
         "tests/test_consolidate.py::test_verify_option_catches_a_corrupt_write",
@@ -228,7 +228,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "write-path-loses-sign-of-zero",
         "compares every tensor bitwise with the run's own full state dict",
-        "fsdp_convert/convert.py",
+        "fsdp_convert/ops/consolidate.py",
         "    return tensor, crc",
         "    return tensor + 0.0, None",
         "tests/test_consolidate.py::test_consolidate_pt_equals_ground_truth[ws3_fp32]",
@@ -236,7 +236,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "write-path-canonicalizes-nan",
         "compares every tensor bitwise with the run's own full state dict",
-        "fsdp_convert/convert.py",
+        "fsdp_convert/ops/consolidate.py",
         "    return tensor, crc",
         "    return torch.where(tensor.isnan(), torch.nan, tensor), None",
         "tests/test_consolidate.py::test_consolidate_pt_equals_ground_truth[ws3_fp32]",
@@ -244,7 +244,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "cast-drops-nan",
         "`--dtype fp32|bf16|fp16` casts floating-point model tensors; `--optim-dtype` the optimizer state",
-        "fsdp_convert/convert.py",
+        "fsdp_convert/ops/consolidate.py",
         "return tensor.to(item.dtype), None",
         "return torch.nan_to_num(tensor.to(item.dtype)), None",
         "tests/test_transforms.py::test_rename_filter_and_cast_apply_to_model_and_optimizer",
@@ -252,7 +252,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "reshard-loses-sign-of-zero",
         "compares every tensor bitwise with the run's own full state dict",
-        "fsdp_convert/convert.py",
+        "fsdp_convert/ops/reshard.py",
         "box if box.dtype == item.dtype else box.to(item.dtype)",
         "box + 0.0 if box.dtype == item.dtype else box.to(item.dtype)",
         "tests/test_reshard.py::test_resharded_checkpoint_reads_with_torch_dcp_to_torch_save",
@@ -260,7 +260,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "verify-tolerance-nan-unequal",
         "Tensors must match in dtype, shape and bits (or within `--atol`/`--rtol`)",
-        "fsdp_convert/compare.py",
+        "fsdp_convert/ops/verify.py",
         "equal_nan=True",
         "equal_nan=False",
         "tests/test_consolidate.py::test_verify_reports_differing_missing_and_extra",
@@ -268,7 +268,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "verify-detail-nan-max",
         "Exit 0 when equal, 1 with a table (or `--json`) of the differing, missing (only in A) and extra (only in B) keys.",
-        "fsdp_convert/compare.py",
+        "fsdp_convert/ops/verify.py",
         "a.isnan() & b.isnan()",
         "a.isnan() & b.isnan() & False",
         "tests/test_consolidate.py::test_verify_reports_differing_missing_and_extra",
@@ -356,7 +356,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "reshard-reads-whole-tensor-per-target-chunk",
         "Only the source chunks a target chunk meets are read.",
-        "fsdp_convert/convert.py",
+        "fsdp_convert/ops/reshard.py",
         "box = reader.read_box(item.entry, chunk.offsets, chunk.sizes)",
         "box = reader.read_box(item.entry, (0,) * len(chunk.sizes), item.entry.shape).narrow(0, chunk.offsets[0], chunk.sizes[0]) if chunk.sizes else reader.read_box(item.entry, chunk.offsets, chunk.sizes)",
         "tests/test_reshard.py::test_reshard_reads_only_the_source_chunks_a_target_chunk_meets[4-1]",
@@ -436,7 +436,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "inspect-counts-nonempty-chunks-only",
         "prints the producer ..., its world size (the number of distinct ranks that wrote data files), the total bytes, and every entry grouped by top-level key: FQN, global shape, dtype, number of chunks and bytes",
-        "fsdp_convert/convert.py",
+        "fsdp_convert/ops/inspect.py",
         "chunks=len(e.chunks),",
         "chunks=len([c for c in e.chunks if c.numel > 0]),",
         "tests/cli/test_cli.py::test_inspect_json_agrees_with_torchs_reading_of_metadata",
@@ -444,7 +444,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "inspect-bytes-entry-size-zero",
         "prints the producer ..., its world size (the number of distinct ranks that wrote data files), the total bytes, and every entry grouped by top-level key: FQN, global shape, dtype, number of chunks and bytes",
-        "fsdp_convert/convert.py",
+        "fsdp_convert/ops/inspect.py",
         "chunks=1, nbytes=e.nbytes)",
         "chunks=1, nbytes=0)",
         "tests/cli/test_cli.py::test_inspect_json_agrees_with_torchs_reading_of_metadata",
@@ -580,7 +580,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "verify-workers-drop-differences",
         "verify --nproc N compares with N workers, each opening both sides and taking every N-th key; rank 0 gathers the differences",
-        "fsdp_convert/compare.py",
+        "fsdp_convert/ops/verify.py",
         'diffs += [Difference(key=k, kind="differs", detail=d) for k, d in (differing or [])]',
         'diffs += [Difference(key=k, kind="differs", detail=d) for k, d in (differing or [])][:1]',
         "tests/e2e/test_multinode.py::test_verify_with_two_workers_gathers_every_difference",

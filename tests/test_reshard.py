@@ -36,7 +36,7 @@ from typer.testing import CliRunner
 import fsdp_convert
 from fsdp_convert._sample import SampleConfig, Transformer
 from fsdp_convert.cli import app
-from fsdp_convert.convert import reshard
+from fsdp_convert.ops.reshard import reshard
 from tests._compare import assert_same_state
 from tests._dist import run_ranks
 from tests.conftest import Sample

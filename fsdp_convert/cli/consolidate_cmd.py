@@ -39,7 +39,7 @@ from fsdp_convert.cli._options import (
     transform_options,
 )
 from fsdp_convert.cli._output import human_bytes, print_result
-from fsdp_convert.convert import consolidate
+from fsdp_convert.ops.consolidate import consolidate
 
 EXAMPLES = """
 Examples:

@@ -8,7 +8,7 @@ from rich.table import Table
 from fsdp_convert.cli._errors import handle_errors
 from fsdp_convert.cli._options import CheckpointArg, JsonOpt
 from fsdp_convert.cli._output import console, human_bytes, print_json, shorten_middle
-from fsdp_convert.convert import InspectResult, inspect_checkpoint
+from fsdp_convert.ops.inspect import InspectResult, inspect_checkpoint
 
 EXAMPLES = """
 Examples:

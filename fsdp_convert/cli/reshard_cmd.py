@@ -30,7 +30,7 @@ from fsdp_convert.cli._options import (
     transform_options,
 )
 from fsdp_convert.cli._output import human_bytes, print_result
-from fsdp_convert.convert import reshard
+from fsdp_convert.ops.reshard import reshard
 
 EXAMPLES = """
 Examples:

@@ -20,7 +20,7 @@ from fsdp_convert.cli._options import (
     cluster_options,
 )
 from fsdp_convert.cli._output import console, print_json
-from fsdp_convert.convert import VerifyResult, verify
+from fsdp_convert.ops.verify import VerifyResult, verify
 from fsdp_convert.transform import TransformOptions
 
 EXAMPLES = """

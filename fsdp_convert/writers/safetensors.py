@@ -14,6 +14,7 @@ import math
 import os
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -23,7 +24,7 @@ from fsdp_convert.constants import SAFETENSORS_DTYPES, SAFETENSORS_TO_TORCH
 from fsdp_convert.formats.index import ObjPath, dcp_key
 from fsdp_convert.writers._buffer import byte_view, close_synced, dense
 
-__all__ = ["SafetensorsWriter", "SAFETENSORS_DTYPES", "SAFETENSORS_TO_TORCH", "safetensors_name"]
+__all__ = ["SafetensorsWriter", "SAFETENSORS_DTYPES", "SAFETENSORS_TO_TORCH", "safetensors_name", "ShardFile", "write_hf_index"]
 
 
 def safetensors_name(path: ObjPath) -> str:
@@ -99,3 +100,40 @@ class SafetensorsWriter:
     def close(self) -> None:
         """Close the file without completing it; the caller removes it."""
         self._file.close()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardFile:
+    """One safetensors shard of a Hugging Face folder, as its index lists it.
+
+    Attributes:
+        filename: the shard's name inside the folder (``model-00001-of-00003.safetensors``).
+        paths: the nested path of each tensor it holds (``("model", "layers", "0", ...)``), in
+            file order; the index names them as ``safetensors_name`` does.
+        tensor_bytes: tensor data in the shard, in bytes.
+    """
+
+    filename: str
+    paths: tuple[ObjPath, ...]
+    tensor_bytes: int
+
+
+def write_hf_index(path: str | os.PathLike[str], shards: Sequence[ShardFile]) -> None:
+    """Write a sharded folder's ``model.safetensors.index.json`` and fsync it. Rank 0 only.
+
+    The format of transformers' ``save_pretrained``: ``{"metadata": {"total_size": bytes},
+    "weight_map": {tensor name: shard file name}}``.
+
+    Args:
+        path: the index file to create (the folder's ``model.safetensors.index.json``).
+        shards: every shard of the folder.
+
+    Raises:
+        FileExistsError: ``path`` exists.
+    """
+    weight_map = {safetensors_name(p): shard.filename for shard in shards for p in shard.paths}
+    index = {"metadata": {"total_size": sum(s.tensor_bytes for s in shards)}, "weight_map": weight_map}
+    with open(path, "x") as f:
+        f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())

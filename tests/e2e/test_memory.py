@@ -37,7 +37,7 @@ HOOK = '''
 """Test hook (tests/e2e/test_memory.py): per-process peak memory records and a slow writer."""
 import functools, json, os, time
 import torch.distributed.launcher.api  # everything a run imports, before the baseline
-import fsdp_convert, fsdp_convert.convert, fsdp_convert.launch
+import fsdp_convert, fsdp_convert.ops.consolidate, fsdp_convert.launch
 from fsdp_convert.writers.torch_save import TorchSaveWriter
 
 
@@ -58,7 +58,7 @@ def record(role):
         json.dump({"pid": os.getpid(), "role": role, "base": BASE, "peak": vm_hwm()}, f)
 
 
-_run_rank = fsdp_convert.convert._consolidate_rank
+_run_rank = fsdp_convert.ops.consolidate._consolidate_rank
 
 
 @functools.wraps(_run_rank)  # same name and module: the launcher pickles it by reference
@@ -68,7 +68,7 @@ def _consolidate_rank(job, rank, world_size, transport):
     return result
 
 
-fsdp_convert.convert._consolidate_rank = _consolidate_rank
+fsdp_convert.ops.consolidate._consolidate_rank = _consolidate_rank
 
 DELAY = float(os.environ.get("MEMORY_TEST_WRITE_DELAY", "0"))
 if DELAY:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fsdp_convert.errors import CoverageError, InvalidOptionError
+from fsdp_convert.items import prepare_items
 from fsdp_convert.metadata import BytesEntry, ChunkEntry, TensorEntry, read_index
 from fsdp_convert.plan import (
     assign_owners,
@@ -18,7 +19,6 @@ from fsdp_convert.plan import (
     plan_consolidate,
     plan_shards,
 )
-from fsdp_convert.sources import prepare_items
 from fsdp_convert.transform import OutputItem, TransformOptions
 from tests.conftest import Sample
 

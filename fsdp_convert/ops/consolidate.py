@@ -1,16 +1,18 @@
-"""The operations: each a short function calling the stages in order (index, plan, read, write)."""
+"""Operation ``consolidate``: index, transform, plan, then read and write on the workers (launch).
+
+Rank 0 writes a single-file output, which every other worker feeds over gloo in file order; for a
+folder output each worker writes its own safetensors shards and rank 0 the index and the torch.save
+side files. Progress bars (tqdm, on stderr) count bytes read and written.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
-import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from functools import partial
@@ -20,154 +22,35 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from fsdp_convert.compare import Difference, VerifyResult, verify
-from fsdp_convert.errors import InvalidOptionError, VerificationError
+from fsdp_convert.constants import HF_INDEX_FILENAME
+from fsdp_convert.errors import VerificationError
+from fsdp_convert.formats.index import BytesEntry, Location, TensorEntry
+from fsdp_convert.items import prepare_items
 from fsdp_convert.launch import Cluster, GlooTransport, job_world_size, run_ranks, shared_tag
-from fsdp_convert.layout import GROUPS, Group, classify, dcp_key, detect_producer
-from fsdp_convert.metadata import METADATA_FILENAME, BytesEntry, TensorEntry, dtype_name, read_index
+from fsdp_convert.metadata import read_index
+from fsdp_convert.ops.verify import verify
 from fsdp_convert.plan import (
     DEFAULT_MAX_SHARD_BYTES,
     DEFAULT_MEMORY_BUDGET_BYTES,
-    HF_INDEX_FILENAME,
-    HF_SINGLE_FILENAME,
     FilePlan,
     Only,
     RequestedFormat,
-    ReshardPlan,
     WorkPlan,
     groups_for,
     plan_consolidate,
-    plan_reshard,
 )
 from fsdp_convert.plan import output_format as plan_output_format
 from fsdp_convert.prefetch import prefetch
 from fsdp_convert.reader import ChunkReader, check_data_files
-from fsdp_convert.remote import Location, as_location, staged_upload
-from fsdp_convert.sources import FileBoxReader, file_index, prepare_items
+from fsdp_convert.remote import local_output
 from fsdp_convert.transform import OutputItem, TransformOptions
 from fsdp_convert.writers import SafetensorsWriter, StateDictWriter, TorchSaveWriter, atomic_output
 from fsdp_convert.writers._atomic import LeaveToOwner, check_output_free, writing
-from fsdp_convert.writers.dcp import MetadataEntry, RankFileWriter, StoredChunk, rank_filename, write_metadata
-from fsdp_convert.writers.safetensors import safetensors_name
+from fsdp_convert.writers.safetensors import ShardFile, write_hf_index
 
-__all__ = [
-    "EntrySummary",
-    "InspectResult",
-    "ConsolidateResult",
-    "Difference",
-    "VerifyResult",
-    "inspect_checkpoint",
-    "consolidate",
-    "verify",
-    "reshard",
-    "ReshardResult",
-]
+__all__ = ["ConsolidateResult", "consolidate"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EntrySummary:
-    """One row of ``inspect``.
-
-    Attributes:
-        fqn: flattened key as stored.
-        group: ``model``, ``optim`` or ``other`` (by top-level key).
-        kind: ``tensor`` or ``bytes`` (a pickled plain value).
-        shape: global shape in elements (``None`` for bytes).
-        dtype: element type name, e.g. ``"bfloat16"`` (``None`` for bytes).
-        chunks: number of stored chunks (1 for bytes).
-        nbytes: tensor size (elements x item size) or payload size, in bytes.
-    """
-
-    fqn: str
-    group: Group
-    kind: str
-    shape: tuple[int, ...] | None
-    dtype: str | None
-    chunks: int
-    nbytes: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class InspectResult:
-    """What ``.metadata`` says about a checkpoint; see ``inspect_checkpoint``."""
-
-    checkpoint_id: Location
-    producer: str
-    world_size: int
-    total_bytes: int
-    data_files: tuple[str, ...]
-    version: str | None
-    entries: tuple[EntrySummary, ...]
-
-    def to_json_dict(self) -> dict[str, Any]:
-        """JSON-ready form: dtypes as strings, shapes as lists, ``schema_version`` 1."""
-        groups: dict[str, list[dict[str, Any]]] = {g: [] for g in GROUPS}
-        for e in self.entries:
-            groups[e.group].append(
-                {
-                    "fqn": e.fqn,
-                    "kind": e.kind,
-                    "shape": None if e.shape is None else list(e.shape),
-                    "dtype": e.dtype,
-                    "chunks": e.chunks,
-                    "bytes": e.nbytes,
-                }
-            )
-        return {
-            "schema_version": 1,
-            "checkpoint": str(self.checkpoint_id),
-            "producer": self.producer,
-            "world_size": self.world_size,
-            "total_bytes": self.total_bytes,
-            "data_files": list(self.data_files),
-            "dcp_version": self.version,
-            "groups": groups,
-        }
-
-
-def inspect_checkpoint(checkpoint_id: str | os.PathLike[str]) -> InspectResult:
-    """Describe a DCP checkpoint from its ``.metadata`` alone (no data file is opened).
-
-    Args:
-        checkpoint_id: the checkpoint folder.
-
-    Returns:
-        Producer, world size (distinct writer ranks), total bytes, data files, and one
-        ``EntrySummary`` per entry in the producer's order.
-
-    Raises:
-        CheckpointNotFoundError, NotADcpCheckpointError, UnsafeContentError: see ``read_index``.
-    """
-    index = read_index(checkpoint_id)
-    rows = []
-    for e, slot in zip(index.entries, classify(index), strict=True):
-        if isinstance(e, TensorEntry):
-            rows.append(
-                EntrySummary(
-                    fqn=e.fqn,
-                    group=slot.group_name,
-                    kind="tensor",
-                    shape=e.shape,
-                    dtype=dtype_name(e.dtype),
-                    chunks=len(e.chunks),
-                    nbytes=e.nbytes,
-                )
-            )
-        else:
-            rows.append(
-                EntrySummary(fqn=e.fqn, group=slot.group_name, kind="bytes", shape=None, dtype=None, chunks=1, nbytes=e.nbytes)
-            )
-    return InspectResult(
-        checkpoint_id=index.checkpoint_id,
-        producer=detect_producer(index),
-        world_size=index.world_size,
-        total_bytes=index.total_bytes,
-        data_files=index.data_files,
-        version=index.version,
-        entries=tuple(rows),
-    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -331,18 +214,6 @@ def _write_shards(job: _ConsolidateJob, rank: int) -> None:
                 raise
 
 
-def _write_hf_index(job: _ConsolidateJob) -> None:
-    plan = job.plan
-    if len(plan.shards) <= 1:
-        return
-    weight_map = {safetensors_name(plan.items[i].path): shard.filename for shard in plan.shards for i in shard.item_ids}
-    index = {"metadata": {"total_size": sum(s.tensor_bytes for s in plan.shards)}, "weight_map": weight_map}
-    with open(job.tmp_output / HF_INDEX_FILENAME, "x") as f:
-        f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _open_writer(fmt: str, path: Path, items: list[OutputItem], strip: int) -> StateDictWriter:
     if fmt == "safetensors":
         layout = []
@@ -381,7 +252,12 @@ def _consolidate_rank(job: _ConsolidateJob, rank: int, world_size: int, transpor
             return None
         if plan.output_format != "hf_dir":
             return size
-        _write_hf_index(job)
+        if len(plan.shards) > 1:
+            shards = [
+                ShardFile(filename=s.filename, paths=tuple(plan.items[i].path for i in s.item_ids), tensor_bytes=s.tensor_bytes)
+                for s in plan.shards
+            ]
+            write_hf_index(job.tmp_output / HF_INDEX_FILENAME, shards)
         return sum(p.stat().st_size for p in job.tmp_output.iterdir())
 
 
@@ -455,7 +331,8 @@ def consolidate(
         WorkerFailedError: a worker died.
         VerificationError: ``verify_output`` found a difference (nothing is left at ``output``).
     """
-    with local_output(output, overwrite=overwrite, cluster=cluster, last=(HF_INDEX_FILENAME,)) as (output, shown):
+    shared = shared_tag(cluster) is not None
+    with local_output(output, overwrite=overwrite, shared=shared, last=(HF_INDEX_FILENAME,)) as (output, shown):
         start = time.monotonic()
         options = options or TransformOptions()
         index = read_index(checkpoint_id)
@@ -508,193 +385,5 @@ def consolidate(
             output,
             result.seconds,
             plan.nproc,
-        )
-    return dataclasses.replace(result, output=shown)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReshardResult:
-    """What ``reshard`` wrote.
-
-    Attributes:
-        output: the output DCP folder.
-        target_world_size: ranks it is laid out for (one data file each, if it holds chunks).
-        chunks: tensor chunks written.
-        file_bytes: size of the data files and ``.metadata``, in bytes.
-        nproc: writing workers.
-        seconds: wall time, in seconds.
-        owner: False in a process that did not write ``.metadata`` (see ``ConsolidateResult``).
-    """
-
-    output: Location
-    target_world_size: int
-    chunks: int
-    file_bytes: int
-    nproc: int
-    seconds: float
-    owner: bool = True
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _ReshardJob:
-    checkpoint_id: Location
-    plan: ReshardPlan
-    tmp_output: Path
-    check_crc: bool
-    chunked: bool  # the source has data files (ChunkReader), else it is one full file (FileBoxReader)
-
-
-def _payload(value: Any) -> bytes:
-    """A plain value as DCP stores a bytes entry: a torch.save payload."""
-    buf = io.BytesIO()
-    torch.save(value, buf)
-    return buf.getvalue()
-
-
-@contextlib.contextmanager
-def local_output(
-    output: str | os.PathLike[str], *, overwrite: bool, cluster: Cluster | None, last: tuple[str, ...]
-) -> Iterator[tuple[Path, Location]]:
-    """The local path to write an output to, and the location to report.
-
-    A local ``output`` is written in place. An fsspec URL is written to a local temporary and
-    uploaded when the block completes (``remote.staged_upload``; the files in ``last`` go last).
-
-    Raises:
-        InvalidOptionError: an fsspec URL for a multi-node run (nodes write to a shared filesystem).
-        OutputExistsError: the URL exists and ``overwrite`` is false.
-        OutputWriteError: the upload fails.
-    """
-    location = as_location(output)
-    if isinstance(location, Path):
-        yield location, location
-        return
-    if shared_tag(cluster) is not None:
-        raise InvalidOptionError(f"{location}: a multi-node run writes to a filesystem every node shares, not to object storage")
-    with staged_upload(location, overwrite=overwrite, last=last) as local:
-        yield local, location
-
-
-def _reshard_rank(job: _ReshardJob, worker: int, world_size: int, transport: GlooTransport | None) -> None:
-    """Write the rank files of ``worker``'s target ranks; their records go to ``.records-<rank>``."""
-    plan = job.plan
-    reader = ChunkReader(job.checkpoint_id, check_crc=job.check_crc) if job.chunked else FileBoxReader(job.checkpoint_id)
-    with reader, writing(job.tmp_output):
-        for rank in plan.ranks_of(worker):
-            out = RankFileWriter(job.tmp_output, rank)
-            try:
-                for item, chunks in zip(plan.items, plan.chunks, strict=True):
-                    for chunk in chunks:
-                        if chunk.rank != rank:
-                            continue
-                        fqn = dcp_key(item.path)
-                        if item.constant:
-                            out.add_raw(fqn, _payload(item.value))
-                        elif isinstance(item.entry, BytesEntry):
-                            out.add_raw(fqn, reader.read_raw(item.entry))
-                        else:
-                            box = reader.read_box(item.entry, chunk.offsets, chunk.sizes)
-                            out.add_box(fqn, chunk.offsets, box if box.dtype == item.dtype else box.to(item.dtype))
-                out.finish()
-            except BaseException:
-                out.close()
-                raise
-            # our own records for the parent, which writes .metadata once every rank is done
-            records = [c.to_json() for c in out.stored]
-            (job.tmp_output / f".records-{rank}").write_text(json.dumps(records))
-
-
-def reshard(
-    checkpoint_id: str | os.PathLike[str],
-    output: str | os.PathLike[str],
-    *,
-    world_size: int,
-    nproc: int | None = None,
-    options: TransformOptions | None = None,
-    overwrite: bool = False,
-    check_crc: bool = True,
-    cluster: Cluster | None = None,
-) -> ReshardResult:
-    """Lay a checkpoint out for ``world_size`` ranks: a new DCP folder any DCP loader reads.
-
-    The source is a DCP folder (any world size), or a full checkpoint: a torch.save file
-    (``.pt``/``.pth``/``.bin``, read with ``weights_only=True, mmap=True``), a safetensors file or
-    a Hugging Face folder, whose nesting (or flat names) the output keeps.
-
-    Every tensor is split on dim 0 in ``torch.chunk(world_size)`` order, rank r's chunks in
-    ``__r_0.distcp`` (the layout of FSDP2's ``Shard(0)``), so at that world size each rank reads
-    only its own file; 0-dim and replicated tensors stay whole and bytes entries are carried over
-    unchanged, both in rank 0's file. ``.metadata`` is written last.
-
-    Args:
-        checkpoint_id: the source: a DCP folder, a full torch.save or safetensors file, or an HF folder.
-        output: the output folder.
-        world_size: the target world size.
-        nproc: writing workers (each writes whole rank files); default 1.
-        options: key and dtype transforms, as for ``consolidate``; the output keeps the source's
-            nesting (``{"model": ..., "optim": ...}``, torchtitan's top-level weights...), so the
-            producer's own loader reads it.
-        overwrite: replace an existing ``output`` (at the final rename only).
-        check_crc: check CRC-32s of the source payloads.
-        cluster: torchrun's multi-node options, as for ``consolidate``; rank 0's node writes ``.metadata``.
-
-    Raises:
-        As ``consolidate``, and InvalidOptionError for ``world_size < 1``.
-    """
-    with local_output(output, overwrite=overwrite, cluster=cluster, last=(METADATA_FILENAME,)) as (output, shown):
-        start = time.monotonic()
-        source = as_location(checkpoint_id)
-        full_file = isinstance(source, Path) and (  # a torch.save or safetensors file, or an HF folder
-            source.is_file()
-            or (
-                not (source / METADATA_FILENAME).exists()
-                and any((source / name).is_file() for name in (HF_INDEX_FILENAME, HF_SINGLE_FILENAME))
-            )
-        )
-        index = file_index(source) if full_file else read_index(source)
-        check_output_free(output, overwrite=overwrite, directory=True)
-        check_data_files(index)
-        items = prepare_items(index, options or TransformOptions(), GROUPS, check_crc=check_crc, keep_layout=True)
-        workers = job_world_size(nproc, cluster)
-        plan = plan_reshard(index, items, world_size, nproc=workers)
-        owner, file_bytes = False, 0
-        with atomic_output(output, overwrite=overwrite, directory=True, tag=shared_tag(cluster)) as tmp:
-            job = _ReshardJob(
-                checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, check_crc=check_crc, chunked=bool(index.data_files)
-            )
-            size = workers if shared_tag(cluster) else plan.nproc  # a shared job's plan may idle some workers
-            owner, _ = run_ranks(_reshard_rank, job, size or plan.nproc, DEFAULT_MEMORY_BUDGET_BYTES, cluster)
-            if not owner:
-                raise LeaveToOwner
-            stored = []
-            for rank in range(world_size):
-                records = tmp / f".records-{rank}"
-                stored += [StoredChunk.from_json(row) for row in json.loads(records.read_text())]
-                records.unlink()
-            for rank in range(world_size):  # a rank that holds nothing needs no file
-                data_file = tmp / rank_filename(rank)
-                if data_file.stat().st_size == 0:
-                    data_file.unlink()
-            entries = [
-                MetadataEntry(
-                    fqn=dcp_key(item.path),
-                    path=item.path,
-                    dtype=item.dtype if item.is_tensor else None,
-                    shape=item.shape if item.is_tensor else None,
-                    chunks=chunks,
-                )
-                for item, chunks in zip(plan.items, plan.chunks, strict=True)
-            ]
-            write_metadata(tmp, entries, stored, index.version)
-            file_bytes = sum(p.stat().st_size for p in tmp.iterdir())
-        chunks = sum(len(c) for item, c in zip(plan.items, plan.chunks, strict=True) if item.is_tensor)
-        result = ReshardResult(
-            output=output,
-            target_world_size=world_size,
-            chunks=chunks,
-            file_bytes=file_bytes,
-            nproc=plan.nproc,
-            seconds=time.monotonic() - start,
-            owner=owner,
         )
     return dataclasses.replace(result, output=shown)

@@ -1,22 +1,121 @@
-"""Comparison of two checkpoints of any formats, one tensor of each at a time (``verify``)."""
+"""Operation ``verify``, the read stage on both sides: two checkpoints of any formats compared key by key.
+
+Each side is seen as flat keys, DCP's flattened keys (``model.layers.0.attn.wq.weight``,
+``optim.state.<fqn>.exp_avg``, ``optim.param_groups.0.lr``), whose values are loaded one at a time:
+DCP tensors are assembled from their chunks (through ``transform`` items), torch.save files are
+memory-mapped, safetensors are read per tensor (``formats.full_file``).
+"""
 
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
+from fsdp_convert.errors import CheckpointNotFoundError
+from fsdp_convert.formats.full_file import is_hf_folder, open_full_file
+from fsdp_convert.formats.index import BytesEntry, Location, Url, check_coverage, dcp_key, dtype_name
+from fsdp_convert.items import prepare_items
 from fsdp_convert.launch import Cluster, GlooTransport, job_world_size, run_ranks
-from fsdp_convert.layout import Group, group_of_top
-from fsdp_convert.metadata import dtype_name
+from fsdp_convert.layout import GROUPS, Group, group_of_top
+from fsdp_convert.metadata import read_index
 from fsdp_convert.plan import Only
-from fsdp_convert.sources import open_source
-from fsdp_convert.transform import TransformOptions
+from fsdp_convert.reader import ChunkReader, check_data_files
+from fsdp_convert.remote import is_url
+from fsdp_convert.transform import OutputItem, TransformOptions
 
-__all__ = ["Difference", "VerifyResult", "verify"]
+__all__ = ["Source", "open_source", "Difference", "VerifyResult", "verify"]
+
+
+class Source(Protocol):
+    """A checkpoint seen as flat keys; values are loaded on demand, one at a time."""
+
+    @property
+    def path(self) -> Location:
+        """Where the checkpoint is."""
+        ...
+
+    kind: str  # "dcp", "torch_save", "safetensors" or "hf_dir"
+    model_only: bool  # holds model weights only (the safetensors formats)
+
+    def keys(self) -> list[str]:
+        """Every flat key, in the checkpoint's order."""
+        ...
+
+    def get(self, key: str) -> Any:
+        """The value of ``key``: a CPU tensor, or a plain Python value."""
+        ...
+
+    def close(self) -> None:
+        """Release open files."""
+        ...
+
+
+class _DcpSource:
+    """A DCP checkpoint seen through ``transform`` items.
+
+    Keys are the nested layout's (wrapper names removed, ``optimizer`` as ``optim``, flattened
+    optimizer state nested).
+    """
+
+    kind = "dcp"
+    model_only = False
+
+    def __init__(self, path: Location, check_crc: bool, options: TransformOptions | None) -> None:
+        self.path = path
+        self.index = read_index(path)
+        check_data_files(self.index)
+        # no options: the keys as saved (what torch's dcp_to_torch_save gives); else as consolidate writes them
+        raw = TransformOptions(keep_wrapper_names=True)
+        items = prepare_items(self.index, options or raw, GROUPS, check_crc=check_crc, keep_layout=options is None)
+        self._items: dict[str, OutputItem] = {dcp_key(item.path): item for item in items}
+        self._reader = ChunkReader(path, check_crc=check_crc)
+
+    def keys(self) -> list[str]:
+        return list(self._items)
+
+    def get(self, key: str) -> Any:
+        item = self._items[key]
+        if item.constant:
+            return item.value
+        entry = item.entry
+        if isinstance(entry, BytesEntry):
+            return self._reader.read_value(entry)
+        check_coverage(entry)
+        tensor = self._reader.read_tensor(entry)
+        return tensor if item.dtype in (None, tensor.dtype) else tensor.to(item.dtype)
+
+    def close(self) -> None:
+        self._reader.close()
+
+
+def open_source(path: str | os.PathLike[str], *, check_crc: bool = True, options: TransformOptions | None = None) -> Source:
+    """Open a checkpoint of any supported format by what the path holds.
+
+    A folder with ``.metadata`` is DCP; a folder with ``model.safetensors.index.json`` or
+    ``model.safetensors`` is a Hugging Face folder; ``.pt``/``.pth``/``.bin`` is torch.save
+    (loaded with ``weights_only=True, mmap=True``); ``.safetensors`` is one safetensors file.
+    A DCP checkpoint's keys are as saved (as torch's ``dcp_to_torch_save`` gives them), or, with
+    ``options``, those ``consolidate`` writes under them; a Hugging Face folder's
+    ``optimizer.pt`` and ``extra_state.pt`` come in as ``optim.*`` and their own keys.
+
+    Raises:
+        CheckpointNotFoundError: the path does not exist.
+        NotADcpCheckpointError: a folder with none of the above, or an unknown file type.
+        UnsafeContentError: a pickle that would run code.
+    """
+    if is_url(path):  # a remote DCP checkpoint
+        return _DcpSource(Url(str(path).rstrip("/")), check_crc, options)
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointNotFoundError(f"{p} does not exist")
+    if p.is_dir() and not is_hf_folder(p):
+        return _DcpSource(p, check_crc, options)  # read_index names what is wrong with any other folder
+    return open_full_file(p)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -111,7 +210,7 @@ def verify(
 ) -> VerifyResult:
     """Compare two checkpoints of any formats (DCP, .pt, safetensors, HF folder) key by key.
 
-    Keys are DCP's flattened keys (see ``sources``); when either side holds model weights only
+    Keys are DCP's flattened keys (see ``open_source``); when either side holds model weights only
     (safetensors), only ``model.*`` keys are compared. Tensors must have the same dtype and shape
     and, by default, the same bits; with ``atol``/``rtol`` floating tensors may differ within
     ``torch.allclose``. Plain values must be equal and of the same type. One tensor of each side
@@ -124,7 +223,7 @@ def verify(
         rtol: relative tolerance for floating tensors.
         only: compare only this top-level group (``model``, ``optim``) or ``all``.
         check_crc: check CRC-32s of DCP payloads while reading.
-        options: the transforms a DCP side is seen through (see ``sources.open_source``).
+        options: the transforms a DCP side is seen through (see ``open_source``).
         nproc: workers comparing keys in parallel (torch's elastic launcher; each opens both
             sides and compares every ``nproc``-th key); default 1, in this process.
         cluster: torchrun's multi-node options, as for ``consolidate``; rank 0's process returns
