@@ -9,19 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdp_convert.formats.full_file import FileBoxReader
+from fsdp_convert.formats import Reader, open_reader
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex
 from fsdp_convert.layout import Group, classify, detect_producer
-from fsdp_convert.reader import ChunkReader
 from fsdp_convert.transform import OutputItem, TransformOptions, build_items, needs_group_values
 
 __all__ = ["prepare_items"]
 
 
-def _value_reader(index: CheckpointIndex, check_crc: bool) -> ChunkReader | FileBoxReader:
-    if index.data_files:
-        return ChunkReader(index.checkpoint_id, check_crc=check_crc)
-    return FileBoxReader(index.checkpoint_id)  # a full checkpoint file (file_index)
+def _value_reader(index: CheckpointIndex, check_crc: bool) -> Reader:
+    return open_reader(index.checkpoint_id, check_crc=check_crc, full_files=True)  # the index's own format
 
 
 def prepare_items(
@@ -44,7 +41,7 @@ def prepare_items(
         keep_layout: keep the producer's nesting (``reshard``; see ``transform.build_items``).
 
     Raises:
-        As ``transform.build_items``, and the read errors of ``ChunkReader.read_value``
+        As ``transform.build_items``, and the read errors of ``Reader.read_value``
         (MissingDataFileError, CorruptChunkError, UnsafeContentError).
     """
     slots = classify(index)

@@ -147,7 +147,7 @@ def test_consolidate_nproc3_is_byte_identical_to_nproc1(
     """Three workers: ranks 1 and 2 both send tensors to rank 0, interleaved in file order, and a
     folder's shards (of uneven sizes) are split three ways; every output file is the same bytes as
     one in-process worker writes, and bitwise the run's own full state dict."""
-    from fsdp_convert.reader import READ_LOG_ENV
+    from fsdp_convert.constants import READ_LOG_ENV
 
     logs = tmp_path / "reads"
     logs.mkdir()

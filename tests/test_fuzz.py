@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 import fsdp_convert
-from fsdp_convert.metadata import load_metadata
+from fsdp_convert.formats.dcp import load_metadata
 from tests._compare import assert_same_state
 from tests.conftest import Sample
 

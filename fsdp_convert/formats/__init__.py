@@ -7,7 +7,9 @@ builds a ``CheckpointIndex`` (``formats/index.py``, the data model, no I/O) and 
 - ``dcp``: a DCP folder (``.metadata`` + ``__<rank>_<n>.distcp``), local or remote, or
   accelerate's parent folder of two DCP folders;
 - ``rank_files``: one torch.save file of a sharded state dict per rank (verl, FSDP1);
-- ``hf_storage``: torch's ``HuggingFaceStorageWriter`` safetensors shards.
+- ``hf_storage``: torch's ``HuggingFaceStorageWriter`` safetensors shards;
+- ``full_file``: a full (unsharded) checkpoint: one torch.save or safetensors file, or a Hugging
+  Face folder (what ``reshard`` and ``verify`` take besides the sharded formats).
 
 ``open_checkpoint`` is the one place that decides what a path is. Submodules are imported where
 used, so that importing ``formats.index`` loads nothing else.
@@ -21,15 +23,16 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from fsdp_convert.constants import METADATA_FILENAME
+from fsdp_convert.errors import MissingDataFileError
 
 if TYPE_CHECKING:
     import torch
 
     from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Location, TensorEntry
 
-__all__ = ["Reader", "SourceFormat", "detect_format", "read_index", "open_reader", "open_checkpoint"]
+__all__ = ["Reader", "SourceFormat", "detect_format", "read_index", "open_reader", "open_checkpoint", "check_data_files"]
 
-SourceFormat = Literal["dcp", "rank_files", "hf_storage"]
+SourceFormat = Literal["dcp", "rank_files", "hf_storage", "full_file"]
 
 
 class Reader(Protocol):
@@ -72,21 +75,25 @@ class Reader(Protocol):
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None: ...
 
 
-def detect_format(checkpoint_id: str | os.PathLike[str]) -> SourceFormat:
-    """Which source format a path holds, from its file names alone (no file is read).
+def detect_format(checkpoint_id: str | os.PathLike[str], *, full_files: bool = False) -> SourceFormat:
+    """Which source format a path holds, from its file names (and safetensors headers) alone.
 
-    A remote URL, a folder with ``.metadata`` or with DCP folders inside is ``dcp`` (which also
-    names what is wrong with any other path); a folder of ``*rank*.pt`` files is ``rank_files``;
-    one of safetensors files carrying DCP sharding info is ``hf_storage``.
+    With ``full_files``, a local file or a Hugging Face folder (``model.safetensors.index.json``
+    or ``model.safetensors``, no ``.metadata``) is ``full_file``. Otherwise a remote URL, a folder
+    with ``.metadata`` or with DCP folders inside is ``dcp`` (whose reader also names what is
+    wrong with any other path); a folder of ``*rank*.pt`` files is ``rank_files``; one of
+    safetensors files carrying DCP sharding info is ``hf_storage``.
 
     Raises:
         NotADcpCheckpointError: the folder cannot be listed, or holds rank files of two saves.
         MissingDataFileError: a rank file is missing.
     """
-    from fsdp_convert.formats import dcp, hf_storage, rank_files
+    from fsdp_convert.formats import dcp, full_file, hf_storage, rank_files
     from fsdp_convert.remote import as_location
 
     root = as_location(checkpoint_id)
+    if full_files and full_file.is_full_checkpoint(root):
+        return "full_file"
     if not isinstance(root, Path) or not root.is_dir() or (root / METADATA_FILENAME).is_file():
         return "dcp"
     if dcp.metadata_subfolders(root):
@@ -98,12 +105,14 @@ def detect_format(checkpoint_id: str | os.PathLike[str]) -> SourceFormat:
     return "dcp"
 
 
-def read_index(checkpoint_id: str | os.PathLike[str]) -> CheckpointIndex:
+def read_index(checkpoint_id: str | os.PathLike[str], *, full_files: bool = False) -> CheckpointIndex:
     """The ``CheckpointIndex`` of a checkpoint of any source format; no tensor data is read.
 
     Args:
         checkpoint_id: a DCP folder (local or fsspec URL), accelerate's checkpoint folder, a
             folder of per-rank torch.save files, or of ``HuggingFaceStorageWriter`` shards.
+        full_files: also take a full checkpoint (``formats.full_file.file_index``: one chunk
+            per tensor, no data files); otherwise such a path is refused as not a DCP checkpoint.
 
     Raises:
         CheckpointNotFoundError: the path does not exist.
@@ -111,11 +120,13 @@ def read_index(checkpoint_id: str | os.PathLike[str]) -> CheckpointIndex:
         UnsafeContentError: ``.metadata`` or a rank file would run code when unpickled.
         MissingDataFileError, CorruptChunkError: a rank file or safetensors header is missing or broken.
     """
-    from fsdp_convert.formats import dcp, hf_storage, rank_files
+    from fsdp_convert.formats import dcp, full_file, hf_storage, rank_files
     from fsdp_convert.remote import as_location
 
-    fmt = detect_format(checkpoint_id)
+    fmt = detect_format(checkpoint_id, full_files=full_files)
     root = as_location(checkpoint_id)
+    if fmt == "full_file":
+        return full_file.file_index(root)
     if fmt == "rank_files" and isinstance(root, Path):
         return rank_files.rank_files_index(root)
     if fmt == "hf_storage" and isinstance(root, Path):
@@ -123,7 +134,7 @@ def read_index(checkpoint_id: str | os.PathLike[str]) -> CheckpointIndex:
     return dcp.read_dcp_index(checkpoint_id)
 
 
-def open_reader(checkpoint_id: str | os.PathLike[str] | Location, *, check_crc: bool = True) -> Reader:
+def open_reader(checkpoint_id: str | os.PathLike[str] | Location, *, check_crc: bool = True, full_files: bool = False) -> Reader:
     """A reader for the checkpoint at ``checkpoint_id``, of the format ``detect_format`` finds.
 
     Opens nothing until the first read; workers call this with the path the index was read from.
@@ -131,13 +142,16 @@ def open_reader(checkpoint_id: str | os.PathLike[str] | Location, *, check_crc: 
     Args:
         checkpoint_id: as for ``read_index``.
         check_crc: check the CRC-32s the format stores (DCP payloads' zip records) on every read.
+        full_files: as for ``read_index``.
 
     Raises:
-        As ``detect_format``.
+        As ``detect_format``; for a full file, as ``formats.full_file.open_full_file``.
     """
-    from fsdp_convert.formats import dcp, hf_storage, rank_files
+    from fsdp_convert.formats import dcp, full_file, hf_storage, rank_files
 
-    fmt = detect_format(checkpoint_id)
+    fmt = detect_format(checkpoint_id, full_files=full_files)
+    if fmt == "full_file":
+        return full_file.FileBoxReader(checkpoint_id, check_crc=check_crc)
     if fmt == "rank_files":
         return rank_files.RankFilesReader(checkpoint_id, check_crc=check_crc)
     if fmt == "hf_storage":
@@ -145,15 +159,39 @@ def open_reader(checkpoint_id: str | os.PathLike[str] | Location, *, check_crc: 
     return dcp.DcpReader(checkpoint_id, check_crc=check_crc)
 
 
-def open_checkpoint(checkpoint_id: str | os.PathLike[str], *, check_crc: bool = True) -> tuple[CheckpointIndex, Reader]:
+def open_checkpoint(
+    checkpoint_id: str | os.PathLike[str], *, check_crc: bool = True, full_files: bool = False
+) -> tuple[CheckpointIndex, Reader]:
     """The index of a checkpoint and a reader of its bytes (close the reader, or use it in ``with``).
 
     Args:
         checkpoint_id: as for ``read_index``.
         check_crc: as for ``open_reader``.
+        full_files: as for ``read_index``.
 
     Raises:
-        As ``read_index``.
+        As ``read_index`` and ``open_reader``.
     """
-    index = read_index(checkpoint_id)
-    return index, open_reader(index.checkpoint_id, check_crc=check_crc)
+    index = read_index(checkpoint_id, full_files=full_files)
+    return index, open_reader(index.checkpoint_id, check_crc=check_crc, full_files=full_files)
+
+
+def check_data_files(index: CheckpointIndex) -> None:
+    """Check that every data file the index names exists and is readable.
+
+    Raises:
+        MissingDataFileError: naming the first missing or unreadable file.
+    """
+    from fsdp_convert.formats.index import Url
+    from fsdp_convert.remote import size_of
+
+    for name in index.data_files:
+        path = index.checkpoint_id / name
+        if isinstance(path, Url):
+            if size_of(path) is None:
+                raise MissingDataFileError(f"{path} is missing; .metadata names it as a data file")
+            continue
+        if not path.is_file():
+            raise MissingDataFileError(f"{path} is missing; .metadata names it as a data file")
+        if not os.access(path, os.R_OK):
+            raise MissingDataFileError(f"{path} is not readable (permission denied)")

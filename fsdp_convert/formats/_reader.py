@@ -20,28 +20,10 @@ import torch
 from fsdp_convert.constants import READ_LOG_ENV
 from fsdp_convert.errors import CorruptChunkError, MissingDataFileError, ShapeMismatchError
 from fsdp_convert.formats._crc import combine
-from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Location, TensorEntry, Url
+from fsdp_convert.formats.index import BytesEntry, ChunkEntry, Location, TensorEntry, Url
 from fsdp_convert.remote import as_location, read_range, size_of
 
-__all__ = ["ChunkedReader", "check_data_files", "READ_LOG_ENV"]
-
-
-def check_data_files(index: CheckpointIndex) -> None:
-    """Check that every data file the index names exists and is readable.
-
-    Raises:
-        MissingDataFileError: naming the first missing or unreadable file.
-    """
-    for name in index.data_files:
-        path = index.checkpoint_id / name
-        if isinstance(path, Url):
-            if size_of(path) is None:
-                raise MissingDataFileError(f"{path} is missing; .metadata names it as a data file")
-            continue
-        if not path.is_file():
-            raise MissingDataFileError(f"{path} is missing; .metadata names it as a data file")
-        if not os.access(path, os.R_OK):
-            raise MissingDataFileError(f"{path} is not readable (permission denied)")
+__all__ = ["ChunkedReader"]
 
 
 class ChunkedReader:

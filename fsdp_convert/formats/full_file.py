@@ -279,21 +279,45 @@ class FileBoxReader:
     Reads a torch.save file (``weights_only=True, mmap=True``), a safetensors file or a Hugging
     Face folder; each box is a copy of a slice of the memory-mapped tensor.
 
+    Its index (``file_index``) has one whole-tensor chunk per tensor and no data files, so a
+    chunk, a full tensor and a box are all slices of the one stored tensor.
+
     Args:
         path: the source.
+        check_crc: unused (nothing here stores CRC-32s); kept for the shared ``Reader`` signature.
 
     Raises:
         As ``open_full_file``.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str] | Location, *, check_crc: bool = True) -> None:
         self._source = open_full_file(Path(path))
 
     def __enter__(self) -> FileBoxReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the memory maps and open safetensors files."""
         self._source.close()
+
+    def read_chunk(self, entry: TensorEntry, chunk: ChunkEntry) -> torch.Tensor:
+        """The box of ``chunk`` (``file_index``'s one chunk is the whole tensor), as a new contiguous tensor."""
+        return self.read_box(entry, chunk.offsets, chunk.sizes)
+
+    def read_tensor(self, entry: TensorEntry) -> torch.Tensor:
+        """The whole tensor of ``entry``, shape ``entry.shape``, as a new contiguous tensor.
+
+        Warning:
+            Holds the full tensor (``entry.nbytes`` bytes) in memory.
+        """
+        return self.read_box(entry, (0,) * len(entry.shape), entry.shape)
+
+    def read_tensor_with_crc(self, entry: TensorEntry) -> tuple[torch.Tensor, int | None]:
+        """``read_tensor``, with no CRC-32 (these files store none)."""
+        return self.read_tensor(entry), None
 
     def read_box(self, entry: TensorEntry, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         """The box ``[offsets, offsets + sizes)`` (elements) of the tensor, as a new contiguous tensor."""

@@ -24,10 +24,10 @@ from tqdm import tqdm
 
 from fsdp_convert.constants import HF_INDEX_FILENAME
 from fsdp_convert.errors import VerificationError
+from fsdp_convert.formats import Reader, check_data_files, open_reader, read_index
 from fsdp_convert.formats.index import BytesEntry, Location, TensorEntry
 from fsdp_convert.items import prepare_items
 from fsdp_convert.launch import Cluster, GlooTransport, job_world_size, run_ranks, shared_tag
-from fsdp_convert.metadata import read_index
 from fsdp_convert.ops.verify import verify
 from fsdp_convert.plan import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -41,7 +41,6 @@ from fsdp_convert.plan import (
 )
 from fsdp_convert.plan import output_format as plan_output_format
 from fsdp_convert.prefetch import prefetch
-from fsdp_convert.reader import ChunkReader, check_data_files
 from fsdp_convert.remote import local_output
 from fsdp_convert.transform import OutputItem, TransformOptions
 from fsdp_convert.writers import SafetensorsWriter, StateDictWriter, TorchSaveWriter, atomic_output
@@ -113,7 +112,7 @@ def _counted(bar: tqdm, nbytes: int, produce: Callable[[], Any]) -> Callable[[],
     return run
 
 
-def _read_item(reader: ChunkReader, item: OutputItem) -> tuple[torch.Tensor, int | None]:
+def _read_item(reader: Reader, item: OutputItem) -> tuple[torch.Tensor, int | None]:
     """The item's full tensor in its output dtype, and the CRC-32 of its bytes when known."""
     assert isinstance(item.entry, TensorEntry)
     tensor, crc = reader.read_tensor_with_crc(item.entry)
@@ -125,7 +124,7 @@ def _read_item(reader: ChunkReader, item: OutputItem) -> tuple[torch.Tensor, int
 def _send_share(job: _ConsolidateJob, file: FilePlan, rank: int, transport: GlooTransport) -> None:
     """Non-zero ranks, for a file rank 0 writes: read this rank's tensors in file order, send to rank 0."""
     plan = job.plan
-    with ChunkReader(job.checkpoint_id, check_crc=job.check_crc) as reader:
+    with open_reader(job.checkpoint_id, check_crc=job.check_crc) as reader:
         for i in file.item_ids:
             item = plan.items[i]
             if plan.owners[i] == rank and item.is_tensor:
@@ -139,7 +138,7 @@ def _received(transport: GlooTransport, item: OutputItem, owner: int) -> tuple[t
     return transport.recv(item.shape, item.dtype, owner), None
 
 
-def _value_job(reader: ChunkReader, item: OutputItem) -> Callable[[], Any]:
+def _value_job(reader: Reader, item: OutputItem) -> Callable[[], Any]:
     if item.constant:
         return lambda: item.value
     assert isinstance(item.entry, BytesEntry)
@@ -153,7 +152,7 @@ def _write_file(job: _ConsolidateJob, file: FilePlan, transport: GlooTransport |
     owners = [plan.owners[i] for i in file.item_ids]
     total = sum(item.nbytes for item in items)
     path = job.tmp_output if file.filename is None else job.tmp_output / file.filename
-    with ChunkReader(job.checkpoint_id, check_crc=job.check_crc) as reader, ExitStack() as stack:
+    with open_reader(job.checkpoint_id, check_crc=job.check_crc) as reader, ExitStack() as stack:
         read_bar = stack.enter_context(_bar("read", total, job.progress, 0))
         write_bar = stack.enter_context(_bar("write", total, job.progress, 1))
         jobs: list[tuple[int, Callable[[], Any]]] = []
@@ -195,7 +194,7 @@ def _write_shards(job: _ConsolidateJob, rank: int) -> None:
     mine = [s for s in plan.shards if s.owner == rank]
     desc = f"write ({len(mine)} of {len(plan.shards)} shards here)"
     with (
-        ChunkReader(job.checkpoint_id, check_crc=job.check_crc) as reader,
+        open_reader(job.checkpoint_id, check_crc=job.check_crc) as reader,
         _bar(desc, sum(s.tensor_bytes for s in mine), job.progress and rank == 0, 0) as bar,
     ):
         for shard in mine:

@@ -6,9 +6,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from fsdp_convert.formats import read_index
 from fsdp_convert.formats.index import Location, TensorEntry, dtype_name
 from fsdp_convert.layout import GROUPS, Group, classify, detect_producer
-from fsdp_convert.metadata import read_index
 
 __all__ = ["EntrySummary", "InspectResult", "inspect_checkpoint"]
 

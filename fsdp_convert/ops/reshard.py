@@ -19,14 +19,12 @@ from typing import Any
 import torch
 
 from fsdp_convert.constants import METADATA_FILENAME
-from fsdp_convert.formats.full_file import FileBoxReader, file_index, is_full_checkpoint
+from fsdp_convert.formats import check_data_files, open_reader, read_index
 from fsdp_convert.formats.index import BytesEntry, Location, dcp_key
 from fsdp_convert.items import prepare_items
 from fsdp_convert.launch import Cluster, GlooTransport, job_world_size, run_ranks, shared_tag
 from fsdp_convert.layout import GROUPS
-from fsdp_convert.metadata import read_index
 from fsdp_convert.plan import DEFAULT_MEMORY_BUDGET_BYTES, ReshardPlan, plan_reshard
-from fsdp_convert.reader import ChunkReader, check_data_files
 from fsdp_convert.remote import as_location, local_output
 from fsdp_convert.transform import TransformOptions
 from fsdp_convert.writers import atomic_output
@@ -65,7 +63,6 @@ class _ReshardJob:
     plan: ReshardPlan
     tmp_output: Path
     check_crc: bool
-    chunked: bool  # the source has data files (ChunkReader), else it is one full file (FileBoxReader)
 
 
 def _payload(value: Any) -> bytes:
@@ -78,7 +75,7 @@ def _payload(value: Any) -> bytes:
 def _reshard_rank(job: _ReshardJob, worker: int, world_size: int, transport: GlooTransport | None) -> None:
     """Write the rank files of ``worker``'s target ranks; their records go to ``.records-<rank>``."""
     plan = job.plan
-    reader = ChunkReader(job.checkpoint_id, check_crc=job.check_crc) if job.chunked else FileBoxReader(job.checkpoint_id)
+    reader = open_reader(job.checkpoint_id, check_crc=job.check_crc, full_files=True)
     with reader, writing(job.tmp_output):
         for rank in plan.ranks_of(worker):
             out = RankFileWriter(job.tmp_output, rank)
@@ -145,7 +142,7 @@ def reshard(
     with local_output(output, overwrite=overwrite, shared=shared, last=(METADATA_FILENAME,)) as (output, shown):
         start = time.monotonic()
         source = as_location(checkpoint_id)
-        index = file_index(source) if is_full_checkpoint(source) else read_index(source)
+        index = read_index(source, full_files=True)  # a DCP-like folder, or a full file / HF folder
         check_output_free(output, overwrite=overwrite, directory=True)
         check_data_files(index)
         items = prepare_items(index, options or TransformOptions(), GROUPS, check_crc=check_crc, keep_layout=True)
@@ -153,9 +150,7 @@ def reshard(
         plan = plan_reshard(index, items, world_size, nproc=workers)
         owner, file_bytes = False, 0
         with atomic_output(output, overwrite=overwrite, directory=True, tag=shared_tag(cluster)) as tmp:
-            job = _ReshardJob(
-                checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, check_crc=check_crc, chunked=bool(index.data_files)
-            )
+            job = _ReshardJob(checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, check_crc=check_crc)
             size = workers if shared_tag(cluster) else plan.nproc  # a shared job's plan may idle some workers
             owner, _ = run_ranks(_reshard_rank, job, size or plan.nproc, DEFAULT_MEMORY_BUDGET_BYTES, cluster)
             if not owner:

@@ -17,14 +17,13 @@ from typing import Any, Protocol
 import torch
 
 from fsdp_convert.errors import CheckpointNotFoundError
-from fsdp_convert.formats.full_file import is_hf_folder, open_full_file
+from fsdp_convert.formats import check_data_files, detect_format, open_reader, read_index
+from fsdp_convert.formats.full_file import open_full_file
 from fsdp_convert.formats.index import BytesEntry, Location, Url, check_coverage, dcp_key, dtype_name
 from fsdp_convert.items import prepare_items
 from fsdp_convert.launch import Cluster, GlooTransport, job_world_size, run_ranks
 from fsdp_convert.layout import GROUPS, Group, group_of_top
-from fsdp_convert.metadata import read_index
 from fsdp_convert.plan import Only
-from fsdp_convert.reader import ChunkReader, check_data_files
 from fsdp_convert.remote import is_url
 from fsdp_convert.transform import OutputItem, TransformOptions
 
@@ -73,7 +72,7 @@ class _DcpSource:
         raw = TransformOptions(keep_wrapper_names=True)
         items = prepare_items(self.index, options or raw, GROUPS, check_crc=check_crc, keep_layout=options is None)
         self._items: dict[str, OutputItem] = {dcp_key(item.path): item for item in items}
-        self._reader = ChunkReader(path, check_crc=check_crc)
+        self._reader = open_reader(path, check_crc=check_crc)
 
     def keys(self) -> list[str]:
         return list(self._items)
@@ -113,7 +112,7 @@ def open_source(path: str | os.PathLike[str], *, check_crc: bool = True, options
     p = Path(path)
     if not p.exists():
         raise CheckpointNotFoundError(f"{p} does not exist")
-    if p.is_dir() and not is_hf_folder(p):
+    if detect_format(p, full_files=True) != "full_file":
         return _DcpSource(p, check_crc, options)  # read_index names what is wrong with any other folder
     return open_full_file(p)
 

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from typer.testing import CliRunner
 
 from fsdp_convert.cli import app
-from fsdp_convert.metadata import read_index
+from fsdp_convert.formats import read_index
 from tests.conftest import Sample
 
 GOLDEN = Path(__file__).parent.parent / "golden" / "inspect_ws3_fp32.json"

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from fsdp_convert._sample import CHECKPOINT_DIRNAME, TRUTH_FILENAME
-from fsdp_convert.metadata import read_index
+from fsdp_convert.formats import read_index
 from tests._compare import assert_same_state
 
 pytestmark = pytest.mark.slow

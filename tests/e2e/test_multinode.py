@@ -17,8 +17,8 @@ import pytest
 
 import fsdp_convert
 from fsdp_convert._sample import CHECKPOINT_DIRNAME
+from fsdp_convert.formats import read_index
 from fsdp_convert.items import prepare_items
-from fsdp_convert.metadata import read_index
 from fsdp_convert.plan import groups_for, plan_consolidate
 from fsdp_convert.transform import TransformOptions
 from tests._dist import free_port

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import fsdp_convert
-from fsdp_convert.metadata import read_index
+from fsdp_convert.formats import read_index
 from tests.conftest import Sample
 
 pytestmark = pytest.mark.slow

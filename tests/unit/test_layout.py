@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from fsdp_convert.formats import read_index
 from fsdp_convert.layout import detect_producer, unflatten
-from fsdp_convert.metadata import read_index
 from tests.conftest import Sample
 
 

@@ -11,7 +11,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from fsdp_convert.errors import CheckpointNotFoundError, NotADcpCheckpointError, UnsafeContentError
-from fsdp_convert.metadata import BytesEntry, TensorEntry, load_metadata, read_index
+from fsdp_convert.formats import read_index
+from fsdp_convert.formats.dcp import load_metadata
+from fsdp_convert.formats.index import BytesEntry, TensorEntry
 from tests.conftest import Sample
 
 

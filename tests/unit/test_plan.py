@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from fsdp_convert.errors import CoverageError, InvalidOptionError
+from fsdp_convert.formats import read_index
+from fsdp_convert.formats.index import BytesEntry, ChunkEntry, TensorEntry
 from fsdp_convert.items import prepare_items
-from fsdp_convert.metadata import BytesEntry, ChunkEntry, TensorEntry, read_index
 from fsdp_convert.plan import (
     assign_owners,
     check_coverage,
