@@ -97,8 +97,40 @@ def _reshard_rank(job: _ReshardJob, worker: int, world_size: int, transport: Glo
                 out.close()
                 raise
             # our own records for the parent, which writes .metadata once every rank is done
-            records = [c.to_json() for c in out.stored]
-            (job.tmp_output / f".records-{rank}").write_text(json.dumps(records))
+            _records_path(job.tmp_output, rank).write_text(json.dumps([c.to_json() for c in out.stored]))
+
+
+def _records_path(folder: Path, rank: int) -> Path:
+    return folder / f".records-{rank}"
+
+
+def _write_index(folder: Path, plan: ReshardPlan, version: str | None) -> int:
+    """Rank 0's process, once every rank file is written: gather the workers' records into ``.metadata``.
+
+    Removes the records and the data files of ranks that hold nothing; returns the folder's size
+    in bytes (data files and ``.metadata``).
+    """
+    stored: list[StoredChunk] = []
+    for rank in range(plan.target_world_size):
+        records = _records_path(folder, rank)
+        stored += [StoredChunk.from_json(row) for row in json.loads(records.read_text())]
+        records.unlink()
+    for rank in range(plan.target_world_size):  # a rank that holds nothing needs no file
+        data_file = folder / rank_filename(rank)
+        if data_file.stat().st_size == 0:
+            data_file.unlink()
+    entries = [
+        MetadataEntry(
+            fqn=dcp_key(item.path),
+            path=item.path,
+            dtype=item.dtype if item.is_tensor else None,
+            shape=item.shape if item.is_tensor else None,
+            chunks=chunks,
+        )
+        for item, chunks in zip(plan.items, plan.chunks, strict=True)
+    ]
+    write_metadata(folder, entries, stored, version)
+    return sum(p.stat().st_size for p in folder.iterdir())
 
 
 def reshard(
@@ -155,27 +187,7 @@ def reshard(
             owner, _ = run_ranks(_reshard_rank, job, size or plan.nproc, DEFAULT_MEMORY_BUDGET_BYTES, cluster)
             if not owner:
                 raise LeaveToOwner
-            stored = []
-            for rank in range(world_size):
-                records = tmp / f".records-{rank}"
-                stored += [StoredChunk.from_json(row) for row in json.loads(records.read_text())]
-                records.unlink()
-            for rank in range(world_size):  # a rank that holds nothing needs no file
-                data_file = tmp / rank_filename(rank)
-                if data_file.stat().st_size == 0:
-                    data_file.unlink()
-            entries = [
-                MetadataEntry(
-                    fqn=dcp_key(item.path),
-                    path=item.path,
-                    dtype=item.dtype if item.is_tensor else None,
-                    shape=item.shape if item.is_tensor else None,
-                    chunks=chunks,
-                )
-                for item, chunks in zip(plan.items, plan.chunks, strict=True)
-            ]
-            write_metadata(tmp, entries, stored, index.version)
-            file_bytes = sum(p.stat().st_size for p in tmp.iterdir())
+            file_bytes = _write_index(tmp, plan, index.version)
         chunks = sum(len(c) for item, c in zip(plan.items, plan.chunks, strict=True) if item.is_tensor)
         result = ReshardResult(
             output=output,
