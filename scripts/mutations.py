@@ -12,7 +12,7 @@ Usage (from the repository root, after ``scripts/setup.sh``):
 
     .venv/bin/python scripts/mutations.py                 # every mutation, a table at the end
     .venv/bin/python scripts/mutations.py --list          # names and claims
-    .venv/bin/python scripts/mutations.py --check         # each edit still applies (after a refactor), runs nothing
+    .venv/bin/python scripts/mutations.py --check         # each edit still applies and its test file exists (after a refactor); runs nothing
     .venv/bin/python scripts/mutations.py NAME [NAME...]  # some of them
     .venv/bin/python scripts/mutations.py --baseline NAME # also run the test unmutated (must pass)
     .venv/bin/python scripts/mutations.py --try FILE OLD NEW TEST   # an ad-hoc mutation
@@ -672,7 +672,10 @@ def main() -> int:
             for m in MUTATIONS
             if not (ROOT / m.file).is_file() or (ROOT / m.file).read_text().count(m.old) != 1
         ]
-        print("\n".join(stale) or f"all {len(MUTATIONS)} mutations apply")
+        stale += [
+            f"{m.name}: no test file {m.test.split('::')[0]}" for m in MUTATIONS if not (ROOT / m.test.split("::")[0]).is_file()
+        ]
+        print("\n".join(stale) or f"all {len(MUTATIONS)} mutations apply and name an existing test file")
         return 1 if stale else 0
     if args.adhoc:
         file, old, new, test = args.adhoc
