@@ -55,7 +55,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/formats/_reader.py",
         "box = box.narrow(dim, offset, size)",
         "box = box.narrow(dim, 0, size)",
-        "tests/test_consolidate.py::test_consolidate_pt_equals_ground_truth",
+        "tests/integration/test_consolidate.py::test_consolidate_pt_equals_ground_truth",
     ),
     Mutation(
         "crc-never-compared",
@@ -87,7 +87,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/formats/_dcp_metadata.py",
         'if Path(rel).is_absolute() or ".." in parts or len(parts) != 1:',
         "if False:",
-        "tests/unit/test_metadata.py::test_data_file_outside_the_folder_is_refused",
+        "tests/unit/test_formats_dcp.py::test_data_file_outside_the_folder_is_refused",
     ),
     Mutation(
         "overlap-not-checked",
@@ -119,7 +119,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/constants.py",
         'torch.bfloat16: "BF16",',
         'torch.bfloat16: "F16",',
-        "tests/test_consolidate.py::test_consolidate_safetensors_holds_model_weights",
+        "tests/integration/test_consolidate.py::test_consolidate_safetensors_holds_model_weights",
     ),
     Mutation(
         "hf-index-misnames-keys",
@@ -127,7 +127,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/writers/safetensors.py",
         "weight_map = {safetensors_name(p): shard.filename",
         'weight_map = {safetensors_name(p) + "_": shard.filename',
-        "tests/test_hf.py::test_from_pretrained_gives_the_trained_logits",
+        "tests/integration/test_hf.py::test_from_pretrained_gives_the_trained_logits",
     ),
     Mutation(
         "producer-never-fsdp2",
@@ -143,7 +143,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/remote.py",
         "return bytes(_fs(url).cat_file(str(url), start=offset, end=offset + length))",
         "return bytes(_fs(url).cat_file(str(url)))[offset : offset + length]",
-        "tests/e2e/test_object_storage.py::test_consolidate_from_and_to_s3_matches_local",
+        "tests/integration/test_object_storage.py::test_consolidate_from_and_to_s3_matches_local",
     ),
     Mutation(
         "cast-touches-step",
@@ -151,7 +151,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/transform.py",
         'dtype = _cast(entry, options.optim_dtype, keep=slot.key == "step")',
         "dtype = _cast(entry, options.optim_dtype, keep=False)",
-        "tests/test_transforms.py::test_rename_filter_and_cast_apply_to_model_and_optimizer",
+        "tests/integration/test_transforms.py::test_rename_filter_and_cast_apply_to_model_and_optimizer",
     ),
     Mutation(
         "exclude-ignored",
@@ -159,7 +159,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/transform.py",
         "return not any(fnmatch.fnmatchcase(fqn, g) for g in options.exclude)",
         "return True",
-        "tests/test_transforms.py::test_rename_filter_and_cast_apply_to_model_and_optimizer",
+        "tests/integration/test_transforms.py::test_rename_filter_and_cast_apply_to_model_and_optimizer",
     ),
     Mutation(
         "rename-collision-silent",
@@ -167,7 +167,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/transform.py",
         "if out in seen:",
         "if False:",
-        "tests/test_transforms.py::test_bad_transforms_are_usage_errors",
+        "tests/integration/test_transforms.py::test_bad_transforms_are_usage_errors",
     ),
     Mutation(
         "ids-reversed",
@@ -175,7 +175,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/transform.py",
         "return DictKey(ids[param])",
         "return DictKey(len(ids) - 1 - ids[param])",
-        "tests/test_transforms.py::test_ids_follow_the_optimizers_own_order",
+        "tests/integration/test_transforms.py::test_ids_follow_the_optimizers_own_order",
     ),
     Mutation(
         "wrapper-names-kept",
@@ -183,7 +183,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/transform.py",
         'parts = [p for p in fqn.split(".") if p not in WRAPPER_NAMES]',
         'parts = fqn.split(".")',
-        "tests/test_producers.py::test_each_producer_consolidates_to_its_ground_truth[fsdp2-wrapper-names]",
+        "tests/integration/test_producers.py::test_each_producer_consolidates_to_its_ground_truth[fsdp2-wrapper-names]",
     ),
     Mutation(
         "verify-drops-differences",
@@ -191,7 +191,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/ops/verify.py",
         'diffs += [Difference(key=k, kind="differs", detail=d) for k, d in (differing or [])]',
         "diffs += []",
-        "tests/test_consolidate.py::test_verify_reports_differing_missing_and_extra",
+        "tests/integration/test_consolidate.py::test_verify_reports_differing_missing_and_extra",
     ),
     Mutation(
         "rank-file-builds-real-classes",
@@ -199,7 +199,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/formats/_rank_unpickler.py",
         "if full in _RECORDS:\n            return _RECORDS[full]",
         'if full in _RECORDS:\n            return getattr(__import__("importlib").import_module(module), name)',
-        "tests/test_producers.py::test_rank_files_never_build_a_mesh",
+        "tests/integration/test_producers.py::test_rank_files_never_build_a_mesh",
     ),
     Mutation(
         "recv-always-from-rank-1",
@@ -207,7 +207,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/ops/consolidate.py",
         "return transport.recv(item.shape, item.dtype, owner), None",
         "return transport.recv(item.shape, item.dtype, 1), None",
-        "tests/test_consolidate.py::test_consolidate_nproc3_is_byte_identical_to_nproc1",
+        "tests/integration/test_consolidate.py::test_consolidate_nproc3_is_byte_identical_to_nproc1",
     ),
     Mutation(
         "shards-written-by-rank-mod-2",
@@ -215,7 +215,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/ops/consolidate.py",
         "mine = [s for s in plan.shards if s.owner == rank]",
         "mine = [s for s in plan.shards if s.owner == rank % 2]",
-        "tests/test_consolidate.py::test_consolidate_nproc3_is_byte_identical_to_nproc1",
+        "tests/integration/test_consolidate.py::test_consolidate_nproc3_is_byte_identical_to_nproc1",
     ),
     Mutation(
         "verify-option-never-fails",
@@ -223,7 +223,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/ops/consolidate.py",
         "if not check.equal:",
         "if False:",
-        "tests/test_consolidate.py::test_verify_option_catches_a_corrupt_write",
+        "tests/integration/test_consolidate.py::test_verify_option_catches_a_corrupt_write",
     ),
     Mutation(
         "write-path-loses-sign-of-zero",
@@ -231,7 +231,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/ops/consolidate.py",
         "    return tensor, crc",
         "    return tensor + 0.0, None",
-        "tests/test_consolidate.py::test_consolidate_pt_equals_ground_truth[ws3_fp32]",
+        "tests/integration/test_consolidate.py::test_consolidate_pt_equals_ground_truth[ws3_fp32]",
     ),
     Mutation(
         "write-path-canonicalizes-nan",
@@ -239,7 +239,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/ops/consolidate.py",
         "    return tensor, crc",
         "    return torch.where(tensor.isnan(), torch.nan, tensor), None",
-        "tests/test_consolidate.py::test_consolidate_pt_equals_ground_truth[ws3_fp32]",
+        "tests/integration/test_consolidate.py::test_consolidate_pt_equals_ground_truth[ws3_fp32]",
     ),
     Mutation(
         "cast-drops-nan",
@@ -247,7 +247,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/ops/consolidate.py",
         "return tensor.to(item.dtype), None",
         "return torch.nan_to_num(tensor.to(item.dtype)), None",
-        "tests/test_transforms.py::test_rename_filter_and_cast_apply_to_model_and_optimizer",
+        "tests/integration/test_transforms.py::test_rename_filter_and_cast_apply_to_model_and_optimizer",
     ),
     Mutation(
         "reshard-loses-sign-of-zero",
@@ -255,7 +255,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/ops/reshard.py",
         "box if box.dtype == item.dtype else box.to(item.dtype)",
         "box + 0.0 if box.dtype == item.dtype else box.to(item.dtype)",
-        "tests/test_reshard.py::test_resharded_checkpoint_reads_with_torch_dcp_to_torch_save",
+        "tests/integration/test_reshard.py::test_resharded_checkpoint_reads_with_torch_dcp_to_torch_save",
     ),
     Mutation(
         "verify-tolerance-nan-unequal",
@@ -263,7 +263,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/ops/verify.py",
         "equal_nan=True",
         "equal_nan=False",
-        "tests/test_consolidate.py::test_verify_reports_differing_missing_and_extra",
+        "tests/integration/test_consolidate.py::test_verify_reports_differing_missing_and_extra",
     ),
     Mutation(
         "verify-detail-nan-max",
@@ -271,7 +271,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/ops/verify.py",
         "a.isnan() & b.isnan()",
         "a.isnan() & b.isnan() & False",
-        "tests/test_consolidate.py::test_verify_reports_differing_missing_and_extra",
+        "tests/integration/test_consolidate.py::test_verify_reports_differing_missing_and_extra",
     ),
     Mutation(
         "torchtitan-not-detected",
@@ -279,7 +279,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/layout.py",
         '        return "torchtitan"',
         '        return "dcp"',
-        "tests/test_producers.py::test_each_producer_consolidates_to_its_ground_truth[torchtitan]",
+        "tests/integration/test_producers.py::test_each_producer_consolidates_to_its_ground_truth[torchtitan]",
     ),
     Mutation(
         "torchtitan-groups-not-rebuilt",
@@ -287,7 +287,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/layout.py",
         'if kind == "param_groups" and fqn:',
         'if kind == "param_group" and fqn:',
-        "tests/test_producers.py::test_each_producer_consolidates_to_its_ground_truth[torchtitan]",
+        "tests/integration/test_producers.py::test_each_producer_consolidates_to_its_ground_truth[torchtitan]",
     ),
     Mutation(
         "torchtitan-ids-not-in-optimizer-order",
@@ -295,7 +295,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/transform.py",
         "order = [p for g in sorted(groups) for p in groups[g].params]",
         "order = sorted(p for g in sorted(groups) for p in groups[g].params)",
-        "tests/test_producers.py::test_resume_on_one_process_matches_the_fsdp_next_step[torchtitan]",
+        "tests/integration/test_producers.py::test_resume_on_one_process_matches_the_fsdp_next_step[torchtitan]",
     ),
     Mutation(
         "torchtitan-reshard-nests-weights",
@@ -303,7 +303,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/transform.py",
         'else () if keep_layout else ("model",)',
         'else ("model",)',
-        "tests/test_producers.py::test_reshard_keeps_the_producer_layout[torchtitan]",
+        "tests/integration/test_producers.py::test_reshard_keeps_the_producer_layout[torchtitan]",
     ),
     Mutation(
         "torchtitan-parent-no-hint",
@@ -311,7 +311,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/formats/dcp.py",
         "    if len(subs) == 1:",
         "    if len(subs) == 0:",
-        "tests/test_producers.py::test_parent_folder_errors_name_the_folder_to_pass",
+        "tests/integration/test_producers.py::test_parent_folder_errors_name_the_folder_to_pass",
     ),
     Mutation(
         "accelerate-optimizer-folder-ignored",
@@ -319,7 +319,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/formats/dcp.py",
         '_ACCELERATE_DIR_RE = re.compile(r"^(pytorch_model_fsdp|optimizer)_\\d+$")',
         '_ACCELERATE_DIR_RE = re.compile(r"^(pytorch_model_fsdp)_\\d+$")',
-        "tests/test_producers.py::test_each_producer_consolidates_to_its_ground_truth[accelerate]",
+        "tests/integration/test_producers.py::test_each_producer_consolidates_to_its_ground_truth[accelerate]",
     ),
     Mutation(
         "accelerate-pickles-loaded",
@@ -327,7 +327,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/formats/dcp.py",
         "    parts = [d for d in subs if _ACCELERATE_DIR_RE.match(d.name)]",
         '    parts = [d for d in subs if _ACCELERATE_DIR_RE.match(d.name)] + [__import__("pickle").load(open(p, "rb")) for p in root.glob("random_states_*.pkl")][:0]',
-        "tests/test_producers.py::test_accelerate_random_states_are_never_unpickled",
+        "tests/integration/test_producers.py::test_accelerate_random_states_are_never_unpickled",
     ),
     Mutation(
         "lightning-meta-ignored",
@@ -335,7 +335,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/formats/dcp.py",
         'index = dataclasses.replace(index, producer="lightning")',
         "index = dataclasses.replace(index, producer=None)",
-        "tests/test_producers.py::test_each_producer_consolidates_to_its_ground_truth[lightning-fsdp2]",
+        "tests/integration/test_producers.py::test_each_producer_consolidates_to_its_ground_truth[lightning-fsdp2]",
     ),
     Mutation(
         "optimizer-key-not-read-as-optim",
@@ -343,7 +343,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/layout.py",
         'OPTIM_TOPS = ("optim", "optimizer")',
         'OPTIM_TOPS = ("optim",)',
-        "tests/test_producers.py::test_each_producer_consolidates_to_its_ground_truth[lightning-fsdp1]",
+        "tests/integration/test_producers.py::test_each_producer_consolidates_to_its_ground_truth[lightning-fsdp1]",
     ),
     Mutation(
         "reshard-reads-every-chunk",
@@ -351,7 +351,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/formats/_reader.py",
         "            if chunk.numel == 0 or any(a >= b for a, b in zip(lo, hi, strict=True)):\n                continue\n            data = self.read_chunk(entry, chunk)",
         "            data = self.read_chunk(entry, chunk) if chunk.numel else None\n            if chunk.numel == 0 or any(a >= b for a, b in zip(lo, hi, strict=True)):\n                continue",
-        "tests/test_reshard.py::test_reshard_reads_only_the_source_chunks_a_target_chunk_meets[4-1]",
+        "tests/integration/test_reshard.py::test_reshard_reads_only_the_source_chunks_a_target_chunk_meets[4-1]",
     ),
     Mutation(
         "reshard-reads-whole-tensor-per-target-chunk",
@@ -359,7 +359,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/ops/reshard.py",
         "box = reader.read_box(item.entry, chunk.offsets, chunk.sizes)",
         "box = reader.read_box(item.entry, (0,) * len(chunk.sizes), item.entry.shape).narrow(0, chunk.offsets[0], chunk.sizes[0]) if chunk.sizes else reader.read_box(item.entry, chunk.offsets, chunk.sizes)",
-        "tests/test_reshard.py::test_reshard_reads_only_the_source_chunks_a_target_chunk_meets[4-1]",
+        "tests/integration/test_reshard.py::test_reshard_reads_only_the_source_chunks_a_target_chunk_meets[4-1]",
     ),
     Mutation(
         "reshard-array-split-not-torch-chunk",
@@ -367,7 +367,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/plan.py",
         "        start = rank * step\n        if start >= rows:\n            break\n        offsets = (start, *(0,) * (len(shape) - 1))\n        chunks.append(TargetChunk(rank=rank, offsets=offsets, sizes=(min(step, rows - start), *shape[1:])))",
         "        start = rank * (rows // world_size) + min(rank, rows % world_size)\n        if start >= rows:\n            break\n        offsets = (start, *(0,) * (len(shape) - 1))\n        chunks.append(TargetChunk(rank=rank, offsets=offsets, sizes=(rows // world_size + (rank < rows % world_size), *shape[1:])))",
-        "tests/test_reshard.py::test_reshard_round_trip_consolidates_byte_identical[4]",
+        "tests/integration/test_reshard.py::test_reshard_round_trip_consolidates_byte_identical[4]",
     ),
     Mutation(
         "reshard-array-split-torchtitan-loader",
@@ -375,7 +375,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/plan.py",
         "        start = rank * step\n        if start >= rows:\n            break\n        offsets = (start, *(0,) * (len(shape) - 1))\n        chunks.append(TargetChunk(rank=rank, offsets=offsets, sizes=(min(step, rows - start), *shape[1:])))",
         "        start = rank * (rows // world_size) + min(rank, rows % world_size)\n        if start >= rows:\n            break\n        offsets = (start, *(0,) * (len(shape) - 1))\n        chunks.append(TargetChunk(rank=rank, offsets=offsets, sizes=(rows // world_size + (rank < rows % world_size), *shape[1:])))",
-        "tests/test_reshard_oracles.py::test_torchtitan_reshard_loads_the_way_torchtitan_loads_at_three_ranks",
+        "tests/integration/test_reshard_oracles.py::test_torchtitan_reshard_loads_the_way_torchtitan_loads_at_three_ranks",
     ),
     Mutation(
         "reshard-array-split-fsdp1-rank-files",
@@ -383,7 +383,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/plan.py",
         "        start = rank * step\n        if start >= rows:\n            break\n        offsets = (start, *(0,) * (len(shape) - 1))\n        chunks.append(TargetChunk(rank=rank, offsets=offsets, sizes=(min(step, rows - start), *shape[1:])))",
         "        start = rank * (rows // world_size) + min(rank, rows % world_size)\n        if start >= rows:\n            break\n        offsets = (start, *(0,) * (len(shape) - 1))\n        chunks.append(TargetChunk(rank=rank, offsets=offsets, sizes=(rows // world_size + (rank < rows % world_size), *shape[1:])))",
-        "tests/test_reshard_oracles.py::test_fsdp1_rank_files_reshard_is_the_run_as_dcp",
+        "tests/integration/test_reshard_oracles.py::test_fsdp1_rank_files_reshard_is_the_run_as_dcp",
     ),
     Mutation(
         "reshard-rank-files-reversed",
@@ -391,7 +391,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/plan.py",
         "chunks.append(TargetChunk(rank=rank, offsets=offsets,",
         "chunks.append(TargetChunk(rank=world_size - 1 - rank, offsets=offsets,",
-        "tests/test_reshard.py::test_reshard_round_trip_consolidates_byte_identical[4]",
+        "tests/integration/test_reshard.py::test_reshard_round_trip_consolidates_byte_identical[4]",
     ),
     Mutation(
         "reshard-bytes-entries-off-rank-0",
@@ -399,7 +399,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/plan.py",
         "chunks.append((TargetChunk(rank=0, offsets=(), sizes=()),))",
         "chunks.append((TargetChunk(rank=target_world_size - 1, offsets=(), sizes=()),))",
-        "tests/test_reshard.py::test_reshard_round_trip_consolidates_byte_identical[4]",
+        "tests/integration/test_reshard.py::test_reshard_round_trip_consolidates_byte_identical[4]",
     ),
     Mutation(
         "reshard-whole-tensors-off-rank-0",
@@ -407,7 +407,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/plan.py",
         "chunks.append((TargetChunk(rank=0, offsets=(0,) * len(e.shape), sizes=e.shape),))",
         "chunks.append((TargetChunk(rank=target_world_size - 1, offsets=(0,) * len(e.shape), sizes=e.shape),))",
-        "tests/test_reshard.py::test_reshard_round_trip_consolidates_byte_identical[4]",
+        "tests/integration/test_reshard.py::test_reshard_round_trip_consolidates_byte_identical[4]",
     ),
     Mutation(
         "reshard-splits-tensors-the-source-kept-whole",
@@ -415,7 +415,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/plan.py",
         "replicated = index.world_size > 1 and len(full) == 1 and full[0].sizes == e.shape",
         "replicated = False",
-        "tests/test_reshard_oracles.py::test_torchtitan_reshard_is_the_run_in_torchtitans_layout",
+        "tests/integration/test_reshard_oracles.py::test_torchtitan_reshard_is_the_run_in_torchtitans_layout",
     ),
     Mutation(
         "reshard-planner-data-dictkeys-unconverted",
@@ -423,7 +423,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/writers/dcp.py",
         "planner_data={e.fqn: plain_path(e.path) for",
         "planner_data={e.fqn: e.path for",
-        "tests/test_reshard_oracles.py::test_verl_reshard_is_the_run_as_dcp",
+        "tests/integration/test_reshard_oracles.py::test_verl_reshard_is_the_run_as_dcp",
     ),
     Mutation(
         "verl-local-tensor-reversed",
@@ -431,7 +431,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/formats/_rank_unpickler.py",
         'return obj.fields["_local_tensor"]',
         'return obj.fields["_local_tensor"].flip(-1) if obj.fields["_local_tensor"].dim() else obj.fields["_local_tensor"]',
-        "tests/test_reshard_oracles.py::test_verl_reshard_is_the_run_as_dcp",
+        "tests/integration/test_reshard_oracles.py::test_verl_reshard_is_the_run_as_dcp",
     ),
     Mutation(
         "inspect-counts-nonempty-chunks-only",
@@ -463,7 +463,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/launch.py",
         "        self._in_flight_bytes += flat.numel()",
         "        self._in_flight_bytes += flat.numel()\n        self.__dict__.setdefault('kept', []).append(flat)",
-        "tests/e2e/test_memory.py::test_peak_memory_is_bounded_by_budget_plus_largest_tensor[2-fast-writer]",
+        "tests/integration/test_memory.py::test_peak_memory_is_bounded_by_budget_plus_largest_tensor[2-fast-writer]",
     ),
     Mutation(
         "rank0-keeps-received-tensors",
@@ -471,7 +471,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/launch.py",
         "        return out\n",
         "        self.__dict__.setdefault('kept', []).append(out)\n        return out\n",
-        "tests/e2e/test_memory.py::test_peak_memory_is_bounded_by_budget_plus_largest_tensor[2-fast-writer]",
+        "tests/integration/test_memory.py::test_peak_memory_is_bounded_by_budget_plus_largest_tensor[2-fast-writer]",
     ),
     Mutation(
         "no-send-window",
@@ -479,7 +479,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/launch.py",
         "while self._in_flight and self._in_flight_bytes + nbytes > self.window_bytes:",
         "while False:",
-        "tests/e2e/test_memory.py::test_peak_memory_is_bounded_by_budget_plus_largest_tensor[2-slow-writer]",
+        "tests/integration/test_memory.py::test_peak_memory_is_bounded_by_budget_plus_largest_tensor[2-slow-writer]",
     ),
     Mutation(
         "no-read-ahead-budget-nproc1",
@@ -487,7 +487,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/prefetch.py",
         "self._cond.wait_for(lambda: self._closed or self.held_bytes == 0 or self.held_bytes + nbytes <= self.budget_bytes)",
         "pass",
-        "tests/e2e/test_memory.py::test_peak_memory_is_bounded_by_budget_plus_largest_tensor[1-slow-writer]",
+        "tests/integration/test_memory.py::test_peak_memory_is_bounded_by_budget_plus_largest_tensor[1-slow-writer]",
     ),
     Mutation(
         "no-read-ahead-budget-nproc2",
@@ -495,7 +495,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/prefetch.py",
         "self._cond.wait_for(lambda: self._closed or self.held_bytes == 0 or self.held_bytes + nbytes <= self.budget_bytes)",
         "pass",
-        "tests/e2e/test_memory.py::test_peak_memory_is_bounded_by_budget_plus_largest_tensor[2-slow-writer]",
+        "tests/integration/test_memory.py::test_peak_memory_is_bounded_by_budget_plus_largest_tensor[2-slow-writer]",
     ),
     Mutation(
         "sigint-leaves-out",
@@ -503,7 +503,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/writers/_atomic.py",
         "    except BaseException:\n        _remove(tmp)\n        raise",
         "    except BaseException:\n        os.replace(tmp, output)\n        raise",
-        "tests/e2e/test_signals.py::test_signal_mid_write_leaves_nothing[2-1-130]",
+        "tests/integration/test_signals.py::test_signal_mid_write_leaves_nothing[2-1-130]",
     ),
     Mutation(
         "sigterm-workers-leaves-out",
@@ -511,7 +511,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/writers/_atomic.py",
         "    except BaseException:\n        _remove(tmp)\n        raise",
         "    except BaseException:\n        os.replace(tmp, output)\n        raise",
-        "tests/e2e/test_signals.py::test_signal_mid_write_leaves_nothing[15-2-143]",
+        "tests/integration/test_signals.py::test_signal_mid_write_leaves_nothing[15-2-143]",
     ),
     Mutation(
         "dead-worker-leaves-out",
@@ -519,7 +519,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/writers/_atomic.py",
         "    except BaseException:\n        _remove(tmp)\n        raise",
         "    except BaseException:\n        os.replace(tmp, output)\n        raise",
-        "tests/e2e/test_signals.py::test_dead_worker_fails_the_job_within_seconds",
+        "tests/integration/test_signals.py::test_dead_worker_fails_the_job_within_seconds",
     ),
     Mutation(
         "sigkill-leaves-out",
@@ -527,7 +527,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/writers/_atomic.py",
         "    try:\n        try:\n            yield tmp",
         "    output.symlink_to(tmp)  # OUT shows the temporary as it is written\n    try:\n        try:\n            yield tmp",
-        "tests/e2e/test_signals.py::test_sigkill_mid_write_leaves_no_output",
+        "tests/integration/test_signals.py::test_sigkill_mid_write_leaves_no_output",
     ),
     Mutation(
         "dead-worker-unnoticed",
@@ -535,7 +535,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/launch.py",
         "monitor_interval=0.1,",
         "monitor_interval=600,",
-        "tests/e2e/test_signals.py::test_dead_worker_fails_the_job_within_seconds",
+        "tests/integration/test_signals.py::test_dead_worker_fails_the_job_within_seconds",
     ),
     Mutation(
         "dead-node-unnoticed",
@@ -543,7 +543,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/launch.py",
         "monitor_interval=0.1,",
         "monitor_interval=600,",
-        "tests/e2e/test_multinode.py::test_a_dead_node_fails_the_job",
+        "tests/integration/test_multinode.py::test_a_dead_node_fails_the_job",
     ),
     Mutation(
         "close-does-not-mark-closed",
@@ -567,7 +567,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/launch.py",
         "    return cluster.nnodes * nproc",
         "    return nproc",
-        "tests/e2e/test_multinode.py::test_two_nodes_write_what_one_node_writes",
+        "tests/integration/test_multinode.py::test_two_nodes_write_what_one_node_writes",
     ),
     Mutation(
         "torchrun-worker-plans-alone",
@@ -575,7 +575,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/launch.py",
         '        return int(os.environ["WORLD_SIZE"])',
         "        return 1",
-        "tests/e2e/test_multinode.py::test_cli_runs_as_the_workers_of_users_torchrun",
+        "tests/integration/test_multinode.py::test_cli_runs_as_the_workers_of_users_torchrun",
     ),
     Mutation(
         "verify-workers-drop-differences",
@@ -583,7 +583,7 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/ops/verify.py",
         'diffs += [Difference(key=k, kind="differs", detail=d) for k, d in (differing or [])]',
         'diffs += [Difference(key=k, kind="differs", detail=d) for k, d in (differing or [])][:1]',
-        "tests/e2e/test_multinode.py::test_verify_with_two_workers_gathers_every_difference",
+        "tests/integration/test_multinode.py::test_verify_with_two_workers_gathers_every_difference",
     ),
 ]
 

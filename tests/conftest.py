@@ -1,4 +1,7 @@
-"""Shared fixtures: real FSDP2 checkpoints written by forked gloo ranks, with ground truth."""
+"""pytest setup: one OpenMP thread before torch is imported, and the shared fixtures of tests/_samples.py.
+
+Where each sample checkpoint comes from, and what it holds, is in ``tests/_samples.py``.
+"""
 
 from __future__ import annotations
 
@@ -10,136 +13,16 @@ import warnings  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
-from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from typer.testing import CliRunner  # noqa: E402
-
-from fsdp_convert._sample import CHECKPOINT_DIRNAME, TRUTH_FILENAME, SampleConfig, train_and_save  # noqa: E402
-from tests._dist import run_ranks  # noqa: E402
-
-
-@dataclass(frozen=True)
-class Sample:
-    """A DCP checkpoint from real FSDP2 training and the full state dict taken in the same run."""
-
-    name: str
-    world_size: int
-    dtype: torch.dtype
-    checkpoint: Path
-    truth_path: Path
-
-    def truth(self) -> dict[str, Any]:
-        return torch.load(self.truth_path, weights_only=True)
-
-
-# vocab 101 is divisible by neither 2 nor 3; logit_scale has shape (1,), smaller than any world size
-SAMPLES = {
-    "ws2_fp32": (2, torch.float32),
-    "ws3_fp32": (3, torch.float32),
-    "ws3_bf16": (3, torch.bfloat16),
-}
-
-
-def _make_sample(root: Path, name: str) -> Sample:
-    world_size, dtype = SAMPLES[name]
-    out = root / name
-    run_ranks(train_and_save, world_size, out, SampleConfig(dtype=dtype))
-    return Sample(name, world_size, dtype, out / CHECKPOINT_DIRNAME, out / TRUTH_FILENAME)
-
-
-@pytest.fixture(scope="session")
-def samples_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("samples")
-
-
-@pytest.fixture(scope="session", params=sorted(SAMPLES))
-def fsdp2_ckpt(request: pytest.FixtureRequest, samples_root: Path) -> Sample:
-    """Each sample checkpoint in turn (session-scoped: trained once)."""
-    return _sample(request.param, samples_root)
-
-
-_CACHE: dict[str, Sample] = {}
-
-
-def _sample(name: str, root: Path) -> Sample:
-    if name not in _CACHE:
-        _CACHE[name] = _make_sample(root, name)
-    return _CACHE[name]
-
-
-@pytest.fixture(scope="session")
-def ws3_ckpt(samples_root: Path) -> Sample:
-    """The 3-rank fp32 sample alone."""
-    return _sample("ws3_fp32", samples_root)
-
-
-@pytest.fixture(scope="session")
-def ws3_bf16_ckpt(samples_root: Path) -> Sample:
-    """The 3-rank bf16 sample alone."""
-    return _sample("ws3_bf16", samples_root)
-
-
-@pytest.fixture
-def runner() -> CliRunner:
-    return CliRunner()
-
-
-@pytest.fixture(scope="session")
-def big_sample(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """About 100 MB of FSDP2 state on 2 ranks whose largest tensor is 4 MiB (folder with checkpoint/, truth.pt)."""
-    out = tmp_path_factory.mktemp("big")
-    run_ranks(train_and_save, 2, out, SampleConfig(dim=256, n_layers=8, vocab_size=4096, steps=1))
-    return out
-
-
-@pytest.fixture(scope="session")
-def fsdp2_layouts(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One FSDP2 run on 2 ranks saved by torch's own writers (wrapper-named, HuggingFaceStorageWriter)
-    and in verl's layout, an imitation (see tests/_producers.py)."""
-    from tests._producers import fsdp2_layouts as write
-
-    out = tmp_path_factory.mktemp("fsdp2_layouts")
-    run_ranks(write, 2, out)
-    return out
-
-
-@pytest.fixture(scope="session")
-def fsdp1_layouts(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """FSDP1 runs on 2 ranks (use_orig_params True and False) saved with SHARDED_STATE_DICT (see tests/_producers.py)."""
-    from tests._producers import fsdp1_layouts as write
-
-    out = tmp_path_factory.mktemp("fsdp1_layouts")
-    run_ranks(write, 2, out)
-    return out
-
-
-def _framework_run(name: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One 2-rank forked run of ``tests._frameworks.<name>_run``: the framework's own training and save."""
-    from tests import _frameworks
-
-    _frameworks.preload(name)
-    out = tmp_path_factory.mktemp(f"{name}_run")
-    run_ranks(getattr(_frameworks, f"{name}_run"), 2, out)
-    return out
-
-
-@pytest.fixture(scope="session")
-def accelerate_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """accelerate's FSDP2 ``save_state`` folder at ``accelerate/`` with its ``truth.pt`` (see tests/_frameworks.py)."""
-    return _framework_run("accelerate", tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Lightning Fabric's ``fabric.save``: FSDP1 (``lightning_fsdp1/``), FSDP2 (``lightning_fsdp2/``), each with truth.pt."""
-    return _framework_run("lightning", tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def torchtitan_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """torchtitan's Trainer and CheckpointManager: ``torchtitan/checkpoint/step-2`` and ``torchtitan/truth.pt``."""
-    return _framework_run("torchtitan", tmp_path_factory)
+from tests._samples import (  # noqa: E402, F401  (fixtures, registered by being imported here)
+    accelerate_run,
+    big_sample,
+    fsdp1_layouts,
+    fsdp2_ckpt,
+    fsdp2_layouts,
+    lightning_run,
+    runner,
+    samples_root,
+    torchtitan_run,
+    ws3_bf16_ckpt,
+    ws3_ckpt,
+)

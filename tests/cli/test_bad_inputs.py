@@ -19,7 +19,7 @@ from fsdp_convert._zip import read_records
 from fsdp_convert.cli import app
 from fsdp_convert.formats import read_index
 from fsdp_convert.formats.dcp import load_metadata
-from tests.conftest import Sample
+from tests._samples import Sample
 
 Case = Callable[[Path, Path], tuple[list[str], int, list[str]]]  # (ck, tmp) -> (extra args, exit code, needles)
 

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from fsdp_convert.cli import app
 from fsdp_convert.formats import read_index
-from tests.conftest import Sample
+from tests._samples import Sample
 
 GOLDEN = Path(__file__).parent.parent / "golden" / "inspect_ws3_fp32.json"
 

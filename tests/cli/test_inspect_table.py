@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from fsdp_convert.cli import app
 from fsdp_convert.cli._output import shorten_middle
-from tests.conftest import Sample
+from tests._samples import Sample
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import pytest
 
 from fsdp_convert.formats import read_index
 from fsdp_convert.layout import detect_producer, unflatten
-from tests.conftest import Sample
+from tests._samples import Sample
 
 
 def test_unflatten_rebuilds_lists_and_dicts() -> None:

@@ -21,7 +21,7 @@ from fsdp_convert.plan import (
     plan_shards,
 )
 from fsdp_convert.transform import OutputItem, TransformOptions
-from tests.conftest import Sample
+from tests._samples import Sample
 
 
 def _entry(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], fqn: str = "model.w") -> TensorEntry:

@@ -34,7 +34,7 @@ BUDGET = 8 * MiB
 SLACK = 24 * MiB  # allocator arenas, thread stacks, gloo's buffers and connections, the pickled plan
 
 HOOK = '''
-"""Test hook (tests/e2e/test_memory.py): per-process peak memory records and a slow writer."""
+"""Test hook (tests/integration/test_memory.py): per-process peak memory records and a slow writer."""
 import functools, json, os, time
 import torch.distributed.launcher.api  # everything a run imports, before the baseline
 import fsdp_convert, fsdp_convert.ops.consolidate, fsdp_convert.launch

@@ -1,6 +1,6 @@
 """reshard of each producer's layout, checked against the training run itself, read by torch.
 
-tests/test_producers.py compares ``consolidate(reshard(x))`` with ``consolidate(x)``: the tool
+tests/integration/test_producers.py compares ``consolidate(reshard(x))`` with ``consolidate(x)``: the tool
 checked by the tool. Here the reshard is read by torch alone (``dcp_to_torch_save``, and
 ``FileSystemReader.read_metadata`` for the layout) and compared with the run's own full state dict
 (``truth.pt``), put in the producer's nesting with torch's own helpers.
@@ -27,7 +27,7 @@ from tests._compare import assert_same_state
 from tests._dist import run_ranks
 from tests._frameworks import TITAN_LAYERS, TITAN_SEQ, TITAN_VOCAB, _torchtitan_on_cpu, preload, titan_model_config
 from tests._producers import CFG
-from tests.test_reshard import assert_torch_chunk_layout, torch_chunk_rows, torch_view
+from tests.integration.test_reshard import assert_torch_chunk_layout, torch_chunk_rows, torch_view
 
 TARGET = 3  # the producers saved at 2
 

@@ -14,7 +14,7 @@ from fsdp_convert.errors import CheckpointNotFoundError, NotADcpCheckpointError,
 from fsdp_convert.formats import read_index
 from fsdp_convert.formats.dcp import load_metadata
 from fsdp_convert.formats.index import BytesEntry, TensorEntry
-from tests.conftest import Sample
+from tests._samples import Sample
 
 
 def _save_ws1(path: Path) -> dict[str, object]:

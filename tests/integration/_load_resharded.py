@@ -1,6 +1,6 @@
 """Run under torchrun: load a resharded checkpoint into FSDP2 at this world size and check it.
 
-python -m torch.distributed.run --standalone --nproc-per-node=M -m tests.e2e._load_resharded CKPT TRUTH WORKDIR
+python -m torch.distributed.run --standalone --nproc-per-node=M -m tests.integration._load_resharded CKPT TRUTH WORKDIR
 """
 
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from tests.test_reshard import _load_at_new_world_size
+from tests.integration.test_reshard import _load_at_new_world_size
 
 if __name__ == "__main__":
     checkpoint, truth, work = map(Path, sys.argv[1:4])

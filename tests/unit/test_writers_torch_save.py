@@ -1,30 +1,16 @@
-"""Streaming writers: what they write loads back exactly with torch's and safetensors' own loaders."""
+"""writers/torch_save.py: what TorchSaveWriter writes loads back exactly with torch.load, zip CRCs included."""
 
 from __future__ import annotations
 
 import io
 from pathlib import Path
 
-import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from fsdp_convert.errors import OutputExistsError
 from fsdp_convert.layout import unflatten
-from fsdp_convert.writers import SafetensorsWriter, TorchSaveWriter, atomic_output
+from fsdp_convert.writers import TorchSaveWriter
 from tests._compare import assert_same_state
-
-DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.complex64,
-]  # fmt: skip
-
-
-def _tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (max(1, torch.Size(shape).numel()) * dtype.itemsize,), dtype=torch.uint8, generator=g)
-    t = raw.view(dtype)[: torch.Size(shape).numel()].reshape(shape)
-    return t.to(torch.bool) if dtype == torch.bool else t
+from tests._tensors import DTYPES, _tensor
 
 
 def _items() -> list[tuple[tuple[str | int, ...], object]]:
@@ -85,54 +71,6 @@ def test_torch_save_writer_loads_like_torch_save(tmp_path: Path) -> None:
     theirs = sorted(n.split("/", 1)[1] for n in zipfile.ZipFile(buf).namelist())
     assert ours == theirs
     assert_same_state(torch.load(tmp_path / "ours.pt", weights_only=True), state)
-
-
-def test_safetensors_writer_matches_safetensors_library(tmp_path: Path) -> None:
-    tensors = {f"layer.{i}": _tensor(dtype, (2, 3), i) for i, dtype in enumerate(DTYPES) if dtype not in (torch.complex64,)}
-    tensors["scalar"] = torch.tensor(1.5)
-    tensors["empty"] = torch.empty(0, 2)
-    layout = [(("model", name), t.dtype, tuple(t.shape)) for name, t in tensors.items()]
-    w = SafetensorsWriter(tmp_path / "ours.safetensors", layout)
-    for name, t in tensors.items():
-        w.add_tensor(("model", name), t)
-    w.finish()
-    got = load_file(tmp_path / "ours.safetensors")
-    save_file(tensors, tmp_path / "theirs.safetensors")
-    theirs = load_file(tmp_path / "theirs.safetensors")
-    assert sorted(got) == sorted(tensors)
-    for name, t in tensors.items():
-        assert got[name].dtype == t.dtype and torch.equal(
-            got[name].reshape(-1).view(torch.uint8), theirs[name].reshape(-1).view(torch.uint8)
-        ), name
-
-
-def test_safetensors_writer_refuses_tensor_out_of_order(tmp_path: Path) -> None:
-    w = SafetensorsWriter(
-        tmp_path / "x.safetensors", [(("model", "a"), torch.float32, (2,)), (("model", "b"), torch.float32, (2,))]
-    )
-    with pytest.raises(ValueError, match="expected"):
-        w.add_tensor(("model", "b"), torch.zeros(2))
-    w.close()
-
-
-def test_atomic_output_leaves_nothing_on_error(tmp_path: Path) -> None:
-    out = tmp_path / "out.pt"
-    with pytest.raises(RuntimeError), atomic_output(out, overwrite=False) as tmp:
-        tmp.write_bytes(b"partial")
-        raise RuntimeError("boom")
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_atomic_output_replaces_only_at_the_end(tmp_path: Path) -> None:
-    out = tmp_path / "out.pt"
-    out.write_bytes(b"old")
-    with pytest.raises(OutputExistsError), atomic_output(out, overwrite=False):
-        pass
-    with atomic_output(out, overwrite=True) as tmp:
-        tmp.write_bytes(b"new")
-        assert out.read_bytes() == b"old"
-    assert out.read_bytes() == b"new"
-    assert [p.name for p in tmp_path.iterdir()] == ["out.pt"]
 
 
 def test_torch_save_writer_zip_crcs_are_valid(tmp_path: Path) -> None:

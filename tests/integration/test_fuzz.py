@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 import fsdp_convert
 from fsdp_convert.formats.dcp import load_metadata
 from tests._compare import assert_same_state
-from tests.conftest import Sample
+from tests._samples import Sample
 
 EXAMPLES = int(os.environ.get("FSDP_CONVERT_FUZZ_EXAMPLES", "300"))  # per test; two tests
 FUZZ = settings(

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 import fsdp_convert
 from fsdp_convert.cli import app
 from tests._compare import assert_same_state, same_bits
-from tests.conftest import Sample
+from tests._samples import Sample
 
 
 def test_consolidate_pt_equals_ground_truth(fsdp2_ckpt: Sample, tmp_path: Path) -> None:

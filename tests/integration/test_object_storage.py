@@ -15,7 +15,7 @@ import pytest
 
 import fsdp_convert
 from fsdp_convert.formats import read_index
-from tests.conftest import Sample
+from tests._samples import Sample
 
 pytestmark = pytest.mark.slow
 

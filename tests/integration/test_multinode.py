@@ -22,7 +22,7 @@ from fsdp_convert.items import prepare_items
 from fsdp_convert.plan import groups_for, plan_consolidate
 from fsdp_convert.transform import TransformOptions
 from tests._dist import free_port
-from tests.conftest import Sample
+from tests._samples import Sample
 
 pytestmark = pytest.mark.slow
 

@@ -82,8 +82,8 @@ def test_torchrun_job_loads_a_reshard_at_the_new_world_size(torchrun_sample: Pat
     work.mkdir()
     root = Path(__file__).resolve().parents[2]
     load = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "tests.e2e._load_resharded"]
-        + [str(out), str(torchrun_sample / "truth.pt"), str(work)],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        + ["-m", "tests.integration._load_resharded", str(out), str(torchrun_sample / "truth.pt"), str(work)],
         env=ENV, capture_output=True, text=True, timeout=300, cwd=root,
     )  # fmt: skip
     assert load.returncode == 0, load.stderr[-3000:]

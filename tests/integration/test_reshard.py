@@ -39,7 +39,7 @@ from fsdp_convert.cli import app
 from fsdp_convert.ops.reshard import reshard
 from tests._compare import assert_same_state
 from tests._dist import run_ranks
-from tests.conftest import Sample
+from tests._samples import Sample
 
 CFG = SampleConfig()
 
