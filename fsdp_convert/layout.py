@@ -1,15 +1,15 @@
-"""Layout stage: which producer wrote a checkpoint, how its entries group, and their nesting.
+"""Layout stage: which producer wrote a checkpoint and how its entries group (model, optimizer, other).
 
-Pure functions over a ``CheckpointIndex``; no I/O.
+Pure functions over a ``CheckpointIndex``; no I/O. Nesting paths back into a state dict
+(``unflatten``) is the index's own (``formats/index.py``), so the writers need nothing from here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
-from fsdp_convert.formats.index import CheckpointIndex, Entry, ObjPath, TensorEntry, dcp_key
+from fsdp_convert.formats.index import CheckpointIndex, Entry, TensorEntry, dcp_key, unflatten
 
 __all__ = [
     "Group",
@@ -20,10 +20,8 @@ __all__ = [
     "group_of_top",
     "classify",
     "detect_producer",
-    "unflatten",
-    "DictKey",
-    "plain_path",
-    "dcp_key",
+    "dcp_key",  # re-exported from formats.index
+    "unflatten",  # re-exported from formats.index
 ]
 
 Group = Literal["model", "optim", "other"]
@@ -149,71 +147,3 @@ def detect_producer(index: CheckpointIndex) -> str:
     if any(c.numel == 0 for e in small for c in e.chunks):
         return "fsdp2"
     return "fsdp1" if small else "fsdp"
-
-
-class DictKey(int):
-    """An ``int`` path element that keys a dict rather than indexing a list (optimizer state by id).
-
-    DCP's paths cannot tell ``{"state": {0: ...}}`` from a list; the transform marks the ids it
-    makes, and ``unflatten`` returns them as plain ``int`` keys.
-    """
-
-    __slots__ = ()
-
-
-def plain_path(path: ObjPath) -> ObjPath:
-    """``path`` as DCP's ``planner_data`` records it: dict keys as strings (``DictKey(0)`` -> ``"0"``).
-
-    torch's ``unflatten_state_dict`` then rebuilds a dict, not a list, from them.
-    """
-    return tuple(str(int(p)) if isinstance(p, DictKey) else p for p in path)
-
-
-def unflatten(items: Iterable[tuple[ObjPath, Any]]) -> dict[str, Any]:
-    """Rebuild the nested state dict from (path, value) pairs, as DCP's ``unflatten_state_dict``.
-
-    A path element that is an ``int`` indexes a list (``("optim", "param_groups", 0, "lr")``);
-    a ``str`` or ``DictKey`` element keys a dict. Lists come out dense, in index order.
-
-    Raises:
-        ValueError: two paths disagree on whether a level is a list or a dict, a path is given
-            twice or runs through another's value, or a list index is missing (names the path).
-    """
-    root: dict[Any, Any] = {}
-    list_nodes: set[int] = set()  # ids of dicts that stand for lists (int keys)
-    for path, value in items:
-        node = root
-        for i, key in enumerate(path):
-            is_index = isinstance(key, int) and not isinstance(key, DictKey)
-            if node and is_index != (id(node) in list_nodes):
-                raise ValueError(f"path {path!r} mixes list and dict keys at level {i}")
-            if is_index:
-                list_nodes.add(id(node))
-            if i == len(path) - 1:
-                if key in node:
-                    raise ValueError(f"path {path!r} is given twice, or also holds other values")
-                node[key] = _Leaf(value)
-            else:
-                node = node.setdefault(key, {})
-                if isinstance(node, _Leaf):
-                    raise ValueError(f"path {path!r} runs through a value at level {i}")
-    nested: dict[str, Any] = _densify(root, list_nodes)
-    return nested
-
-
-class _Leaf:
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-def _densify(node: Any, list_nodes: set[int]) -> Any:
-    if isinstance(node, _Leaf):
-        return node.value
-    if id(node) in list_nodes:
-        keys = sorted(node)
-        if keys != list(range(len(keys))):
-            raise ValueError(f"list indices {keys} are not 0..{len(keys) - 1}")
-        return [_densify(node[k], list_nodes) for k in keys]
-    return {int(k) if isinstance(k, DictKey) else k: _densify(v, list_nodes) for k, v in node.items()}

@@ -21,8 +21,8 @@ from fsdp_convert.constants import (
     TORCH_SAVE_SUFFIXES,
 )
 from fsdp_convert.errors import InvalidOptionError, NotADcpCheckpointError
-from fsdp_convert.formats.index import CheckpointIndex, TensorEntry, check_coverage
-from fsdp_convert.layout import GROUPS, Group, unflatten
+from fsdp_convert.formats.index import CheckpointIndex, TensorEntry, check_coverage, unflatten
+from fsdp_convert.layout import GROUPS, Group
 from fsdp_convert.transform import OutputItem
 
 __all__ = [

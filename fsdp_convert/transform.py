@@ -17,8 +17,8 @@ from typing import Any, Literal
 import torch
 
 from fsdp_convert.errors import InvalidOptionError, UnsupportedTransformError
-from fsdp_convert.formats.index import CheckpointIndex, Entry, ObjPath, TensorEntry
-from fsdp_convert.layout import DictKey, Group, Slot, dcp_key
+from fsdp_convert.formats.index import CheckpointIndex, DictKey, Entry, ObjPath, TensorEntry, dcp_key
+from fsdp_convert.layout import Group, Slot
 
 __all__ = [
     "WRAPPER_NAMES",

@@ -4,7 +4,9 @@ A leaf with no I/O: every source format (``formats/dcp.py``, ``rank_files.py``, 
 ``full_file.py``) builds a ``CheckpointIndex`` of these records, and every later stage (layout,
 transform, plan, the readers) consumes it. It follows DCP's data model
 (``torch/distributed/checkpoint/metadata.py``): a tensor's global shape and dtype with its stored
-chunks (N-d boxes, in elements), and non-tensor values stored as torch.save payloads.
+chunks (N-d boxes, in elements), and non-tensor values stored as torch.save payloads. Entries
+are addressed by ``ObjPath``; ``unflatten`` nests (path, value) pairs back into a state dict, for
+the planner and the writers alike.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import itertools
 import math
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,6 +35,9 @@ __all__ = [
     "CheckpointIndex",
     "dtype_name",
     "dcp_key",
+    "DictKey",
+    "plain_path",
+    "unflatten",
     "check_coverage",
 ]
 
@@ -216,6 +222,74 @@ def dtype_name(dtype: torch.dtype) -> str:
 def dcp_key(path: ObjPath) -> str:
     """DCP's flattened key of a nested path: its elements joined by dots (``optim.param_groups.0.lr``)."""
     return ".".join(str(p) for p in path)
+
+
+class DictKey(int):
+    """An ``int`` path element that keys a dict rather than indexing a list (optimizer state by id).
+
+    DCP's paths cannot tell ``{"state": {0: ...}}`` from a list; the transform marks the ids it
+    makes, and ``unflatten`` returns them as plain ``int`` keys.
+    """
+
+    __slots__ = ()
+
+
+def plain_path(path: ObjPath) -> ObjPath:
+    """``path`` as DCP's ``planner_data`` records it: dict keys as strings (``DictKey(0)`` -> ``"0"``).
+
+    torch's ``unflatten_state_dict`` then rebuilds a dict, not a list, from them.
+    """
+    return tuple(str(int(p)) if isinstance(p, DictKey) else p for p in path)
+
+
+def unflatten(items: Iterable[tuple[ObjPath, Any]]) -> dict[str, Any]:
+    """Rebuild the nested state dict from (path, value) pairs, as DCP's ``unflatten_state_dict``.
+
+    A path element that is an ``int`` indexes a list (``("optim", "param_groups", 0, "lr")``);
+    a ``str`` or ``DictKey`` element keys a dict. Lists come out dense, in index order.
+
+    Raises:
+        ValueError: two paths disagree on whether a level is a list or a dict, a path is given
+            twice or runs through another's value, or a list index is missing (names the path).
+    """
+    root: dict[Any, Any] = {}
+    list_nodes: set[int] = set()  # ids of dicts that stand for lists (int keys)
+    for path, value in items:
+        node = root
+        for i, key in enumerate(path):
+            is_index = isinstance(key, int) and not isinstance(key, DictKey)
+            if node and is_index != (id(node) in list_nodes):
+                raise ValueError(f"path {path!r} mixes list and dict keys at level {i}")
+            if is_index:
+                list_nodes.add(id(node))
+            if i == len(path) - 1:
+                if key in node:
+                    raise ValueError(f"path {path!r} is given twice, or also holds other values")
+                node[key] = _Leaf(value)
+            else:
+                node = node.setdefault(key, {})
+                if isinstance(node, _Leaf):
+                    raise ValueError(f"path {path!r} runs through a value at level {i}")
+    nested: dict[str, Any] = _densify(root, list_nodes)
+    return nested
+
+
+class _Leaf:
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _densify(node: Any, list_nodes: set[int]) -> Any:
+    if isinstance(node, _Leaf):
+        return node.value
+    if id(node) in list_nodes:
+        keys = sorted(node)
+        if keys != list(range(len(keys))):
+            raise ValueError(f"list indices {keys} are not 0..{len(keys) - 1}")
+        return [_densify(node[k], list_nodes) for k in keys]
+    return {int(k) if isinstance(k, DictKey) else k: _densify(v, list_nodes) for k, v in node.items()}
 
 
 def _box_end(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, ...]:

@@ -32,8 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from fsdp_convert._torch import StorageInfo
 from fsdp_convert.constants import METADATA_FILENAME
-from fsdp_convert.formats.index import ObjPath
-from fsdp_convert.layout import plain_path
+from fsdp_convert.formats.index import ObjPath, plain_path
 from fsdp_convert.writers._buffer import close_synced, dense
 
 __all__ = ["StoredChunk", "MetadataEntry", "Box", "RankFileWriter", "write_metadata", "rank_filename"]

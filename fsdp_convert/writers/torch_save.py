@@ -27,8 +27,7 @@ import torch
 
 from fsdp_convert._signals import torch_call
 from fsdp_convert._torch import open_torch_save_writer, storage_alignment, storage_type_for
-from fsdp_convert.formats.index import ObjPath
-from fsdp_convert.layout import unflatten
+from fsdp_convert.formats.index import ObjPath, unflatten
 from fsdp_convert.writers._buffer import byte_view, close_synced, dense
 from fsdp_convert.writers._zipcrc import patch_crcs
 
