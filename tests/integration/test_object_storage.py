@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import subprocess
@@ -50,10 +51,17 @@ def s3() -> Iterator[_S3]:
     old = {k: os.environ.get(k) for k in server.env}
     os.environ.update(server.env)  # for this process's fsspec and the workers it starts
     import fsspec
+    import fsspec.config
 
+    # fsspec reads FSSPEC_<PROTOCOL>_<OPTION> into its config only when first imported; another test
+    # module (torchtitan, datasets) may have imported it already in this process, so apply them now
+    saved_conf = copy.deepcopy(fsspec.config.conf)
+    fsspec.config.set_conf_env(fsspec.config.conf)
     fsspec.filesystem("s3").mkdir("bucket")
     yield server
     server.server.shutdown()
+    fsspec.config.conf.clear()
+    fsspec.config.conf.update(saved_conf)
     for k, v in old.items():
         if v is None:
             os.environ.pop(k, None)
