@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from fsdp_convert._location import Location, Url
 from fsdp_convert.errors import (
     CheckpointNotFoundError,
     InvalidOptionError,
@@ -27,7 +28,6 @@ from fsdp_convert.errors import (
     OutputExistsError,
     OutputWriteError,
 )
-from fsdp_convert.formats.index import Location, Url
 
 __all__ = [
     "Url",

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -22,11 +21,12 @@ from typing import Any
 
 import torch
 
+from fsdp_convert._location import Location, Url
 from fsdp_convert.errors import CoverageError
 
 __all__ = [
     "ObjPath",
-    "Url",
+    "Url",  # from _location, as every format and operation names them
     "Location",
     "ChunkEntry",
     "TensorEntry",
@@ -42,23 +42,6 @@ __all__ = [
 ]
 
 _DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
-
-
-class Url(str):
-    """A remote location (``s3://bucket/ckpt``) that joins like a ``Path``: ``url / "__0_0.distcp"``."""
-
-    __slots__ = ()
-
-    def __truediv__(self, other: str | os.PathLike[str]) -> Url:
-        return Url(self.rstrip("/") + "/" + os.fspath(other))
-
-    @property
-    def name(self) -> str:
-        """The last component."""
-        return self.rstrip("/").rsplit("/", 1)[-1]
-
-
-Location = Path | Url
 
 
 ObjPath = tuple[str | int, ...]
