@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import fsdp_convert
+from fsdp_convert.errors import CorruptChunkError, NotADcpCheckpointError
+from fsdp_convert.formats.hf_storage import describe_safetensors_dcp, read_header
+from fsdp_convert.formats.index import TensorEntry
 
 
 def test_negative_chunk_offsets_are_refused(tmp_path: Path) -> None:
@@ -30,3 +36,58 @@ def test_negative_chunk_offsets_are_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="non-negative"):
         fsdp_convert.consolidate(ck, tmp_path / "out.pt")
     assert not (tmp_path / "out.pt").exists()
+
+
+def _safetensors(path: Path, header: dict[str, Any], data: bytes, *, length: int | None = None) -> Path:
+    """A safetensors file by hand: 8-byte little-endian header length, the JSON header, the data."""
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
+    return path
+
+
+def _one_tensor(dtype: str = "F32", offsets: list[int] | None = None) -> dict[str, Any]:
+    return {"w": {"dtype": dtype, "shape": [2, 3], "data_offsets": offsets or [0, 24]}}
+
+
+def test_header_of_a_hand_made_file_indexes_one_chunk(tmp_path: Path) -> None:
+    _safetensors(tmp_path / "model.safetensors", _one_tensor(), bytes(range(24)))
+    header, data_start = read_header(tmp_path / "model.safetensors")
+    assert header == _one_tensor() and data_start == 8 + len(json.dumps(_one_tensor()))
+    index = describe_safetensors_dcp(tmp_path)
+    (entry,) = index.entries
+    assert isinstance(entry, TensorEntry) and entry.shape == (2, 3) and entry.dtype == torch.float32
+    assert [(c.offset_bytes, c.length_bytes) for c in entry.chunks] == [(data_start, 24)]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"\x10\x00\x00", "no header length"),
+        (struct.pack("<Q", 1000) + b"{}", "header length 1000 does not fit the file"),
+        (struct.pack("<Q", 2**40) + b"{}", "does not fit the file"),
+        (struct.pack("<Q", 5) + b"{oops", "not a readable safetensors file"),
+        (struct.pack("<Q", 2) + b"[]", "not a JSON object"),
+    ],
+    ids=["truncated length", "length past the end", "huge length", "not JSON", "not an object"],
+)
+def test_bad_header_is_corrupt(tmp_path: Path, content: bytes, message: str) -> None:
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(CorruptChunkError, match=message):
+        read_header(path)
+    with pytest.raises(CorruptChunkError, match=message):
+        describe_safetensors_dcp(tmp_path)
+
+
+@pytest.mark.parametrize("offsets", [[0, 48], [24, 48], [4, 24]], ids=["past the end", "after the data", "not the shape"])
+def test_data_offsets_outside_the_file_are_corrupt(tmp_path: Path, offsets: list[int]) -> None:
+    _safetensors(tmp_path / "model.safetensors", _one_tensor(offsets=offsets), bytes(24))
+    with pytest.raises(CorruptChunkError, match=r"data range \[\d+, \d+\) does not hold"):
+        describe_safetensors_dcp(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", ["Q9", "", 7], ids=["unknown name", "empty", "not a string"])
+def test_unknown_dtype_is_not_a_checkpoint(tmp_path: Path, dtype: Any) -> None:
+    _safetensors(tmp_path / "model.safetensors", _one_tensor(dtype=dtype), bytes(24))
+    with pytest.raises(NotADcpCheckpointError, match="malformed header entry for w"):
+        describe_safetensors_dcp(tmp_path)

@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
+from typing import Any
 
-from fsdp_convert.transform import clean_fqn
+import pytest
+import torch
+
+from fsdp_convert.errors import InvalidOptionError
+from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, TensorEntry
+from fsdp_convert.layout import classify
+from fsdp_convert.transform import (
+    OutputItem,
+    TransformOptions,
+    build_items,
+    clean_fqn,
+    needs_group_values,
+    parse_dtype,
+    parse_rename,
+)
 
 
 @pytest.mark.parametrize(
@@ -21,3 +36,123 @@ from fsdp_convert.transform import clean_fqn
 def test_clean_fqn(fqn: str, clean: str) -> None:
     assert clean_fqn(fqn) == clean
     assert clean_fqn(fqn, keep_wrapper_names=True) == fqn
+
+
+WQ = "layers.0._checkpoint_wrapped_module.attn.wq.weight"  # as saved: an activation checkpointing wrapper in it
+NORM = "_orig_mod.norm.weight"  # as saved by a torch.compile'd model
+
+
+def _tensor(path: tuple[str | int, ...], dtype: torch.dtype = torch.float32, shape: tuple[int, ...] = (4, 4)) -> TensorEntry:
+    chunk = ChunkEntry(offsets=(0,) * len(shape), sizes=shape, relative_path="__0_0.distcp", offset_bytes=0, length_bytes=64)
+    return TensorEntry(fqn=".".join(map(str, path)), path=path, shape=shape, dtype=dtype, chunks=(chunk,))
+
+
+def _value(path: tuple[str | int, ...]) -> BytesEntry:
+    return BytesEntry(fqn=".".join(map(str, path)), path=path, relative_path="__0_0.distcp", offset_bytes=0, length_bytes=8)
+
+
+# A hand-made index in get_state_dict's layout: two weights, an int buffer, AdamW state, one param
+# group listing NORM before WQ (not the model's order), and a train step.
+ENTRIES = (
+    _tensor(("model", WQ)),
+    _tensor(("model", NORM), shape=(4,)),
+    _tensor(("model", "tok_ids"), dtype=torch.int64, shape=(3,)),
+    _tensor(("optim", "state", WQ, "exp_avg")),
+    _tensor(("optim", "state", WQ, "step"), shape=()),
+    _tensor(("optim", "state", NORM, "exp_avg"), shape=(4,)),
+    _value(("optim", "param_groups", 0, "lr")),
+    _value(("optim", "param_groups", 0, "params")),
+    _value(("train_state", "step")),
+)
+INDEX = CheckpointIndex(checkpoint_id=Path("/nowhere"), entries=ENTRIES, data_files=("__0_0.distcp",))
+PARAMS = 7  # the entry of the group's params
+VALUES = {PARAMS: [NORM, WQ]}
+
+
+def _items(**options: Any) -> dict[tuple[str | int, ...], OutputItem]:
+    slots = classify(INDEX)
+    assert needs_group_values(slots) == [PARAMS]
+    items = build_items(INDEX, slots, TransformOptions(**options), VALUES)
+    return {item.path: item for item in items}
+
+
+def test_wrapper_names_go_and_renames_apply_to_model_and_optimizer_alike() -> None:
+    items = _items(renames=((r"^layers\.", "model.layers."), (r"^norm\.", "model.norm.")))
+    assert list(items) == [
+        ("model", "model.layers.0.attn.wq.weight"),
+        ("model", "model.norm.weight"),
+        ("model", "tok_ids"),
+        ("optim", "state", "model.layers.0.attn.wq.weight", "exp_avg"),
+        ("optim", "state", "model.layers.0.attn.wq.weight", "step"),
+        ("optim", "state", "model.norm.weight", "exp_avg"),
+        ("optim", "param_groups", 0, "lr"),
+        ("optim", "param_groups", 0, "params"),
+        ("train_state", "step"),
+    ]
+    params = items["optim", "param_groups", 0, "params"]
+    assert params.constant and params.value == ["model.norm.weight", "model.layers.0.attn.wq.weight"]
+    assert items["model", "model.norm.weight"].entry is ENTRIES[1]  # read from the saved name
+
+
+def test_keep_wrapper_names_keeps_every_name_as_saved() -> None:
+    items = _items(keep_wrapper_names=True)
+    assert ("model", WQ) in items and ("optim", "state", NORM, "exp_avg") in items
+    assert items["optim", "param_groups", 0, "params"].value == [NORM, WQ]
+
+
+@pytest.mark.parametrize(
+    ("include", "exclude", "kept"),
+    [
+        ((), (), ["layers.0.attn.wq.weight", "norm.weight", "tok_ids"]),
+        (("layers.0.attn.*",), (), ["layers.0.attn.wq.weight"]),  # matches the name without its wrapper
+        ((), ("*.weight",), ["tok_ids"]),
+        (("*.weight",), ("norm.*",), ["layers.0.attn.wq.weight"]),
+    ],
+)
+def test_include_and_exclude_select_model_keys_before_renames(
+    include: tuple[str, ...], exclude: tuple[str, ...], kept: list[str]
+) -> None:
+    items = _items(include=include, exclude=exclude, renames=(("^", "renamed."),))
+    assert [path[1] for path in items if path[0] == "model"] == [f"renamed.{k}" for k in kept]
+
+
+def test_casts_change_floating_point_only_and_never_step() -> None:
+    items = _items(dtype=torch.bfloat16, optim_dtype=torch.float16)
+    assert items["model", "layers.0.attn.wq.weight"].dtype == torch.bfloat16
+    assert items["model", "tok_ids"].dtype == torch.int64  # integers are never cast
+    assert items["optim", "state", "norm.weight", "exp_avg"].dtype == torch.float16
+    assert items["optim", "state", "layers.0.attn.wq.weight", "step"].dtype == torch.float32
+    assert items["model", "norm.weight"].nbytes == 4 * 2  # output size follows the cast
+    assert _items()["model", "norm.weight"].dtype == torch.float32  # no cast asked, none made
+
+
+def test_ids_number_params_in_param_group_order() -> None:
+    """torch.optim numbers parameters in the order its param groups list them, not the model's."""
+    items = list(_items(optim_keys="ids"))
+    assert [path for path in items if path[:2] == ("optim", "state")] == [
+        ("optim", "state", 0, "exp_avg"),  # NORM, listed first
+        ("optim", "state", 1, "exp_avg"),
+        ("optim", "state", 1, "step"),
+    ]
+    assert _items(optim_keys="ids")["optim", "param_groups", 0, "params"].value == [0, 1]
+
+
+def test_two_keys_renamed_to_one_are_refused() -> None:
+    with pytest.raises(InvalidOptionError, match="would both be written as model key 'w'"):
+        _items(renames=((r".*weight$", "w"),))
+
+
+@pytest.mark.parametrize("text", ["no-separator", "=x", "a[=b"])
+def test_parse_rename_refuses_malformed_rules(text: str) -> None:
+    with pytest.raises(InvalidOptionError, match="--rename"):
+        parse_rename(text)
+
+
+def test_parse_rename_splits_at_the_last_equals_sign() -> None:
+    assert parse_rename(r"^a(?=b)=c") == (r"^a(?=b)", "c")
+
+
+def test_parse_dtype() -> None:
+    assert parse_dtype(" BF16 ") == torch.bfloat16 and parse_dtype("half") == torch.float16
+    with pytest.raises(InvalidOptionError, match="not a dtype"):
+        parse_dtype("int8")
