@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import re
 from enum import Enum
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
 from fsdp_convert.cli._errors import handle_errors
 from fsdp_convert.errors import InvalidOptionError
-from fsdp_convert.launch import Cluster
-from fsdp_convert.transform import TransformOptions, parse_dtype, parse_rename
+
+# launch and transform import torch: they are imported where used, so --help and --version start without it
+if TYPE_CHECKING:
+    from fsdp_convert.launch import Cluster
+    from fsdp_convert.transform import TransformOptions
 
 __all__ = [
     "Choice",
@@ -112,6 +115,8 @@ class DtypeChoice(Choice):
         Raises:
             InvalidOptionError: not a dtype name.
         """
+        from fsdp_convert.transform import parse_dtype
+
         try:
             dtype = parse_dtype(text)
         except InvalidOptionError as e:
@@ -291,6 +296,8 @@ def transform_options(
     Raises:
         InvalidOptionError: a bad ``--rename``.
     """
+    from fsdp_convert.transform import TransformOptions, parse_dtype, parse_rename
+
     return TransformOptions(
         optim_keys=optim_keys.value,
         keep_wrapper_names=keep_wrapper_names,
@@ -355,6 +362,8 @@ def cluster_options(nnodes: int, node_rank: int, rdzv_backend: RdzvBackendChoice
     """
     if node_rank >= nnodes:
         raise InvalidOptionError(f"--node-rank {node_rank} is not below --nnodes {nnodes}")
+    from fsdp_convert.launch import Cluster
+
     return Cluster(
         nnodes=nnodes, node_rank=node_rank, rdzv_backend=rdzv_backend.value, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -39,7 +39,9 @@ from fsdp_convert.cli._options import (
     transform_options,
 )
 from fsdp_convert.cli._output import human_bytes, print_result
-from fsdp_convert.ops.consolidate import consolidate
+
+if TYPE_CHECKING:
+    from fsdp_convert.ops.consolidate import ConsolidateResult
 
 EXAMPLES = """
 Examples:
@@ -77,6 +79,13 @@ OnlyOpt = Annotated[
         "a folder holds the model as shards, the optimizer state in optimizer.pt).",
     ),
 ]
+
+
+def consolidate(*args: Any, **kwargs: Any) -> ConsolidateResult:
+    """``ops.consolidate.consolidate``, imported on first call, so ``--help`` and ``--version`` start without torch."""
+    from fsdp_convert.ops.consolidate import consolidate as operation
+
+    return operation(*args, **kwargs)
 
 
 def consolidate_command(

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.console import Console
 from rich.table import Table
 
 from fsdp_convert.cli._errors import handle_errors
 from fsdp_convert.cli._options import CheckpointArg, JsonOpt
 from fsdp_convert.cli._output import console, human_bytes, print_json, shorten_middle
-from fsdp_convert.ops.inspect import InspectResult, inspect_checkpoint
+
+if TYPE_CHECKING:
+    from fsdp_convert.ops.inspect import InspectResult
 
 EXAMPLES = """
 Examples:
@@ -21,6 +25,13 @@ Examples:
 
 _COLUMNS = (("shape", "left"), ("dtype", "left"), ("chunks", "right"), ("bytes", "right"))
 _MIN_FQN_WIDTH = 20
+
+
+def inspect_checkpoint(checkpoint_id: str) -> InspectResult:
+    """``ops.inspect.inspect_checkpoint``, imported on first call, so ``--help`` and ``--version`` start without torch."""
+    from fsdp_convert.ops.inspect import inspect_checkpoint as operation
+
+    return operation(checkpoint_id)
 
 
 def _render(result: InspectResult, out: Console = console) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -30,7 +30,9 @@ from fsdp_convert.cli._options import (
     transform_options,
 )
 from fsdp_convert.cli._output import human_bytes, print_result
-from fsdp_convert.ops.reshard import reshard
+
+if TYPE_CHECKING:
+    from fsdp_convert.ops.reshard import ReshardResult
 
 EXAMPLES = """
 Examples:
@@ -51,6 +53,13 @@ WritersOpt = Annotated[
         help="Workers writing rank files in parallel (torch's elastic launcher, gloo). \\[default: 1]",
     ),
 ]
+
+
+def reshard(*args: Any, **kwargs: Any) -> ReshardResult:
+    """``ops.reshard.reshard``, imported on first call, so ``--help`` and ``--version`` start without torch."""
+    from fsdp_convert.ops.reshard import reshard as operation
+
+    return operation(*args, **kwargs)
 
 
 def reshard_command(

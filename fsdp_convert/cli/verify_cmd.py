@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -20,8 +20,9 @@ from fsdp_convert.cli._options import (
     cluster_options,
 )
 from fsdp_convert.cli._output import console, print_json
-from fsdp_convert.ops.verify import VerifyResult, verify
-from fsdp_convert.transform import TransformOptions
+
+if TYPE_CHECKING:
+    from fsdp_convert.ops.verify import VerifyResult
 
 EXAMPLES = """
 Examples:
@@ -39,6 +40,13 @@ SourceArg = Annotated[
 ]
 AtolOpt = Annotated[float | None, typer.Option("--atol", help="Absolute tolerance for floating tensors (default: bitwise).")]
 RtolOpt = Annotated[float | None, typer.Option("--rtol", help="Relative tolerance for floating tensors (default: bitwise).")]
+
+
+def verify(*args: Any, **kwargs: Any) -> VerifyResult:
+    """``ops.verify.verify``, imported on first call, so ``--help`` and ``--version`` start without torch."""
+    from fsdp_convert.ops.verify import verify as operation
+
+    return operation(*args, **kwargs)
 
 
 def _render(result: VerifyResult) -> None:
@@ -83,6 +91,8 @@ def verify_command(
 ) -> None:
     """Compare two checkpoints of any formats; exit 0 when equal, 1 with a table of differences."""
     with handle_errors():
+        from fsdp_convert.transform import TransformOptions
+
         options = TransformOptions() if as_consolidated else None
         cluster = cluster_options(nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id)
         result = verify(a, b, atol=atol, rtol=rtol, check_crc=not no_crc, options=options, nproc=nproc, cluster=cluster)
