@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from fsdp_convert.formats.index import CheckpointIndex, Entry, TensorEntry, dcp_key, unflatten
+from fsdp_convert.formats.index import CheckpointIndex, Entry, TensorEntry, dcp_key
 
 __all__ = [
     "Group",
@@ -21,7 +21,6 @@ __all__ = [
     "classify",
     "detect_producer",
     "dcp_key",  # re-exported from formats.index
-    "unflatten",  # re-exported from formats.index
 ]
 
 Group = Literal["model", "optim", "other"]

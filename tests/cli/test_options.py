@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,23 @@ def test_version_prints_package_and_torch_versions(runner: CliRunner) -> None:
     assert result.exit_code == 0, result.stderr
     assert result.stdout == f"fsdp-convert {version('fsdp-convert')} (torch {version('torch')})\n"
     assert torch.__version__ in result.stdout and result.stderr == ""
+
+
+def test_version_and_help_run_without_importing_torch() -> None:
+    """The CLI imports the operations (and so torch, seconds to load) only when a command runs."""
+    probe = (
+        "import sys\n"
+        "from fsdp_convert.cli import main\n"
+        "sys.argv = ['fsdp-convert', '--version']\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("fsdp-convert ")
 
 
 def test_shell_completion_is_on(runner: CliRunner) -> None:

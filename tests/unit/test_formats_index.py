@@ -96,3 +96,22 @@ def test_unflatten_nests_lists_dicts_and_dict_keys() -> None:
 def test_unflatten_refuses_inconsistent_paths(items: list[tuple[tuple[str | int, ...], int]], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         unflatten(items)
+
+
+def test_unflatten_rebuilds_lists_and_dicts() -> None:
+    items = [
+        (("optim", "state", "a.b", "step"), 1),
+        (("optim", "param_groups", 1, "lr"), 0.2),
+        (("optim", "param_groups", 0, "lr"), 0.1),
+        (("optim", "param_groups", 0, "params"), ["a.b"]),
+    ]
+    assert unflatten(items) == {
+        "optim": {"state": {"a.b": {"step": 1}}, "param_groups": [{"lr": 0.1, "params": ["a.b"]}, {"lr": 0.2}]}
+    }
+
+
+def test_unflatten_rejects_sparse_lists_and_mixed_levels() -> None:
+    with pytest.raises(ValueError, match="list indices"):
+        unflatten([(("g", 1), 0)])
+    with pytest.raises(ValueError, match="mixes"):
+        unflatten([(("g", 0), 0), (("g", "x"), 1)])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from fsdp_convert.layout import unflatten
+from fsdp_convert.formats.index import unflatten
 from fsdp_convert.writers import TorchSaveWriter
 from tests._compare import assert_same_state
 from tests._tensors import DTYPES, _tensor
