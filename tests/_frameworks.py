@@ -291,12 +291,14 @@ def _torchtitan_on_cpu() -> None:
     titan_dist.set_pg_timeouts = lambda **_: None  # type: ignore[assignment]
 
 
-def torchtitan_run(rank: int, world_size: int, out: Path) -> None:
-    """torchtitan's ``Trainer`` (llama3 model, its FSDP2 ``parallelize_llama`` with
-    ``spmd_backend="full_dtensor"``, its AdamW ``OptimizersContainer`` and LR schedulers) trains
-    ``CFG.steps`` steps and its ``CheckpointManager`` saves ``out/torchtitan/checkpoint/step-N``
-    (interval N, ``last_save_model_only=False``). Only the data are ours: a tokenizer and a
-    dataloader of seeded random tokens (torchtitan's read C4 and a tokenizer from its repository)."""
+def titan_trainer(rank: int, folder: Path, *, seed: int, batches: Callable[[int], torch.Tensor] | None) -> Any:
+    """torchtitan's own ``Trainer`` for the tiny run, built on CPU: the llama3 model, its FSDP2
+    ``parallelize_llama`` with ``spmd_backend="full_dtensor"``, its AdamW ``OptimizersContainer``
+    and LR schedulers, and its ``CheckpointManager`` under ``folder/checkpoint`` (interval
+    ``CFG.steps``, ``last_save_model_only=False``). Only the data are ours: a tokenizer stand-in and
+    a loader of ``batches(100 * batch_index + dp_rank)`` (``None``: a loader that only keeps its
+    ``{"batches"}`` state, for a trainer that only loads). torchtitan reads C4 and a tokenizer
+    from its repository instead."""
     from dataclasses import dataclass
 
     from torch.distributed.fsdp import FSDPModule
@@ -315,7 +317,6 @@ def torchtitan_run(rank: int, world_size: int, out: Path) -> None:
 
     os.environ["LOCAL_RANK"] = str(rank)
     _torchtitan_on_cpu()
-    folder = out / "torchtitan"
 
     class Tokens(BaseTokenizer):
         @dataclass(kw_only=True, slots=True)
@@ -343,8 +344,10 @@ def torchtitan_run(rank: int, world_size: int, out: Path) -> None:
             self.rank, self.batches = dp_rank, 0
 
         def __iter__(self) -> Any:
+            if batches is None:
+                raise AssertionError("this trainer only loads")
             while True:
-                tokens = titan_batch(100 * self.batches + self.rank)
+                tokens = batches(100 * self.batches + self.rank)
                 self.batches += 1
                 yield {"input": tokens[:, :-1]}, tokens[:, 1:]
 
@@ -388,9 +391,17 @@ def torchtitan_run(rank: int, world_size: int, out: Path) -> None:
         compile=CompileConfig(enable=False),
         metrics=MetricsProcessor.Config(log_freq=CFG.steps),
         validator=Validator.Config(enable=False),
-        debug=DebugConfig(seed=0, enable_structured_logging=False),
+        debug=DebugConfig(seed=seed, enable_structured_logging=False),
     )
-    trainer = config.build()
+    return config.build()
+
+
+def torchtitan_run(rank: int, world_size: int, out: Path) -> None:
+    """torchtitan's ``Trainer`` (``titan_trainer``) trains ``CFG.steps`` steps on seeded random
+    tokens and its ``CheckpointManager`` saves ``out/torchtitan/checkpoint/step-N``; then the
+    truth, as ``_write_truth`` takes it."""
+    folder = out / "torchtitan"
+    trainer = titan_trainer(rank, folder, seed=0, batches=titan_batch)
     trainer.train()
     model, optim = trainer.model_parts[0], trainer.optimizers
 

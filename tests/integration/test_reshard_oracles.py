@@ -9,7 +9,6 @@ checked by the tool. Here the reshard is read by torch alone (``dcp_to_torch_sav
 from __future__ import annotations
 
 import copy
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from torch.distributed.tensor import DTensor
 import fsdp_convert
 from tests._compare import assert_same_state
 from tests._dist import run_ranks
-from tests._frameworks import TITAN_LAYERS, TITAN_SEQ, TITAN_VOCAB, _torchtitan_on_cpu, preload, titan_model_config
+from tests._frameworks import TITAN_LAYERS, TITAN_SEQ, preload, titan_trainer
 from tests._producers import CFG
 from tests.integration.test_reshard import assert_torch_chunk_layout, torch_chunk_rows, torch_view
 
@@ -144,96 +143,6 @@ def test_torchtitan_reshard_is_the_run_in_torchtitans_layout(torchtitan_run: Pat
     assert _assert_titan_layout(out, ckpt, TARGET) == _n_tensors(truth)
 
 
-def _titan_trainer(rank: int, dump_folder: Path) -> Any:
-    """torchtitan's ``Trainer`` as the run built it (tests/_frameworks.py ``torchtitan_run``: the
-    tiny llama3, its FSDP2 ``parallelize_llama`` with ``full_dtensor``, its AdamW container and LR
-    schedulers, its CheckpointManager under ``dump_folder/checkpoint``), at this process group's
-    size and with another seed, so that only a load can make the weights the run's. The
-    tokenizer and the data loader are stand-ins; the loader keeps the run's ``{"batches"}`` state."""
-    from dataclasses import dataclass
-
-    from torchtitan.components.checkpoint import CheckpointManager
-    from torchtitan.components.dataloader import BaseDataLoader
-    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-    from torchtitan.components.metrics import MetricsProcessor
-    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
-    from torchtitan.components.tokenizer import BaseTokenizer
-    from torchtitan.components.validate import Validator
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.config.configs import DebugConfig
-    from torchtitan.models.llama3 import parallelize_llama
-    from torchtitan.protocols.model_spec import ModelSpec
-    from torchtitan.trainer import Trainer
-
-    os.environ["LOCAL_RANK"] = str(rank)
-    _torchtitan_on_cpu()
-
-    class Tokens(BaseTokenizer):
-        @dataclass(kw_only=True, slots=True)
-        class Config(BaseTokenizer.Config):
-            pass
-
-        def __init__(self, config: Any, tokenizer_path: str | None = None) -> None:
-            super().__init__()
-
-        def encode(self, *_: Any, **__: Any) -> list[int]:
-            return []
-
-        def decode(self, *_: Any, **__: Any) -> str:
-            return ""
-
-        def get_vocab_size(self) -> int:
-            return TITAN_VOCAB
-
-    class NoData(BaseDataLoader):
-        @dataclass(kw_only=True, slots=True)
-        class Config(BaseDataLoader.Config):
-            pass
-
-        def __init__(self, config: Any, **_: Any) -> None:
-            self.batches = 0
-
-        def __iter__(self) -> Any:
-            raise AssertionError("this trainer only loads")
-
-        def state_dict(self) -> dict[str, Any]:
-            return {"batches": self.batches}
-
-        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-            self.batches = state_dict["batches"]
-
-    spec = ModelSpec(
-        name="llama3",
-        flavor="tiny",
-        model=titan_model_config(),
-        parallelize_fn=parallelize_llama,
-        pipelining_fn=None,
-        post_optimizer_build_fn=None,
-        state_dict_adapter=None,
-    )
-    config = Trainer.Config(
-        model_spec=spec,
-        dump_folder=str(dump_folder),
-        hf_assets_path=str(dump_folder),
-        tokenizer=Tokens.Config(),
-        dataloader=NoData.Config(),
-        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=TITAN_VOCAB)),
-        optimizer=default_adamw(lr=1e-2),
-        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=1, decay_ratio=0.0),
-        training=TrainingConfig(
-            local_batch_size=2, seq_len=TITAN_SEQ, steps=CFG.steps, mixed_precision_param="float32", disable_cuda_graphs=True
-        ),
-        parallelism=ParallelismConfig(spmd_backend="full_dtensor"),
-        checkpoint=CheckpointManager.Config(enable=True, interval=CFG.steps, last_save_model_only=False),
-        activation_checkpoint=None,
-        compile=CompileConfig(enable=False),
-        metrics=MetricsProcessor.Config(log_freq=CFG.steps),
-        validator=Validator.Config(enable=False),
-        debug=DebugConfig(seed=4321, enable_structured_logging=False),
-    )
-    return config.build()
-
-
 def _load_as_torchtitan(rank: int, world_size: int, checkpoint: Path, truth_path: Path, work: Path) -> None:
     """What a torchtitan job resumed at this world size does: its Trainer's ``checkpointer.load()``
     (the newest ``step-N`` under its checkpoint folder: ``dcp.load`` of the model's own state dict
@@ -248,7 +157,7 @@ def _load_as_torchtitan(rank: int, world_size: int, checkpoint: Path, truth_path
     for name in {".metadata", f"__{rank}_0.distcp", "__0_0.distcp"}:
         if (checkpoint / name).exists():
             shutil.copy(checkpoint / name, step / name)
-    trainer = _titan_trainer(rank, mine)
+    trainer = titan_trainer(rank, mine, seed=4321, batches=None)  # another seed: only a load makes it the run
     model, optim = trainer.model_parts[0], trainer.optimizers.optimizers[0]
     before = model.lm_head.weight.full_tensor()
     assert trainer.checkpointer.load()
