@@ -12,6 +12,7 @@ import json
 import math
 import shutil
 from collections import Counter
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +59,11 @@ def torch_chunk_rows(shape: tuple[int, ...], world_size: int) -> list[tuple[int,
     return list(zip(itertools.accumulate([0, *sizes]), sizes))
 
 
-def assert_torch_chunk_layout(checkpoint: Path, world_size: int) -> int:
+def assert_torch_chunk_layout(checkpoint: Path, world_size: int, whole: Collection[str] = ()) -> int:
     """From ``.metadata`` as torch reads it: every tensor is cut on dim 0 as ``torch.chunk(world_size)``
-    cuts it, chunk r stored in ``__r_0.distcp``; a 0-dim tensor is one chunk and every bytes entry
-    is stored in rank 0's file. Returns the number of tensors checked."""
+    cuts it, chunk r stored in ``__r_0.distcp``; a 0-dim tensor, and each tensor named in ``whole``,
+    is one whole chunk in rank 0's file, and so is every bytes entry. Returns the number of
+    tensors checked."""
     md = FileSystemReader(str(checkpoint)).read_metadata()
     tensors = 0
     for fqn, meta in md.state_dict_metadata.items():
@@ -70,7 +72,9 @@ def assert_torch_chunk_layout(checkpoint: Path, world_size: int) -> int:
             continue
         assert isinstance(meta, TensorStorageMetadata), fqn
         shape = tuple(meta.size)
-        if shape:
+        if fqn in whole:
+            want = [((0,) * len(shape), shape)]
+        elif shape:
             rest = (0,) * (len(shape) - 1)
             want = [((start, *rest), (rows, *shape[1:])) for start, rows in torch_chunk_rows(shape, world_size)]
         else:

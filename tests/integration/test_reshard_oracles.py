@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, _flatten_optim_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -26,7 +26,7 @@ from tests._compare import assert_same_state
 from tests._dist import run_ranks
 from tests._frameworks import TITAN_LAYERS, TITAN_SEQ, preload, titan_trainer
 from tests._producers import CFG
-from tests.integration.test_reshard import assert_torch_chunk_layout, torch_chunk_rows, torch_view
+from tests.integration.test_reshard import assert_torch_chunk_layout, torch_view
 
 TARGET = 3  # the producers saved at 2
 
@@ -109,23 +109,7 @@ def _assert_titan_layout(out: Path, source: Path, world_size: int) -> int:
     }
     fused = {f"layers.{i}.attention.qkv_linear.{w}.weight" for i in range(TITAN_LAYERS) for w in ("wq", "wk", "wv")}
     assert {fqn for fqn, shape in whole.items() if shape} == fused, "torchtitan's save hook writes wq, wk and wv whole"
-    tensors = 0
-    for fqn, meta in md.state_dict_metadata.items():
-        if isinstance(meta, BytesStorageMetadata):
-            assert md.storage_data[MetadataIndex(fqn)].relative_path == "__0_0.distcp", fqn
-            continue
-        assert isinstance(meta, TensorStorageMetadata), fqn
-        shape = tuple(meta.size)
-        if fqn in whole:
-            want = [((0,) * len(shape), shape)]
-        else:
-            rest = (0,) * (len(shape) - 1)
-            want = [((start, *rest), (rows, *shape[1:])) for start, rows in torch_chunk_rows(shape, world_size)]
-        assert _chunks(meta) == want, (fqn, _chunks(meta), want)
-        for rank, (offsets, _) in enumerate(want):
-            assert md.storage_data[MetadataIndex(fqn, torch.Size(offsets))].relative_path == f"__{rank}_0.distcp", (fqn, rank)
-        tensors += 1
-    return tensors
+    return assert_torch_chunk_layout(out, world_size, whole)
 
 
 def test_torchtitan_reshard_is_the_run_in_torchtitans_layout(torchtitan_run: Path, tmp_path: Path) -> None:
