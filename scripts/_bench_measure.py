@@ -1,0 +1,198 @@
+"""Measurement helpers for scripts/bench.py: page-cache drops, process-tree RSS, memory cgroups.
+
+``run_measured`` runs one command and samples the RSS of its whole process tree from /proc every
+20 ms. ``MemoryCgroup`` makes a child memory cgroup (v2 ``memory.max`` with ``memory.swap.max``
+0, or v1 ``memory.limit_in_bytes`` with ``memory.memsw.limit_in_bytes``) under the cgroup this
+process runs in, so the limit nests inside whatever limit the machine already sets.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+CGROUP_SKIPPED = "skipped (needs root and a cgroup memory controller)"
+
+
+def drop_cache(paths: list[Path]) -> None:
+    """Drop ``paths`` from the page cache (posix_fadvise DONTNEED), so the next read hits the disk."""
+    for path in paths:
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _tree_rss(root: int) -> int:
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    tree, frontier = {root}, [root]
+    while frontier:
+        pid = frontier.pop()
+        kids = [p for p, pp in parents.items() if pp == pid and p not in tree]
+        tree.update(kids)
+        frontier.extend(kids)
+    total = 0
+    for pid in tree:
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                total += int(f.read().split()[1]) * PAGE
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+@dataclass(frozen=True)
+class Run:
+    wall_s: float
+    peak_rss_bytes: int
+    returncode: int
+    stderr_tail: str
+
+
+def run_measured(cmd: list[str]) -> Run:
+    """Run ``cmd`` (OMP_NUM_THREADS=1, stdout discarded); time it and sample its tree's peak RSS."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peak = 0
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, _tree_rss(proc.pid))
+            done.wait(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    _, err = proc.communicate()
+    wall = time.monotonic() - start
+    done.set()
+    sampler.join()
+    return Run(wall, peak, proc.returncode, err.decode(errors="replace")[-2000:])
+
+
+def _own_cgroup_dirs() -> tuple[Path | None, Path | None]:
+    """(v2 folder, v1 memory folder) of the cgroup this process is in; None where there is none."""
+    paths: dict[str, str] = {}  # "v2" or "v1-memory" -> path inside the hierarchy
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        hid, controllers, path = line.split(":", 2)
+        if hid == "0" and controllers == "":
+            paths["v2"] = path
+        elif "memory" in controllers.split(","):
+            paths["v1-memory"] = path
+    v2 = v1 = None
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        sep = fields.index("-")
+        root, mount, fstype, options = fields[3], fields[4], fields[sep + 1], fields[sep + 3]
+        kind = "v2" if fstype == "cgroup2" else "v1-memory" if fstype == "cgroup" and "memory" in options.split(",") else None
+        if kind is None or kind not in paths:
+            continue
+        inside = paths[kind]
+        rel = inside[len(root) :] if inside.startswith(root) else inside
+        folder = Path(mount) / rel.lstrip("/")
+        if kind == "v2":
+            v2 = folder
+        else:
+            v1 = folder
+    return v2, v1
+
+
+def find_memory_cgroup() -> tuple[str, Path] | str:
+    """("v2" or "v1", parent folder) for child memory cgroups, or why none can be made."""
+    if os.geteuid() != 0:
+        return f"{CGROUP_SKIPPED}: not root"
+    try:
+        v2, v1 = _own_cgroup_dirs()
+    except (OSError, ValueError) as e:
+        return f"{CGROUP_SKIPPED}: {e}"
+    if v2 is not None and (v2 / "cgroup.controllers").exists():
+        control = v2 / "cgroup.subtree_control"
+        if "memory" not in control.read_text().split():
+            try:
+                control.write_text("+memory")
+            except OSError:
+                pass  # a v2 cgroup holding processes cannot delegate memory (no internal processes)
+        if "memory" in control.read_text().split():
+            return "v2", v2
+    if v1 is not None and (v1 / "memory.limit_in_bytes").exists():
+        return "v1", v1
+    return f"{CGROUP_SKIPPED}: no writable memory controller in /proc/self/cgroup"
+
+
+class MemoryCgroup:
+    """A fresh child memory cgroup limited to ``limit_bytes`` (no swap), removed on exit.
+
+    ``wrap(cmd)`` returns a command that moves itself into the cgroup and then execs ``cmd``, so
+    every process it starts is limited too. After the run, ``peak_bytes`` (cgroup peak usage,
+    page cache included; 0 where the kernel does not report it) and ``oom_kills`` are read.
+    """
+
+    _count = 0
+
+    def __init__(self, version: str, parent: Path, limit_bytes: int) -> None:
+        MemoryCgroup._count += 1
+        self.version = version
+        self.dir = parent / f"fsdp-convert-bench-{os.getpid()}-{MemoryCgroup._count}"
+        self.limit_bytes = limit_bytes
+        self.peak_bytes = 0
+        self.oom_kills = 0
+
+    def __enter__(self) -> MemoryCgroup:
+        self.dir.mkdir()
+        if self.version == "v2":
+            (self.dir / "memory.max").write_text(str(self.limit_bytes))
+            if (self.dir / "memory.swap.max").exists():
+                (self.dir / "memory.swap.max").write_text("0")
+        else:
+            (self.dir / "memory.limit_in_bytes").write_text(str(self.limit_bytes))
+            memsw = self.dir / "memory.memsw.limit_in_bytes"  # absent without swap accounting
+            if memsw.exists():
+                memsw.write_text(str(self.limit_bytes))
+        return self
+
+    def wrap(self, cmd: list[str]) -> list[str]:
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.dir / "cgroup.procs"), *cmd]
+
+    def _read_int(self, name: str, key: str | None = None) -> int:
+        try:
+            text = (self.dir / name).read_text()
+        except OSError:
+            return 0
+        if key is None:
+            return int(text.split()[0])
+        for line in text.splitlines():
+            k, _, v = line.partition(" ")
+            if k == key:
+                return int(v)
+        return 0
+
+    def __exit__(self, *exc: object) -> None:
+        if self.version == "v2":
+            self.peak_bytes = self._read_int("memory.peak")
+            self.oom_kills = self._read_int("memory.events", "oom_kill")
+        else:
+            self.peak_bytes = self._read_int("memory.max_usage_in_bytes")
+            self.oom_kills = self._read_int("memory.oom_control", "oom_kill")
+        for _ in range(50):  # the last process may take a moment to leave
+            try:
+                self.dir.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+        print(f"warning: could not remove {self.dir}", flush=True)
