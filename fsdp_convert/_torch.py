@@ -20,6 +20,7 @@ __all__ = [
     "open_torch_save_writer",
     "storage_type_for",
     "storage_alignment",
+    "reserve_record",
 ]
 
 StorageInfo = _StorageInfo
@@ -39,6 +40,21 @@ def open_torch_save_writer(stream: IO[bytes], *, compute_crc32: bool = True) -> 
     With ``compute_crc32=False`` the records' CRC-32 fields are left 0 for the caller to fill.
     """
     return torch._C.PyTorchFileWriter(stream, compute_crc32, storage_alignment())
+
+
+def reserve_record(writer: torch._C.PyTorchFileWriter, name: str, nbytes: int) -> None:
+    """Write a record's zip headers and skip its ``nbytes`` of data, to be written in place later.
+
+    ``PyTorchFileWriter.write_record_metadata``, what ``torch.serialization.skip_data`` uses
+    (torch >= 2.5); the stream must be seekable.
+
+    Raises:
+        RuntimeError: this torch's writer cannot reserve a record.
+    """
+    reserve = getattr(writer, "write_record_metadata", None)
+    if reserve is None:
+        raise RuntimeError(f"torch {torch.__version__} cannot lay out a torch.save file ahead (no write_record_metadata)")
+    reserve(name, nbytes)
 
 
 @functools.cache

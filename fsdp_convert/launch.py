@@ -2,13 +2,12 @@
 
 ``run_workers`` starts N workers with torch's elastic launcher (``torch.distributed.launcher.api``,
 the machinery behind ``torchrun --standalone``), each joining a gloo process group on CPU.
-``GlooTransport`` moves finished tensors from a worker to rank 0 with gloo point-to-point
-send/recv, at most ``window_bytes`` in flight per sender.
+``WorkerGroup`` carries the small records rank 0 gathers (CRC-32s and sizes); every worker
+writes its own bytes into the output, so no tensor crosses the group.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import os
@@ -31,7 +30,7 @@ from fsdp_convert import errors
 from fsdp_convert.errors import CheckpointError, InvalidOptionError, TerminatedError, WorkerFailedError
 
 __all__ = [
-    "GlooTransport",
+    "WorkerGroup",
     "Cluster",
     "run_workers",
     "launched_by_torchrun",
@@ -46,54 +45,32 @@ logger = logging.getLogger(__name__)
 Job = TypeVar("Job")
 
 
-class GlooTransport:
-    """Point-to-point tensor transfer to rank 0 over the default (gloo) process group.
+class WorkerGroup:
+    """The job's gloo process group, for small records only: CRC-32s, sizes, errors. Bulk data never crosses it.
 
-    Tensors travel as their raw bytes (a ``uint8`` view), so every dtype goes through gloo,
-    bf16 and bool included. Sender and receiver must agree on the order of tensors; the plan,
-    computed identically on every rank, gives it.
-
-    Args:
-        window_bytes: most bytes a sender keeps in flight before waiting for the oldest send.
+    Every worker writes its own tensors straight into the output files, so what rank 0 needs from
+    the others is a list of ``(offset, length, CRC-32)`` per worker.
     """
 
-    def __init__(self, window_bytes: int) -> None:
-        self.window_bytes = window_bytes
-        self._in_flight: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
-        self._in_flight_bytes = 0
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Send ``obj`` to rank 0: the list of every rank's, by rank, on rank 0; None elsewhere.
 
-    def make_room(self, nbytes: int) -> None:
-        """Wait for the oldest sends until ``nbytes`` more fit in the window (or none is left).
-
-        Call before reading the tensor to send, so the tensor being read counts too.
+        ``obj`` travels as JSON (lists, dicts, strings, numbers) in a uint8 tensor, its length
+        first: never as a pickle, so a peer cannot make rank 0 run anything.
         """
-        while self._in_flight and self._in_flight_bytes + nbytes > self.window_bytes:
-            self._wait_oldest()
-
-    def send(self, tensor: torch.Tensor, dst: int = 0) -> None:
-        """Start sending a CPU tensor to ``dst``; the transport keeps it until it is received."""
-        if tensor.numel() == 0:
-            return
-        flat = tensor.contiguous().reshape(-1).view(torch.uint8)
-        self._in_flight.append((dist.isend(flat, dst), flat))
-        self._in_flight_bytes += flat.numel()
-
-    def _wait_oldest(self) -> None:
-        work, flat = self._in_flight.popleft()
-        work.wait()
-        self._in_flight_bytes -= flat.numel()
-
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
-        """Receive the next tensor from ``src`` into a new CPU tensor of ``shape`` and ``dtype``."""
-        out = torch.empty(shape, dtype=dtype)
-        if out.numel():
-            dist.recv(out.reshape(-1).view(torch.uint8), src=src)
+        data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+        if dist.get_rank() != 0:
+            dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst=0)
+            dist.send(data, dst=0)
+            return None
+        out = [obj]
+        for src in range(1, dist.get_world_size()):
+            length = torch.zeros(1, dtype=torch.int64)
+            dist.recv(length, src=src)
+            raw = torch.empty(int(length.item()), dtype=torch.uint8)
+            dist.recv(raw, src=src)
+            out.append(json.loads(bytes(raw.numpy())))
         return out
-
-    def drain(self) -> None:
-        """Wait until every send has been received."""
-        while self._in_flight:
-            self._wait_oldest()
 
     def barrier(self) -> None:
         """Wait until every rank gets here."""
@@ -129,31 +106,30 @@ def launched_by_torchrun() -> bool:
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def run_in_place(fn: Callable[[Job, int, int, GlooTransport], Any], job: Job, *, window_bytes: int) -> tuple[int, Any]:
+def run_in_place(fn: Callable[[Job, int, int, WorkerGroup], Any], job: Job) -> tuple[int, Any]:
     """Run ``fn`` as this process's rank of a job the user's launcher started (``torchrun ... -m fsdp_convert``).
 
     Joins the gloo group from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
-    ``MASTER_PORT``), runs ``fn(job, rank, world_size, transport)``, and leaves the group.
+    ``MASTER_PORT``), runs ``fn(job, rank, world_size, group)``, and leaves the group.
 
     Returns:
         This process's rank and ``fn``'s return value.
     """
     if dist.is_initialized():  # called from a training script that already joined its group
-        return dist.get_rank(), fn(job, dist.get_rank(), dist.get_world_size(), GlooTransport(window_bytes))
+        return dist.get_rank(), fn(job, dist.get_rank(), dist.get_world_size(), WorkerGroup())
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     prefix_worker_logs(rank)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    result = fn(job, rank, world_size, GlooTransport(window_bytes))
+    result = fn(job, rank, world_size, WorkerGroup())
     dist.destroy_process_group()  # only on success: after a failure a peer may be gone
     return rank, result
 
 
 @dataclass(frozen=True, slots=True)
 class _WorkerCall:
-    fn: Callable[[Any, int, int, GlooTransport], Any]
+    fn: Callable[[Any, int, int, WorkerGroup], Any]
     job: Any
     error_dir: str
-    window_bytes: int
 
 
 def prefix_worker_logs(rank: int) -> None:
@@ -180,7 +156,7 @@ def _worker_main(call: _WorkerCall) -> Any:
     prefix_worker_logs(rank)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        result = call.fn(call.job, rank, world_size, GlooTransport(call.window_bytes))
+        result = call.fn(call.job, rank, world_size, WorkerGroup())
         # only on success: after a failure a peer may be gone and teardown could wait on it
         dist.destroy_process_group()
         return result
@@ -243,16 +219,13 @@ def _failure(error_dir: Path, exit_codes: dict[int, int]) -> CheckpointError:
 
 
 def run_workers(
-    fn: Callable[[Job, int, int, GlooTransport], Any],
+    fn: Callable[[Job, int, int, WorkerGroup], Any],
     job: Job,
     nproc: int,
     *,
-    window_bytes: int,
     cluster: Cluster | None = None,
 ) -> dict[int, Any]:
-    """Run ``fn(job, rank, world_size, transport)`` in ``nproc`` new worker processes on this node.
-
-    ``transport`` is a ``GlooTransport`` whose senders keep at most ``window_bytes`` in flight.
+    """Run ``fn(job, rank, world_size, group)`` in ``nproc`` new worker processes on this node.
 
     Workers are started by torch's elastic launcher (spawn, no restarts) and join a gloo process
     group. Alone, the rendezvous is c10d on a free loopback port; with a multi-node ``cluster``
@@ -300,7 +273,7 @@ def run_workers(
         filter(None, [os.environ.get("PYTHONWARNINGS"), "ignore:resource_tracker:UserWarning"])
     )
     try:
-        results = elastic_launch(config, _worker_main)(_WorkerCall(fn, job, str(error_dir), window_bytes))
+        results = elastic_launch(config, _worker_main)(_WorkerCall(fn, job, str(error_dir)))
     except ChildFailedError as e:
         raise _failure(error_dir, {rank: f.exitcode for rank, f in e.failures.items()}) from None
     except RendezvousError as e:  # the store's host (a node) is gone, or nodes never all came
@@ -356,10 +329,9 @@ def shared_tag(cluster: Cluster | None) -> str | None:
 
 
 def run_ranks(
-    fn: Callable[[Any, int, int, GlooTransport | None], Any],
+    fn: Callable[[Any, int, int, WorkerGroup | None], Any],
     job: Any,
     world_size: int,
-    window_bytes: int,
     cluster: Cluster | None,
 ) -> tuple[bool, Any]:
     """Run every rank of a job: in this process, in workers on this node, or as the user's torchrun worker.
@@ -368,10 +340,10 @@ def run_ranks(
         Whether this process holds rank 0's result (it then owns the output), and that result.
     """
     if launched_by_torchrun():
-        rank, result = run_in_place(fn, job, window_bytes=window_bytes)
+        rank, result = run_in_place(fn, job)
         return rank == 0, result
     if world_size == 1 and (cluster is None or not cluster.multi_node):
         return True, fn(job, 0, 1, None)
     per_node = world_size // (cluster.nnodes if cluster is not None else 1)
-    results = run_workers(fn, job, per_node, window_bytes=window_bytes, cluster=cluster)
+    results = run_workers(fn, job, per_node, cluster=cluster)
     return 0 in results, results.get(0)

@@ -13,7 +13,6 @@ from typing import Literal
 
 from fsdp_convert.constants import (
     EXTRA_STATE_FILENAME,
-    HF_INDEX_FILENAME,
     HF_SINGLE_FILENAME,
     METADATA_FILENAME,
     OPTIMIZER_FILENAME,
@@ -24,41 +23,35 @@ from fsdp_convert.errors import InvalidOptionError, NotADcpCheckpointError
 from fsdp_convert.formats.index import CheckpointIndex, TensorEntry, check_coverage, unflatten
 from fsdp_convert.layout import GROUPS, Group
 from fsdp_convert.transform import OutputItem
+from fsdp_convert.writers.safetensors import safetensors_layout
+from fsdp_convert.writers.torch_save import TensorSlot, torch_save_layout
 
 __all__ = [
-    "ReshardPlan",
-    "TargetChunk",
-    "plan_reshard",
-    "dim0_boxes",
     "OutputFormat",
-    "ShardPlan",
-    "plan_shards",
-    "default_nproc",
+    "Only",
+    "RequestedFormat",
     "DEFAULT_MEMORY_BUDGET_BYTES",
     "DEFAULT_MAX_SHARD_BYTES",
-    "HF_INDEX_FILENAME",
-    "HF_SINGLE_FILENAME",
-    "METADATA_FILENAME",
-    "Only",
-    "TORCH_SAVE_SUFFIXES",
-    "SAFETENSORS_SUFFIXES",
     "output_format",
-    "check_coverage",
-    "WorkPlan",
-    "FilePlan",
     "groups_for",
-    "OPTIMIZER_FILENAME",
-    "EXTRA_STATE_FILENAME",
-    "plan_consolidate",
+    "FilePlan",
+    "WorkPlan",
     "assign_owners",
+    "plan_shards",
+    "default_nproc",
+    "mover_buffers",
+    "plan_consolidate",
 ]
 
 OutputFormat = Literal["torch_save", "safetensors", "hf_dir"]
 Only = Literal["all", "model", "optim"]
 RequestedFormat = Literal["auto", "torch", "safetensors"]
-DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30
+DEFAULT_MEMORY_BUDGET_BYTES = 256 << 20
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # "5GB", transformers' save_pretrained default
 MIN_BYTES_PER_WORKER = 256 << 20  # below this a worker's start-up (~2 s) costs more than it saves
+THREADS_PER_WORKER = 2  # mover threads per process: one's read overlaps the other's write
+MAX_PIECE_BYTES = 32 << 20  # larger buffers than this gain nothing per read or write
+MIN_PIECE_BYTES = 64 << 10
 
 
 def output_format(output: Path, requested: RequestedFormat = "auto") -> OutputFormat:
@@ -98,25 +91,8 @@ def output_format(output: Path, requested: RequestedFormat = "auto") -> OutputFo
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ShardPlan:
-    """One safetensors file of a folder output and the items it holds, read and written by one rank.
-
-    Attributes:
-        filename: file name inside the output folder (``model-00001-of-00003.safetensors``).
-        item_ids: indices into ``WorkPlan.items``, in file order.
-        owner: the rank that reads these items and writes the file.
-        tensor_bytes: tensor data in the file, in bytes.
-    """
-
-    filename: str
-    item_ids: tuple[int, ...]
-    owner: int
-    tensor_bytes: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class FilePlan:
-    """One file written by rank 0 from items every rank reads (a torch.save or safetensors file).
+    """One output file, laid out before any data is read: its items and where each tensor's bytes go.
 
     Attributes:
         filename: name inside the output folder, or None for the output path itself.
@@ -124,44 +100,61 @@ class FilePlan:
         strip: leading path elements dropped in the file (1 for ``optimizer.pt``, which holds the
             optimizer state dict itself, not ``{"optim": ...}``).
         output_format: ``torch_save`` or ``safetensors``.
+        data_offsets: per item of ``item_ids``, where its tensor's bytes start in the file, in
+            bytes (None for a plain value); ``writers.torch_save.torch_save_layout`` or
+            ``writers.safetensors.safetensors_layout``.
+        header: a safetensors file's header bytes (empty for torch.save, whose headers rank 0
+            writes once the values are read).
     """
 
     filename: str | None
     item_ids: tuple[int, ...]
     strip: int
     output_format: OutputFormat
+    data_offsets: tuple[int | None, ...]
+    header: bytes = b""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkPlan:
-    """What a consolidation writes, in output order, and which worker reads each item.
+    """What a consolidation writes, file by file, and which worker moves each tensor.
 
     Attributes:
-        items: the output items (see ``transform.build_items``), in output order.
-        owners: for each item, the rank that reads it; values are read by rank 0.
+        items: the output items (see ``transform.build_items``).
+        owners: for each item, the rank that moves its bytes; values are read by rank 0.
         nproc: number of workers.
         output_format: ``torch_save`` or ``safetensors`` (one file), or ``hf_dir`` (a folder).
-        memory_budget_bytes: what each process may hold in read-ahead and send buffers, in bytes.
-        shards: the safetensors shards of an ``hf_dir`` output; empty otherwise.
-        files: the files rank 0 writes: the output itself, or an ``hf_dir``'s ``optimizer.pt``
-            and ``extra_state.pt``.
+        files: every output file: the output itself, or a folder's safetensors shards (in shard
+            order) then ``optimizer.pt`` and ``extra_state.pt``.
+        memory_budget_bytes: buffers each process may hold, in bytes.
+        threads: mover threads per worker.
+        piece_bytes: size of each mover buffer (two per thread), in bytes.
+        drop_cache: drop read and written ranges from the page cache (the output is larger than
+            half the RAM).
     """
 
     items: tuple[OutputItem, ...]
     owners: tuple[int, ...]
     nproc: int
     output_format: OutputFormat
+    files: tuple[FilePlan, ...]
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
-    shards: tuple[ShardPlan, ...] = ()
-    files: tuple[FilePlan, ...] = ()
+    threads: int = THREADS_PER_WORKER
+    piece_bytes: int = MAX_PIECE_BYTES
+    drop_cache: bool = False
 
     @property
     def total_bytes(self) -> int:
         """Bytes of tensor data and value payloads to produce."""
         return sum(item.nbytes for item in self.items)
 
+    @property
+    def shards(self) -> tuple[FilePlan, ...]:
+        """The safetensors shards of an ``hf_dir`` output (none otherwise)."""
+        return tuple(f for f in self.files if f.output_format == "safetensors") if self.output_format == "hf_dir" else ()
+
     def bytes_per_rank(self) -> list[int]:
-        """Bytes assigned to each rank to read, in bytes."""
+        """Bytes assigned to each rank to move, in bytes."""
         loads = [0] * self.nproc
         for item, owner in zip(self.items, self.owners, strict=True):
             loads[owner] += item.nbytes
@@ -194,12 +187,42 @@ def assign_owners(items: tuple[OutputItem, ...], nproc: int) -> tuple[int, ...]:
     return tuple(owners)
 
 
-def plan_shards(items: tuple[OutputItem, ...], item_ids: list[int], max_shard_bytes: int, nproc: int) -> tuple[ShardPlan, ...]:
-    """Pack tensors into shard files in order, as transformers' ``save_pretrained`` does.
+def _file_plan(
+    items: tuple[OutputItem, ...], ids: tuple[int, ...], filename: str | None, fmt: OutputFormat, strip: int
+) -> FilePlan:
+    """Lay one output file out: every tensor's byte range, from shapes and dtypes alone.
+
+    Raises:
+        InvalidOptionError: a tensor safetensors cannot hold, or two tensors of one name.
+    """
+    if fmt == "safetensors":
+        spec = []
+        for i in ids:
+            dtype = items[i].dtype
+            assert dtype is not None  # safetensors files hold tensors only (checked by the caller)
+            spec.append((items[i].path[strip:], dtype, items[i].shape))
+        try:
+            layout = safetensors_layout(spec)
+        except ValueError as e:
+            raise InvalidOptionError(f"{filename or 'the output'}: {e}") from e
+        return FilePlan(
+            filename=filename,
+            item_ids=ids,
+            strip=strip,
+            output_format=fmt,
+            data_offsets=layout.data_offsets,
+            header=layout.header,
+        )
+    slots = [TensorSlot(dtype, items[i].shape) if items[i].is_tensor and (dtype := items[i].dtype) else None for i in ids]
+    return FilePlan(filename=filename, item_ids=ids, strip=strip, output_format=fmt, data_offsets=torch_save_layout(slots))
+
+
+def plan_shards(items: tuple[OutputItem, ...], item_ids: list[int], max_shard_bytes: int) -> tuple[FilePlan, ...]:
+    """Pack tensors into shard files in order, as transformers' ``save_pretrained`` does, and lay each out.
 
     A new shard starts when the next tensor would take the current one past ``max_shard_bytes``;
-    a tensor larger than that gets a shard of its own. Shards are balanced over ranks by bytes.
-    One shard is named ``model.safetensors``; several ``model-0000i-of-0000n.safetensors``.
+    a tensor larger than that gets a shard of its own. One shard is named ``model.safetensors``;
+    several ``model-0000i-of-0000n.safetensors``.
     """
     groups: list[list[int]] = []
     size = 0
@@ -210,30 +233,33 @@ def plan_shards(items: tuple[OutputItem, ...], item_ids: list[int], max_shard_by
             size = 0
         groups[-1].append(i)
         size += nbytes
-    sizes = [sum(items[i].nbytes for i in g) for g in groups]
-    owners = _balance(sizes, nproc)
     n = len(groups)
     return tuple(
-        ShardPlan(
-            filename=HF_SINGLE_FILENAME if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors",
-            item_ids=tuple(g),
-            owner=owners[k],
-            tensor_bytes=sizes[k],
+        _file_plan(
+            items, tuple(g), HF_SINGLE_FILENAME if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors", "safetensors", 0
         )
         for k, g in enumerate(groups)
     )
 
 
-def default_nproc(total_bytes: int, data_files: int, cpus: int, *, single_file: bool = True) -> int:
-    """Workers to start when the user does not say.
+def default_nproc(total_bytes: int, data_files: int, cpus: int) -> int:
+    """Workers to start when the user does not say: one per CPU core.
 
-    At most one per data file and one per ``MIN_BYTES_PER_WORKER`` of data, and at least 1. For a
-    folder output, one per CPU core. For a single-file output, one per two cores: rank 0 needs a
-    core for writing beside its reading, and every tensor another worker reads is copied to rank 0
-    over gloo; on a 2-core machine (scripts/bench.py, 3.4 GB) two workers took 2.9x as long as one.
+    At most one per data file and one per ``MIN_BYTES_PER_WORKER`` of data, and at least 1. Every
+    worker writes its own tensors in place and reads and writes in two threads, so more workers
+    use more of the disk and the cores; nothing funnels through one process.
     """
-    cores = max(1, cpus // 2) if single_file else cpus
-    return max(1, min(cores, data_files, -(-total_bytes // MIN_BYTES_PER_WORKER)))
+    return max(1, min(cpus, data_files, -(-total_bytes // MIN_BYTES_PER_WORKER)))
+
+
+def mover_buffers(memory_budget_bytes: int) -> tuple[int, int]:
+    """Mover threads per worker and the size of each of their two buffers, in bytes, for a memory budget.
+
+    The buffers of all threads fit in the budget: ``threads x 2 x piece_bytes <= budget`` (unless
+    the budget is below ``THREADS_PER_WORKER x 2 x MIN_PIECE_BYTES``).
+    """
+    piece = memory_budget_bytes // (2 * THREADS_PER_WORKER)
+    return THREADS_PER_WORKER, max(MIN_PIECE_BYTES, min(MAX_PIECE_BYTES, piece))
 
 
 def groups_for(fmt: OutputFormat, only: Only) -> tuple[Group, ...]:
@@ -264,6 +290,7 @@ def plan_consolidate(
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     cpus: int = 1,
+    ram_bytes: int | None = None,
 ) -> WorkPlan:
     """Plan a consolidation of ``index``'s ``items`` into ``output``.
 
@@ -276,9 +303,11 @@ def plan_consolidate(
             ``max_shard_bytes`` plus ``model.safetensors.index.json``; optimizer state in
             ``optimizer.pt``, other entries in ``extra_state.pt``).
         nproc: workers that will read; ``None`` picks ``default_nproc`` (with ``cpus``).
-        memory_budget_bytes: read-ahead and send buffers each process may hold, in bytes.
+        memory_budget_bytes: buffers each process may hold, in bytes (``mover_buffers``).
         max_shard_bytes: largest shard file of a folder output, in bytes.
         cpus: CPU cores available, for the default ``nproc``.
+        ram_bytes: the machine's memory, in bytes; an output larger than half of it is dropped
+            from the page cache as it is written. None: never.
 
     Raises:
         InvalidOptionError: ``nproc < 1``, nothing left to write, or a value for a safetensors file.
@@ -308,131 +337,24 @@ def plan_consolidate(
             check_coverage(item.entry)
     total = sum(item.nbytes for item in items)
     if nproc is None:
-        nproc = default_nproc(total, len(index.data_files) or 1, cpus, single_file=fmt != "hf_dir")
+        nproc = default_nproc(total, len(index.data_files) or 1, cpus)
     if fmt != "hf_dir":
-        everything = FilePlan(filename=None, item_ids=tuple(range(len(items))), strip=0, output_format=fmt)
-        return WorkPlan(
-            items=items,
-            owners=assign_owners(items, nproc),
-            nproc=nproc,
-            output_format=fmt,
-            memory_budget_bytes=memory_budget_bytes,
-            files=(everything,),
-        )
-    shards = plan_shards(items, model_ids, max_shard_bytes, nproc) if model_ids else ()
-    owners = list(assign_owners(items, nproc))
-    for shard in shards:
-        for i in shard.item_ids:
-            owners[i] = shard.owner
-    files = []
-    for group, filename, strip in (("optim", OPTIMIZER_FILENAME, 1), ("other", EXTRA_STATE_FILENAME, 0)):
-        ids = tuple(i for i, item in enumerate(items) if item.group == group)
-        if ids:
-            files.append(FilePlan(filename=filename, item_ids=ids, strip=strip, output_format="torch_save"))
+        files: tuple[FilePlan, ...] = (_file_plan(items, tuple(range(len(items))), None, fmt, 0),)
+    else:
+        files = plan_shards(items, model_ids, max_shard_bytes) if model_ids else ()
+        for group, filename, strip in (("optim", OPTIMIZER_FILENAME, 1), ("other", EXTRA_STATE_FILENAME, 0)):
+            ids = tuple(i for i, item in enumerate(items) if item.group == group)
+            if ids:
+                files += (_file_plan(items, ids, filename, "torch_save", strip),)
+    threads, piece_bytes = mover_buffers(memory_budget_bytes)
     return WorkPlan(
         items=items,
-        owners=tuple(owners),
+        owners=assign_owners(items, nproc),
         nproc=nproc,
         output_format=fmt,
+        files=files,
         memory_budget_bytes=memory_budget_bytes,
-        shards=shards,
-        files=tuple(files),
+        threads=threads,
+        piece_bytes=piece_bytes,
+        drop_cache=ram_bytes is not None and total > ram_bytes // 2,
     )
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TargetChunk:
-    """One chunk of the reshard output: the box of an item that one target rank stores.
-
-    Attributes:
-        rank: the target rank whose data file holds it.
-        offsets: per-dimension start of the chunk in the global tensor, in elements (``()`` for
-            a bytes entry or a 0-dim tensor).
-        sizes: per-dimension extent of the chunk, in elements (``()`` likewise).
-    """
-
-    rank: int
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReshardPlan:
-    """Target layout of a reshard: every item's chunks per target rank, and who writes each rank.
-
-    Attributes:
-        items: the output items (``transform.build_items``), in output order.
-        chunks: per item, its ``TargetChunk`` s; a value gets one on rank 0 with empty offsets
-            and sizes (rank 0 carries them).
-        target_world_size: ranks of the output.
-        nproc: workers; worker ``w`` writes the rank files ``w, w + nproc, ...``.
-    """
-
-    items: tuple[OutputItem, ...]
-    chunks: tuple[tuple[TargetChunk, ...], ...]
-    target_world_size: int
-    nproc: int
-
-    def ranks_of(self, worker: int) -> list[int]:
-        """The target ranks whose files ``worker`` writes (none for a worker past ``nproc``)."""
-        return list(range(worker, self.target_world_size, self.nproc)) if worker < self.nproc else []
-
-
-def dim0_boxes(shape: tuple[int, ...], world_size: int) -> list[TargetChunk]:
-    """``torch.chunk(world_size)`` on dim 0, as FSDP2's ``Shard(0)`` and FSDP1 lay tensors out.
-
-    Chunks are ``ceil(shape[0] / world_size)`` rows; ranks past the last non-empty chunk get none.
-    Returns one ``TargetChunk`` per non-empty chunk, in rank order.
-    """
-    rows = shape[0]
-    step = -(-rows // world_size)
-    chunks = []
-    for rank in range(world_size):
-        start = rank * step
-        if start >= rows:
-            break
-        offsets = (start, *(0,) * (len(shape) - 1))
-        chunks.append(TargetChunk(rank=rank, offsets=offsets, sizes=(min(step, rows - start), *shape[1:])))
-    return chunks
-
-
-def plan_reshard(
-    index: CheckpointIndex, items: tuple[OutputItem, ...], target_world_size: int, *, nproc: int | None = None
-) -> ReshardPlan:
-    """Lay every item out for ``target_world_size`` ranks.
-
-    Tensors are split on dim 0 in ``torch.chunk`` order (``dim0_boxes``). 0-dim tensors, empty
-    tensors, and tensors a multi-rank source stored whole (replicated, e.g. buffers) stay whole on
-    rank 0; values are carried to rank 0.
-
-    Raises:
-        InvalidOptionError: ``target_world_size`` or ``nproc`` below 1, or nothing to write.
-        CoverageError: a source tensor's chunks do not tile it.
-        NotADcpCheckpointError: inconsistent planner paths.
-    """
-    if target_world_size < 1:
-        raise InvalidOptionError(f"--world-size must be at least 1, got {target_world_size}")
-    if nproc is not None and nproc < 1:
-        raise InvalidOptionError(f"--nproc must be at least 1, got {nproc}")
-    if not items:
-        raise InvalidOptionError(f"{index.checkpoint_id}: nothing to write (no entries are left after --include/--exclude)")
-    try:
-        unflatten((item.path, None) for item in items)
-    except ValueError as err:
-        raise NotADcpCheckpointError(f"{index.checkpoint_id / METADATA_FILENAME}: planner data is inconsistent: {err}") from err
-    chunks: list[tuple[TargetChunk, ...]] = []
-    for item in items:
-        e = item.entry
-        if not item.is_tensor:
-            chunks.append((TargetChunk(rank=0, offsets=(), sizes=()),))
-            continue
-        assert isinstance(e, TensorEntry)
-        check_coverage(e)
-        full = [c for c in e.chunks if c.numel > 0]
-        replicated = index.world_size > 1 and len(full) == 1 and full[0].sizes == e.shape
-        if not e.shape or e.numel == 0 or replicated:
-            chunks.append((TargetChunk(rank=0, offsets=(0,) * len(e.shape), sizes=e.shape),))
-        else:
-            chunks.append(tuple(dim0_boxes(e.shape, target_world_size)))
-    workers = min(nproc or 1, target_world_size)
-    return ReshardPlan(items=items, chunks=tuple(chunks), target_world_size=target_world_size, nproc=workers)

@@ -28,6 +28,7 @@ from fsdp_convert.errors import MissingDataFileError
 if TYPE_CHECKING:
     import torch
 
+    from fsdp_convert.formats._reader import StoredBytes
     from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Location, TensorEntry
 
 __all__ = ["Reader", "SourceFormat", "detect_format", "read_index", "open_reader", "open_checkpoint", "check_data_files"]
@@ -48,6 +49,10 @@ class Reader(Protocol):
 
     def read_tensor(self, entry: TensorEntry) -> torch.Tensor:
         """The full tensor of ``entry``, contiguous, shape ``entry.shape``."""
+        ...
+
+    def locate(self, entry: TensorEntry, chunk: ChunkEntry) -> StoredBytes | None:
+        """Where ``chunk``'s elements lie in its data file, to move them undecoded; None to use ``read_chunk``."""
         ...
 
     def read_tensor_with_crc(self, entry: TensorEntry) -> tuple[torch.Tensor, int | None]:

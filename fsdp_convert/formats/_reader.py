@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -23,7 +24,45 @@ from fsdp_convert.formats._crc import combine
 from fsdp_convert.formats.index import BytesEntry, ChunkEntry, Location, TensorEntry, Url
 from fsdp_convert.remote import as_location, read_range, size_of
 
-__all__ = ["ChunkedReader"]
+__all__ = ["ChunkedReader", "StoredBytes", "check_payload"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoredBytes:
+    """Where one chunk's elements lie as they are, row-major and contiguous, in an open data file.
+
+    Moving them needs no decode: the ``nbytes`` bytes at ``offset`` of ``fd`` are the chunk's
+    tensor (shape ``chunk.sizes``, dtype ``entry.dtype``, native byte order) in C order.
+
+    Attributes:
+        fd: an open descriptor of the data file (owned by the reader; valid until it closes).
+        offset: start of the elements in the file, in bytes.
+        nbytes: their length, in bytes (``chunk.numel * itemsize``).
+        crc32: the CRC-32 the format stores for exactly these bytes, to check as they pass; None
+            when it stores none or checking is off.
+        where: the file, byte range and FQN, for error messages.
+    """
+
+    fd: int
+    offset: int
+    nbytes: int
+    crc32: int | None
+    where: str
+
+
+def check_payload(entry: TensorEntry, chunk: ChunkEntry, tensor: Any, where: str) -> torch.Tensor:
+    """``tensor``, if it is a tensor of the chunk's shape and the entry's dtype.
+
+    Raises:
+        ShapeMismatchError: it is not (the payload disagrees with the index), naming ``where``.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise ShapeMismatchError(f"{where}: payload is a {type(tensor).__name__}, not a tensor")
+    if tuple(tensor.shape) != chunk.sizes or tensor.dtype != entry.dtype:
+        raise ShapeMismatchError(
+            f"{where}: payload is {tensor.dtype} {list(tensor.shape)}, .metadata says {entry.dtype} {list(chunk.sizes)}"
+        )
+    return tensor
 
 
 class ChunkedReader:
@@ -127,6 +166,20 @@ class ChunkedReader:
         """A bytes entry as DCP stores it: a torch.save payload."""
         raise NotImplementedError
 
+    def locate(self, entry: TensorEntry, chunk: ChunkEntry) -> StoredBytes | None:
+        """Where ``chunk``'s elements lie in its data file, checked against the index; None: use ``read_chunk``.
+
+        Raises:
+            MissingDataFileError, CorruptChunkError, UnsafeContentError, ShapeMismatchError: as ``read_chunk``.
+        """
+        return None
+
+    def _log_read(self, entry: TensorEntry, chunk: ChunkEntry) -> None:
+        if self._read_log is not None:
+            args = (chunk.relative_path, chunk.offset_bytes, chunk.length_bytes)
+            self._read_log.write(json.dumps([os.environ.get("RANK", "0"), entry.fqn, list(chunk.offsets), *args]) + "\n")
+            self._read_log.flush()
+
     def read_chunk(self, entry: TensorEntry, chunk: ChunkEntry) -> torch.Tensor:
         """Read and decode one chunk of ``entry``; shape ``chunk.sizes``, dtype ``entry.dtype``.
 
@@ -137,20 +190,12 @@ class ChunkedReader:
         """
         if chunk.relative_path is None:
             return torch.empty(chunk.sizes, dtype=entry.dtype)
-        args = (chunk.relative_path, chunk.offset_bytes, chunk.length_bytes)
-        if self._read_log is not None:
-            self._read_log.write(json.dumps([os.environ.get("RANK", "0"), entry.fqn, list(chunk.offsets), *args]) + "\n")
-            self._read_log.flush()
+        self._log_read(entry, chunk)
         self._last_storage_crc = None
         tensor = self._load_chunk(entry, chunk)
-        if not isinstance(tensor, torch.Tensor):
-            raise ShapeMismatchError(f"{self._where(*args, entry.fqn)}: payload is a {type(tensor).__name__}, not a tensor")
-        if tuple(tensor.shape) != chunk.sizes or tensor.dtype != entry.dtype:
-            raise ShapeMismatchError(
-                f"{self._where(*args, entry.fqn)}: payload is {tensor.dtype} {list(tensor.shape)}, "
-                f".metadata says {entry.dtype} {list(chunk.sizes)}"
-            )
-        return tensor
+        return check_payload(
+            entry, chunk, tensor, self._where(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, entry.fqn)
+        )
 
     def read_tensor(self, entry: TensorEntry) -> torch.Tensor:
         """Assemble the full tensor of ``entry`` from its chunks, on CPU.

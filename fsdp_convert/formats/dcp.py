@@ -18,6 +18,7 @@ import dataclasses
 import os
 import pickle
 import re
+import sys
 from pathlib import Path
 from typing import IO, Any, NoReturn, cast
 
@@ -35,7 +36,7 @@ from fsdp_convert.errors import (
 )
 from fsdp_convert.formats._dcp_metadata import build_index, load_metadata, metadata_from_bytes
 from fsdp_convert.formats._range import ByteRangeFile, RecordHash
-from fsdp_convert.formats._reader import ChunkedReader
+from fsdp_convert.formats._reader import ChunkedReader, StoredBytes, check_payload
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Entry, Location, TensorEntry, Url
 from fsdp_convert.remote import as_location, read_bytes, size_of
 
@@ -151,6 +152,61 @@ class DcpReader(ChunkedReader):
         checkpoint_id: the checkpoint folder, local or an fsspec URL.
         check_crc: check every zip record's CRC-32 of every payload read (torch.load does not).
     """
+
+    def locate(self, entry: TensorEntry, chunk: ChunkEntry) -> StoredBytes | None:
+        """The storage record of a chunk's payload, found without decoding its data.
+
+        The payload's zip records are parsed from its central directory; its ``data.pkl`` is
+        loaded with ``torch.load(weights_only=True, map_location="meta")``, which reads the
+        pickle alone and makes no storage, and checked against ``.metadata`` (dtype, shape);
+        with CRC checking on, the pickle's CRC-32 is checked here and the storage's is returned
+        to check as its bytes pass. A payload whose tensor is not its one storage whole and in C
+        order (a view torch.save kept with its base) is left to ``read_chunk``.
+
+        Returns:
+            The storage bytes, or None for a remote checkpoint, a stream-transformed payload or a view.
+
+        Raises:
+            MissingDataFileError, CorruptChunkError, UnsafeContentError, ShapeMismatchError: as ``read_chunk``.
+        """
+        if chunk.relative_path is None or chunk.transform_descriptors or not isinstance(self.root, Path):
+            return None
+        where = self._where(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, entry.fqn)
+        fd, at = self._range(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, where)
+        payload = ByteRangeFile(fd, at, chunk.length_bytes)
+        try:
+            records = read_records(payload.pread, chunk.length_bytes)
+        except ZipFormatError as e:
+            raise CorruptChunkError(f"{where}: payload is not a torch.save zip ({e})") from e
+        storages = [r for r in records if r.short_name.startswith("data/")]
+        pickles = [r for r in records if r.short_name == "data.pkl"]
+        if len(storages) != 1 or len(pickles) != 1 or any(r.compression for r in records):
+            return None
+        order = [r for r in records if r.short_name == "byteorder"]
+        if order and payload.pread(order[0].size, order[0].data_offset) != sys.byteorder.encode():
+            return None  # torch.load byte-swaps these; read_chunk does
+        if self.check_crc:
+            payload.hashes = [RecordHash(pickles[0])]
+            self._check_crcs(payload, where)
+        payload.seek(0)
+        try:
+            with torch_call():
+                meta = torch.load(cast(IO[bytes], payload), map_location="meta", weights_only=True)
+        except Exception as e:
+            if payload.error is not None:
+                raise payload.error from None
+            self._raise_decode_error(e, where)
+        if payload.error is not None:
+            raise payload.error
+        check_payload(entry, chunk, meta, where)
+        storage = storages[0]
+        if not meta.is_contiguous() or meta.storage_offset() != 0 or meta.untyped_storage().nbytes() != storage.size:
+            return None
+        if storage.size != chunk.numel * entry.dtype.itemsize:
+            return None
+        self._log_read(entry, chunk)
+        crc = storage.crc32 if self.check_crc else None
+        return StoredBytes(fd=fd, offset=at + storage.data_offset, nbytes=storage.size, crc32=crc, where=where)
 
     def _load_chunk(self, entry: TensorEntry, chunk: ChunkEntry) -> Any:
         assert chunk.relative_path is not None

@@ -307,6 +307,10 @@ class FileBoxReader:
         """The box of ``chunk`` (``file_index``'s one chunk is the whole tensor), as a new contiguous tensor."""
         return self.read_box(entry, chunk.offsets, chunk.sizes)
 
+    def locate(self, entry: TensorEntry, chunk: ChunkEntry) -> None:
+        """None: a full file's tensors are read through its memory map (``read_chunk``)."""
+        return None
+
     def read_tensor(self, entry: TensorEntry) -> torch.Tensor:
         """The whole tensor of ``entry``, shape ``entry.shape``, as a new contiguous tensor.
 

@@ -23,7 +23,7 @@ import torch
 
 from fsdp_convert.constants import SAFETENSORS_SUFFIXES, SAFETENSORS_TO_TORCH
 from fsdp_convert.errors import CorruptChunkError, NotADcpCheckpointError, ShapeMismatchError
-from fsdp_convert.formats._reader import ChunkedReader
+from fsdp_convert.formats._reader import ChunkedReader, StoredBytes
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Entry, TensorEntry
 
 __all__ = [
@@ -169,6 +169,22 @@ class HfStorageReader(ChunkedReader):
         checkpoint_id: the folder of safetensors files.
         check_crc: unused (safetensors stores no checksums); kept for the shared signature.
     """
+
+    def locate(self, entry: TensorEntry, chunk: ChunkEntry) -> StoredBytes | None:
+        """A chunk's elements as the safetensors file stores them (bare, C order); None for a remote folder.
+
+        Raises:
+            MissingDataFileError, CorruptChunkError: the file is gone or too short.
+            ShapeMismatchError: the byte range cannot hold the chunk.
+        """
+        if chunk.relative_path is None or not isinstance(self.root, Path):
+            return None
+        where = self._where(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, entry.fqn)
+        if chunk.length_bytes != chunk.numel * entry.dtype.itemsize:
+            raise ShapeMismatchError(f"{where}: {chunk.length_bytes} bytes cannot hold {entry.dtype} {list(chunk.sizes)}")
+        fd, at = self._range(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, where)
+        self._log_read(entry, chunk)
+        return StoredBytes(fd=fd, offset=at, nbytes=chunk.length_bytes, crc32=None, where=where)
 
     def _load_chunk(self, entry: TensorEntry, chunk: ChunkEntry) -> Any:
         assert chunk.relative_path is not None

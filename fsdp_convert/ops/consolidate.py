@@ -1,8 +1,9 @@
-"""Operation ``consolidate``: index, transform, plan, then read and write on the workers (launch).
+"""Operation ``consolidate``: index, transform, plan, then every worker moves its tensors into place (launch).
 
-Rank 0 writes a single-file output, which every other worker feeds over gloo in file order; for a
-folder output each worker writes its own safetensors shards and rank 0 the index and the torch.save
-side files. Progress bars (tqdm, on stderr) count bytes read and written.
+The plan lays every output file out before any data is read, so each worker writes its own
+tensors at their offsets in the output files (``move``), on one node or many; rank 0 then gathers
+the CRC-32s, reads the plain values and writes the headers, pickles and the folder's index. No
+tensor crosses between workers. A progress bar (tqdm, on stderr) counts rank 0's bytes written.
 """
 
 from __future__ import annotations
@@ -11,23 +12,25 @@ import dataclasses
 import logging
 import os
 import sys
+import threading
 import time
-from collections.abc import Callable
-from contextlib import ExitStack, closing
+import zlib
+from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from fsdp_convert.constants import HF_INDEX_FILENAME
 from fsdp_convert.errors import VerificationError
 from fsdp_convert.formats import Reader, check_data_files, open_reader, read_index
-from fsdp_convert.formats.index import BytesEntry, Location, TensorEntry
+from fsdp_convert.formats._crc import combine
+from fsdp_convert.formats.index import BytesEntry, Location, ObjPath, TensorEntry
 from fsdp_convert.items import prepare_items
-from fsdp_convert.launch import Cluster, GlooTransport, job_world_size, run_ranks, shared_tag
+from fsdp_convert.launch import Cluster, WorkerGroup, job_world_size, run_ranks, shared_tag
+from fsdp_convert.move import MoveJob, Piece, move_all, pwrite_all
 from fsdp_convert.ops.verify import verify
 from fsdp_convert.plan import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -40,12 +43,12 @@ from fsdp_convert.plan import (
     plan_consolidate,
 )
 from fsdp_convert.plan import output_format as plan_output_format
-from fsdp_convert.prefetch import prefetch
 from fsdp_convert.remote import local_output
 from fsdp_convert.transform import OutputItem, TransformOptions
-from fsdp_convert.writers import SafetensorsWriter, StateDictWriter, TorchSaveWriter, atomic_output
+from fsdp_convert.writers import atomic_output
 from fsdp_convert.writers._atomic import LeaveToOwner, check_output_free, writing
 from fsdp_convert.writers.safetensors import ShardFile, write_hf_index
+from fsdp_convert.writers.torch_save import TensorSlot, write_torch_save_headers
 
 __all__ = ["ConsolidateResult", "consolidate"]
 
@@ -103,160 +106,138 @@ def _bar(desc: str, total: int, enabled: bool, position: int) -> tqdm:
     )
 
 
-def _counted(bar: tqdm, nbytes: int, produce: Callable[[], Any]) -> Callable[[], Any]:
-    def run() -> Any:
-        value = produce()
-        bar.update(nbytes)
-        return value
-
-    return run
+def _file_path(job: _ConsolidateJob, file: FilePlan) -> Path:
+    return job.tmp_output if file.filename is None else job.tmp_output / file.filename
 
 
-def _read_item(reader: Reader, item: OutputItem) -> tuple[torch.Tensor, int | None]:
-    """The item's full tensor in its output dtype, and the CRC-32 of its bytes when known."""
-    assert isinstance(item.entry, TensorEntry)
-    tensor, crc = reader.read_tensor_with_crc(item.entry)
-    if item.dtype is not None and item.dtype != tensor.dtype:
-        return tensor.to(item.dtype), None
-    return tensor, crc
-
-
-def _send_share(job: _ConsolidateJob, file: FilePlan, rank: int, transport: GlooTransport) -> None:
-    """Non-zero ranks, for a file rank 0 writes: read this rank's tensors in file order, send to rank 0."""
+def _move_jobs(job: _ConsolidateJob, rank: int, fds: list[int]) -> list[MoveJob]:
+    """This rank's tensors, file by file in file order."""
     plan = job.plan
-    with open_reader(job.checkpoint_id, check_crc=job.check_crc) as reader:
-        for i in file.item_ids:
+    jobs = []
+    for f, file in enumerate(plan.files):
+        for i, offset in zip(file.item_ids, file.data_offsets, strict=True):
             item = plan.items[i]
-            if plan.owners[i] == rank and item.is_tensor:
-                transport.make_room(item.read_bytes)  # the tensor about to be read counts against the window
-                transport.send(_read_item(reader, item)[0])
-        transport.drain()
+            if item.is_tensor and plan.owners[i] == rank:
+                assert isinstance(item.entry, TensorEntry) and item.dtype is not None and offset is not None
+                jobs.append(MoveJob(entry=item.entry, dtype=item.dtype, file=f, fd=fds[f], offset=offset))
+    return jobs
 
 
-def _received(transport: GlooTransport, item: OutputItem, owner: int) -> tuple[torch.Tensor, None]:
-    assert item.dtype is not None
-    return transport.recv(item.shape, item.dtype, owner), None
-
-
-def _value_job(reader: Reader, item: OutputItem) -> Callable[[], Any]:
+def _value(reader: Reader, item: OutputItem) -> Any:
     if item.constant:
-        return lambda: item.value
+        return item.value
     assert isinstance(item.entry, BytesEntry)
-    return partial(reader.read_value, item.entry)
+    return reader.read_value(item.entry)
 
 
-def _write_file(job: _ConsolidateJob, file: FilePlan, transport: GlooTransport | None) -> int:
-    """Rank 0: read or receive every item of ``file`` in order and write it; returns its size in bytes."""
-    plan = job.plan
-    items = [plan.items[i] for i in file.item_ids]
-    owners = [plan.owners[i] for i in file.item_ids]
-    total = sum(item.nbytes for item in items)
-    path = job.tmp_output if file.filename is None else job.tmp_output / file.filename
-    with open_reader(job.checkpoint_id, check_crc=job.check_crc) as reader, ExitStack() as stack:
-        read_bar = stack.enter_context(_bar("read", total, job.progress, 0))
-        write_bar = stack.enter_context(_bar("write", total, job.progress, 1))
-        jobs: list[tuple[int, Callable[[], Any]]] = []
-        for item, owner in zip(items, owners, strict=True):
-            if not item.is_tensor:
-                jobs.append((0, _counted(read_bar, item.nbytes, _value_job(reader, item))))
-            elif owner == 0:
-                jobs.append((item.read_bytes, _counted(read_bar, item.nbytes, partial(_read_item, reader, item))))
-            else:
-                assert transport is not None
-                jobs.append((item.nbytes, _counted(read_bar, item.nbytes, partial(_received, transport, item, owner))))
-        writer = _open_writer(file.output_format, path, items, file.strip)
-        # closing: on an error, stop the read-ahead thread here, not whenever the frame is freed
-        values = stack.enter_context(closing(prefetch(jobs, plan.memory_budget_bytes)))
-        try:
-            for item, value in zip(items, values, strict=True):
-                out_path = item.path[file.strip :]
-                if not item.is_tensor:
-                    writer.add_value(out_path, value)
-                else:
-                    tensor, crc = value
-                    writer.add_tensor(out_path, tensor, crc)
-                    del tensor
-                write_bar.update(item.nbytes)
-                del value  # free the tensor before the read-ahead budget is given back
-            return writer.finish()
-        except BaseException:
-            writer.close()
-            raise
+def _record_crc(fd: int, by_offset: dict[int, Piece], offset: int, nbytes: int) -> int:
+    """CRC-32 of ``[offset, offset + nbytes)`` of an output file, from the pieces the workers wrote there.
 
-
-def _write_shards(job: _ConsolidateJob, rank: int) -> None:
-    """Folder output: write this rank's safetensors shards. No tensor goes through rank 0.
-
-    Only rank 0 shows a bar (shards are balanced by bytes, so it stands for the whole job): one
-    line, however many workers and nodes.
+    Raises:
+        RuntimeError: the pieces do not tile the range (a planning bug).
     """
-    plan = job.plan
-    mine = [s for s in plan.shards if s.owner == rank]
-    desc = f"write ({len(mine)} of {len(plan.shards)} shards here)"
-    with (
-        open_reader(job.checkpoint_id, check_crc=job.check_crc) as reader,
-        _bar(desc, sum(s.tensor_bytes for s in mine), job.progress and rank == 0, 0) as bar,
-    ):
-        for shard in mine:
-            items = [plan.items[i] for i in shard.item_ids]
-            writer = _open_writer("safetensors", job.tmp_output / shard.filename, items, 0)
-            jobs = [(item.read_bytes, partial(_read_item, reader, item)) for item in items]
-            try:
-                with closing(prefetch(jobs, plan.memory_budget_bytes)) as values:
-                    for item, (tensor, _) in zip(items, values, strict=True):
-                        writer.add_tensor(item.path, tensor)
-                        bar.update(item.nbytes)
-                        del tensor
-                writer.finish()
-            except BaseException:
-                writer.close()
-                raise
+    parts, at = [], offset
+    while at < offset + nbytes:
+        piece = by_offset.get(at)
+        if piece is None:
+            raise RuntimeError(f"no worker wrote byte {at} of a tensor at [{offset}, {offset + nbytes})")
+        parts.append((piece.crc32, piece.nbytes))
+        at += piece.nbytes
+    crc = combine(parts)
+    if crc is None:  # no zlib crc32_combine: hash the bytes back
+        crc = 0
+        for at in range(offset, offset + nbytes, 16 << 20):
+            crc = zlib.crc32(os.pread(fd, min(16 << 20, offset + nbytes - at), at), crc)
+    return crc
 
 
-def _open_writer(fmt: str, path: Path, items: list[OutputItem], strip: int) -> StateDictWriter:
-    if fmt == "safetensors":
-        layout = []
-        for item in items:
-            assert item.dtype is not None  # safetensors files hold tensors only (checked by the planner)
-            layout.append((item.path[strip:], item.dtype, item.shape))
-        return SafetensorsWriter(path, layout)
-    return TorchSaveWriter(path)
+def _finish_file(job: _ConsolidateJob, f: int, fd: int, pieces: list[Piece], reader: Reader) -> None:
+    """Rank 0, once every worker's tensors are in place: write the file's headers (and pickle); fsync."""
+    file = job.plan.files[f]
+    if file.output_format == "safetensors":
+        pwrite_all(fd, memoryview(file.header), 0)
+    else:
+        by_offset = {p.offset: p for p in pieces if p.file == f}
+        items: list[tuple[ObjPath, Any]] = []
+        crcs: dict[int, int] = {}
+        for j, (i, offset) in enumerate(zip(file.item_ids, file.data_offsets, strict=True)):
+            item = job.plan.items[i]
+            path = item.path[file.strip :]
+            if item.is_tensor:
+                assert item.dtype is not None and offset is not None
+                crcs[j] = _record_crc(fd, by_offset, offset, item.nbytes)
+                items.append((path, TensorSlot(item.dtype, item.shape)))
+            else:
+                items.append((path, _value(reader, item)))
+        write_torch_save_headers(fd, items, crcs, file.data_offsets)
+    os.fsync(fd)
 
 
-def _consolidate_rank(job: _ConsolidateJob, rank: int, world_size: int, transport: GlooTransport | None) -> int | None:
+def _open_files(job: _ConsolidateJob, rank: int, stack: ExitStack) -> list[int]:
+    """Open (creating) every output file; rank 0 sizes each to the end of its data."""
+    fds = []
+    for file in job.plan.files:
+        fd = os.open(_file_path(job, file), os.O_RDWR | os.O_CREAT, 0o644)
+        stack.callback(os.close, fd)
+        fds.append(fd)
+        ends = [o + job.plan.items[i].nbytes for i, o in zip(file.item_ids, file.data_offsets, strict=True) if o is not None]
+        if rank == 0 and ends:
+            os.ftruncate(fd, max(os.fstat(fd).st_size, max(ends)))
+    return fds
+
+
+def _consolidate_rank(job: _ConsolidateJob, rank: int, world_size: int, group: WorkerGroup | None) -> int | None:
     """One rank's share of a consolidation. Called on every rank.
 
-    Folder outputs: each rank first writes its own safetensors shards. Files rank 0 writes (the
-    single-file output, or a folder's ``optimizer.pt``): rank 0 walks the file's items in order,
-    reading its own and receiving the others from their owners, and alone writes; the other ranks
-    read their tensors in the same order and send them to rank 0.
+    Every rank moves its own tensors into place in the output files (``move.move_all``) and
+    fsyncs them; rank 0 gathers every rank's pieces (offsets and CRC-32s only), reads the plain
+    values, and writes each file's headers, pickle and central directory, then the folder's index.
 
     Returns:
         On rank 0, the output's size in bytes; ``None`` elsewhere.
     """
     plan = job.plan
-    with writing(job.tmp_output):
-        if plan.shards:
-            _write_shards(job, rank)
-        size = 0
-        for file in plan.files:
-            if rank != 0:
-                assert transport is not None
-                _send_share(job, file, rank, transport)
-            else:
-                size += _write_file(job, file, transport)
-        if transport is not None:
-            transport.barrier()
-        if rank != 0:
+    with writing(job.tmp_output), ExitStack() as stack:
+        fds = _open_files(job, rank, stack)
+        jobs = _move_jobs(job, rank, fds)
+        desc = "write" if plan.nproc == 1 else f"write (rank 0's share; {plan.nproc} workers)"
+        bar = stack.enter_context(_bar(desc, sum(j.nbytes for j in jobs), job.progress and rank == 0, 0))
+        lock = threading.Lock()
+
+        def done(moved: MoveJob, _: list[Piece]) -> None:
+            with lock:
+                bar.update(moved.nbytes)
+
+        pieces = move_all(
+            partial(open_reader, job.checkpoint_id, check_crc=job.check_crc),
+            jobs,
+            threads=plan.threads,
+            piece_bytes=plan.piece_bytes,
+            drop_cache=plan.drop_cache,
+            on_done=done,
+        )
+        for fd in fds:
+            os.fsync(fd)
+        rows = [[p.file, p.offset, p.nbytes, p.crc32] for p in pieces]
+        gathered = group.gather(rows) if group is not None else [rows]
+        if gathered is None:
             return None
-        if plan.output_format != "hf_dir":
-            return size
+        everything = [Piece(*map(int, row)) for share in gathered for row in share]
+        with open_reader(job.checkpoint_id, check_crc=job.check_crc) as reader:
+            for f, fd in enumerate(fds):
+                _finish_file(job, f, fd, everything, reader)
         if len(plan.shards) > 1:
             shards = [
-                ShardFile(filename=s.filename, paths=tuple(plan.items[i].path for i in s.item_ids), tensor_bytes=s.tensor_bytes)
+                ShardFile(
+                    filename=s.filename or "",
+                    paths=tuple(plan.items[i].path for i in s.item_ids),
+                    tensor_bytes=sum(plan.items[i].nbytes for i in s.item_ids),
+                )
                 for s in plan.shards
             ]
             write_hf_index(job.tmp_output / HF_INDEX_FILENAME, shards)
+        if plan.output_format != "hf_dir":
+            return os.fstat(fds[0]).st_size
         return sum(p.stat().st_size for p in job.tmp_output.iterdir())
 
 
@@ -280,9 +261,9 @@ def consolidate(
 
     Steps: read the index; classify its entries by producer layout and build the output items
     (wrapper names removed, renames, filters, optimizer re-keying, casts); plan (check coverage,
-    balance tensors over workers by bytes); check the data files exist; read chunks into full
-    tensors on the workers, overlapping reading with writing; write into a temporary sibling of
-    ``output``; rename it into place.
+    lay every output file out, balance tensors over workers by bytes); check the data files
+    exist; every worker moves its tensors' bytes into place in a temporary sibling of ``output``;
+    rank 0 writes the headers; rename it into place.
 
     Args:
         checkpoint_id: the DCP checkpoint folder (or accelerate's parent folder of
@@ -294,16 +275,18 @@ def consolidate(
             a folder (no suffix) for the model weights as Hugging Face safetensors shards with
             ``model.safetensors.index.json``, plus ``optimizer.pt`` (the optimizer state dict) and
             ``extra_state.pt`` (other entries) when ``only`` is ``all``.
-        nproc: reading workers; 1 runs in this process, more start workers with torch's
-            elastic launcher (gloo on CPU). ``None``: ``plan.default_nproc`` (one per two CPU
-            cores for a file, one per core for a folder; at most one per data file and 256 MiB).
+        nproc: workers; 1 runs in this process, more start workers with torch's elastic
+            launcher (gloo on CPU). ``None``: ``plan.default_nproc`` (one per CPU core, at most
+            one per data file and 256 MiB).
         only: ``all``, ``model`` or ``optim``: which groups to write.
         options: key and dtype transforms (``TransformOptions``); default: wrapper names removed,
             optimizer state keyed by FQN, dtypes kept.
         output_format: ``auto`` (by suffix), ``torch`` or ``safetensors`` (see ``plan.output_format``).
         overwrite: replace an existing ``output`` (at the final rename only).
-        memory_budget_bytes: read-ahead and transfer buffers each process may hold, in bytes.
-            Peak memory per process is about this plus the largest tensor.
+        memory_budget_bytes: buffers each process may hold, in bytes: peak memory per process is
+            the interpreter's plus this, whatever the largest tensor, when chunks are read in place
+            (local DCP or safetensors sources); a chunk that must be decoded (a remote source, a
+            stream-transformed payload) adds its own size.
         max_shard_bytes: largest shard of a folder output, in bytes.
         check_crc: check the CRC-32 of every zip record of every payload read (torch does not).
             Sources without CRC-32s (safetensors shards, per-rank torch.save files, read through
@@ -349,13 +332,14 @@ def consolidate(
             memory_budget_bytes=memory_budget_bytes,
             max_shard_bytes=max_shard_bytes,
             cpus=len(os.sched_getaffinity(0)),
+            ram_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         )
         owner = True
         with atomic_output(output, overwrite=overwrite, directory=fmt == "hf_dir", tag=shared_tag(cluster)) as tmp:
             job = _ConsolidateJob(
                 checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, progress=progress, check_crc=check_crc
             )
-            owner, file_bytes = run_ranks(_consolidate_rank, job, plan.nproc, plan.memory_budget_bytes, cluster)
+            owner, file_bytes = run_ranks(_consolidate_rank, job, plan.nproc, cluster)
             if not owner:
                 raise LeaveToOwner
             if verify_output:

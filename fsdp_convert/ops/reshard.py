@@ -1,18 +1,22 @@
-"""Operation ``reshard``: index, transform, plan, then each worker writes whole rank files (launch); ``.metadata`` last.
+"""Operation ``reshard``: index, transform, plan (every rank file laid out), workers move the chunks in place; ``.metadata`` last.
 
-Each worker writes its target ranks' data files and records where every payload went in
-``.records-<rank>`` (``StoredChunk.to_json`` rows); the process holding rank 0 gathers them into
-``.metadata`` once every worker is done.
+The plan gives every tensor chunk's torch.save payload a byte range in its target rank's data
+file and a worker, balanced by bytes. Each worker moves its chunks' bytes there (``move``) and
+writes each payload's zip headers around them; rank 0 appends the values (bytes entries) to its
+own file, and its process writes ``.metadata`` once every worker is done. No tensor crosses
+between workers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import os
 import time
+import zlib
+from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +24,19 @@ import torch
 
 from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.formats import check_data_files, open_reader, read_index
-from fsdp_convert.formats.index import BytesEntry, Location, dcp_key
+from fsdp_convert.formats.index import BytesEntry, Location, TensorEntry, dcp_key
 from fsdp_convert.items import prepare_items
-from fsdp_convert.launch import Cluster, GlooTransport, job_world_size, run_ranks, shared_tag
+from fsdp_convert.launch import Cluster, WorkerGroup, job_world_size, run_ranks, shared_tag
 from fsdp_convert.layout import GROUPS
-from fsdp_convert.plan import DEFAULT_MEMORY_BUDGET_BYTES, ReshardPlan, plan_reshard
+from fsdp_convert.move import MoveJob, Piece, move_all, pieces_crc, pwrite_all
+from fsdp_convert.plan import DEFAULT_MEMORY_BUDGET_BYTES, default_nproc, mover_buffers
 from fsdp_convert.remote import as_location, local_output
+from fsdp_convert.reshard_plan import PayloadPlan, ReshardPlan, plan_reshard
 from fsdp_convert.transform import TransformOptions
 from fsdp_convert.writers import atomic_output
 from fsdp_convert.writers._atomic import LeaveToOwner, check_output_free, writing
-from fsdp_convert.writers.dcp import MetadataEntry, RankFileWriter, StoredChunk, rank_filename, write_metadata
+from fsdp_convert.writers.dcp import MetadataEntry, StoredChunk, rank_filename, write_metadata
+from fsdp_convert.writers.torch_save import TensorSlot, write_tensor_payload_headers
 
 __all__ = ["ReshardResult", "reshard"]
 
@@ -72,53 +79,83 @@ def _payload(value: Any) -> bytes:
     return buf.getvalue()
 
 
-def _reshard_rank(job: _ReshardJob, worker: int, world_size: int, transport: GlooTransport | None) -> None:
-    """Write the rank files of ``worker``'s target ranks; their records go to ``.records-<rank>``."""
+def _move_job(plan: ReshardPlan, payload: PayloadPlan, fd: int) -> MoveJob:
+    item = plan.items[payload.item]
+    assert isinstance(item.entry, TensorEntry) and item.dtype is not None
+    chunk = payload.chunk
+    rows = (chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]) if chunk.sizes else None
+    return MoveJob(
+        entry=item.entry, dtype=item.dtype, file=chunk.rank, fd=fd, offset=payload.offset + payload.layout.data_offset, rows=rows
+    )
+
+
+def _write_values(job: _ReshardJob, fd: int) -> list[StoredChunk]:
+    """Rank 0: append every value's payload to rank 0's data file after its tensor chunks."""
     plan = job.plan
-    reader = open_reader(job.checkpoint_id, check_crc=job.check_crc, full_files=True)
-    with reader, writing(job.tmp_output):
-        for rank in plan.ranks_of(worker):
-            out = RankFileWriter(job.tmp_output, rank)
-            try:
-                for item, chunks in zip(plan.items, plan.chunks, strict=True):
-                    for chunk in chunks:
-                        if chunk.rank != rank:
-                            continue
-                        fqn = dcp_key(item.path)
-                        if item.constant:
-                            out.add_raw(fqn, _payload(item.value))
-                        elif isinstance(item.entry, BytesEntry):
-                            out.add_raw(fqn, reader.read_raw(item.entry))
-                        else:
-                            box = reader.read_box(item.entry, chunk.offsets, chunk.sizes)
-                            out.add_box(fqn, chunk.offsets, box if box.dtype == item.dtype else box.to(item.dtype))
-                out.finish()
-            except BaseException:
-                out.close()
-                raise
-            # our own records for the parent, which writes .metadata once every rank is done
-            _records_path(job.tmp_output, rank).write_text(json.dumps([c.to_json() for c in out.stored]))
+    stored, at = [], plan.values_offset
+    with open_reader(job.checkpoint_id, check_crc=job.check_crc, full_files=True) as reader:
+        for item in plan.items:
+            if item.is_tensor:
+                continue
+            if item.constant:
+                raw = _payload(item.value)
+            else:
+                assert isinstance(item.entry, BytesEntry)
+                raw = reader.read_raw(item.entry)
+            pwrite_all(fd, memoryview(raw), at)
+            stored.append(StoredChunk(dcp_key(item.path), None, rank_filename(0), at, len(raw)))
+            at += len(raw)
+    return stored
 
 
-def _records_path(folder: Path, rank: int) -> Path:
-    return folder / f".records-{rank}"
+def _reshard_rank(job: _ReshardJob, worker: int, world_size: int, group: WorkerGroup | None) -> list[dict[str, Any]] | None:
+    """Move this worker's chunks into their payloads and write each payload's headers; rank 0 appends the values.
 
-
-def _write_index(folder: Path, plan: ReshardPlan, version: str | None) -> int:
-    """Rank 0's process, once every rank file is written: gather the workers' records into ``.metadata``.
-
-    Removes the records and the data files of ranks that hold nothing; returns the folder's size
-    in bytes (data files and ``.metadata``).
+    Returns:
+        On rank 0, where every value's payload went (``StoredChunk.to_json`` rows); None elsewhere.
     """
-    stored: list[StoredChunk] = []
-    for rank in range(plan.target_world_size):
-        records = _records_path(folder, rank)
-        stored += [StoredChunk.from_json(row) for row in json.loads(records.read_text())]
-        records.unlink()
-    for rank in range(plan.target_world_size):  # a rank that holds nothing needs no file
-        data_file = folder / rank_filename(rank)
-        if data_file.stat().st_size == 0:
-            data_file.unlink()
+    plan = job.plan
+    with writing(job.tmp_output), ExitStack() as stack:
+        fds: dict[int, int] = {}
+        for rank in plan.data_ranks:
+            fds[rank] = os.open(job.tmp_output / rank_filename(rank), os.O_RDWR | os.O_CREAT, 0o644)
+            stack.callback(os.close, fds[rank])
+        mine = {}
+        for payload in plan.payloads:
+            if payload.owner == worker:
+                move = _move_job(plan, payload, fds[payload.chunk.rank])
+                mine[(move.file, move.offset)] = (move, payload)
+
+        def write_headers(moved: MoveJob, pieces: list[Piece]) -> None:
+            payload = mine[(moved.file, moved.offset)][1]
+            crc = pieces_crc(sorted(pieces, key=lambda p: p.offset)) if pieces else 0
+            if crc is None:  # no zlib crc32_combine: hash the bytes back
+                crc = zlib.crc32(os.pread(moved.fd, moved.nbytes, moved.offset))
+            slot = TensorSlot(moved.dtype, payload.chunk.sizes)
+            write_tensor_payload_headers(moved.fd, payload.offset, slot, crc)
+
+        threads, piece_bytes = mover_buffers(DEFAULT_MEMORY_BUDGET_BYTES)
+        move_all(
+            partial(open_reader, job.checkpoint_id, check_crc=job.check_crc, full_files=True),
+            [move for move, _ in mine.values()],
+            threads=threads,
+            piece_bytes=piece_bytes,
+            on_done=write_headers,
+        )
+        values = _write_values(job, fds[0]) if worker == 0 and 0 in fds else []
+        for fd in fds.values():
+            os.fsync(fd)
+        if group is not None:
+            group.barrier()
+        return [c.to_json() for c in values] if worker == 0 else None
+
+
+def _write_index(folder: Path, plan: ReshardPlan, values: list[StoredChunk], version: str | None) -> int:
+    """Rank 0's process, once every worker is done: write ``.metadata``; return the folder's size in bytes."""
+    stored = [
+        StoredChunk(dcp_key(plan.items[p.item].path), p.chunk.offsets, rank_filename(p.chunk.rank), p.offset, p.layout.size)
+        for p in plan.payloads
+    ]
     entries = [
         MetadataEntry(
             fqn=dcp_key(item.path),
@@ -129,7 +166,7 @@ def _write_index(folder: Path, plan: ReshardPlan, version: str | None) -> int:
         )
         for item, chunks in zip(plan.items, plan.chunks, strict=True)
     ]
-    write_metadata(folder, entries, stored, version)
+    write_metadata(folder, entries, stored + values, version)
     return sum(p.stat().st_size for p in folder.iterdir())
 
 
@@ -159,7 +196,8 @@ def reshard(
         checkpoint_id: the source: a DCP folder, a full torch.save or safetensors file, or an HF folder.
         output: the output folder.
         world_size: the target world size.
-        nproc: writing workers (each writes whole rank files); default 1.
+        nproc: workers, each moving its share of the chunks (balanced by bytes) into any rank
+            file; default ``plan.default_nproc`` (one per CPU core, at most one per data file and 256 MiB).
         options: key and dtype transforms, as for ``consolidate``; the output keeps the source's
             nesting (``{"model": ..., "optim": ...}``, torchtitan's top-level weights...), so the
             producer's own loader reads it.
@@ -178,16 +216,17 @@ def reshard(
         check_output_free(output, overwrite=overwrite, directory=True)
         check_data_files(index)
         items = prepare_items(index, options or TransformOptions(), GROUPS, check_crc=check_crc, keep_layout=True)
-        workers = job_world_size(nproc, cluster)
+        workers = job_world_size(nproc, cluster) or default_nproc(
+            sum(item.nbytes for item in items), len(index.data_files) or 1, len(os.sched_getaffinity(0))
+        )
         plan = plan_reshard(index, items, world_size, nproc=workers)
         owner, file_bytes = False, 0
         with atomic_output(output, overwrite=overwrite, directory=True, tag=shared_tag(cluster)) as tmp:
             job = _ReshardJob(checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, check_crc=check_crc)
-            size = workers if shared_tag(cluster) else plan.nproc  # a shared job's plan may idle some workers
-            owner, _ = run_ranks(_reshard_rank, job, size or plan.nproc, DEFAULT_MEMORY_BUDGET_BYTES, cluster)
+            owner, values = run_ranks(_reshard_rank, job, plan.nproc, cluster)
             if not owner:
                 raise LeaveToOwner
-            file_bytes = _write_index(tmp, plan, index.version)
+            file_bytes = _write_index(tmp, plan, [StoredChunk.from_json(row) for row in values], index.version)
         chunks = sum(len(c) for item, c in zip(plan.items, plan.chunks, strict=True) if item.is_tensor)
         result = ReshardResult(
             output=output,

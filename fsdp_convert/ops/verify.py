@@ -8,7 +8,6 @@ memory-mapped, safetensors are read per tensor (``formats.full_file``).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from fsdp_convert.formats import check_data_files, detect_format, open_reader, r
 from fsdp_convert.formats.full_file import open_full_file
 from fsdp_convert.formats.index import BytesEntry, Location, Url, check_coverage, dcp_key, dtype_name
 from fsdp_convert.items import prepare_items
-from fsdp_convert.launch import Cluster, GlooTransport, job_world_size, run_ranks
+from fsdp_convert.launch import Cluster, WorkerGroup, job_world_size, run_ranks
 from fsdp_convert.layout import GROUPS, Group, group_of_top
 from fsdp_convert.plan import Only
 from fsdp_convert.remote import is_url
@@ -263,12 +262,9 @@ def verify(
         owner, differing = True, _verify_rank(job, 0, 1, None)
     else:
         world_size = job_world_size(nproc, cluster) or 1
-        owner, differing = run_ranks(_verify_rank, job, world_size, _RESULT_WINDOW_BYTES, cluster)
+        owner, differing = run_ranks(_verify_rank, job, world_size, cluster)
     diffs += [Difference(key=k, kind="differs", detail=d) for k, d in (differing or [])]
     return VerifyResult(a=a, b=b, compared=len(common), differences=tuple(diffs), owner=owner)
-
-
-_RESULT_WINDOW_BYTES = 1 << 20  # the only data sent between ranks: each rank's differences, as JSON
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -282,10 +278,10 @@ class _VerifyJob:
     options: TransformOptions | None
 
 
-def _verify_rank(job: _VerifyJob, rank: int, world_size: int, transport: GlooTransport | None) -> list[tuple[str, str]] | None:
+def _verify_rank(job: _VerifyJob, rank: int, world_size: int, group: WorkerGroup | None) -> list[tuple[str, str]] | None:
     """Compare keys ``rank, rank + world_size, ...``; rank 0 gathers every rank's differences.
 
-    The differences travel as JSON in uint8 tensors (length first), never as pickles.
+    The differences travel as JSON (``WorkerGroup.gather``), never as pickles.
 
     Returns:
         On rank 0, ``(key, detail)`` of every differing key, in key order; None elsewhere.
@@ -303,16 +299,11 @@ def _verify_rank(job: _VerifyJob, rank: int, world_size: int, transport: GlooTra
             source_b.close()
     finally:
         source_a.close()
-    if transport is None:
+    if group is None:
         return mine
-    if rank != 0:
-        data = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8)
-        transport.send(torch.tensor([data.numel()], dtype=torch.int64))
-        transport.send(data)
-        transport.drain()
+    gathered = group.gather(mine)
+    if gathered is None:
         return None
-    for src in range(1, world_size):
-        length = int(transport.recv((1,), torch.int64, src).item())
-        mine += [(str(k), str(d)) for k, d in json.loads(bytes(transport.recv((length,), torch.uint8, src).numpy()) or b"[]")]
+    mine = [(str(k), str(d)) for share in gathered for k, d in share]
     order = {key: i for i, key in enumerate(job.keys)}
     return sorted(mine, key=lambda kd: order[kd[0]])

@@ -90,7 +90,7 @@ class StoredChunk:
 
 
 class Box(Protocol):
-    """A chunk's place in its global tensor, in elements (``plan.TargetChunk`` is one)."""
+    """A chunk's place in its global tensor, in elements (``reshard_plan.TargetChunk`` is one)."""
 
     @property
     def offsets(self) -> tuple[int, ...]:

@@ -1,10 +1,11 @@
-"""safetensors writer that writes the header first and then streams tensor data in order.
+"""safetensors output laid out before any data is read, and Hugging Face's shard index.
 
 Format (https://github.com/huggingface/safetensors, "Format"): an 8-byte little-endian header
 length N, N bytes of JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__":
 {...}}`` padded with spaces to a multiple of 8, then the tensor bytes, little-endian, C order,
 back to back. Every name, dtype and shape is known from the index before any data is read, so
-the header is written first and each tensor's bytes are appended as it arrives.
+every tensor's byte range is too (``safetensors_layout``): workers write the tensors in place and
+rank 0 the header.
 """
 
 from __future__ import annotations
@@ -15,16 +16,22 @@ import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 
 from fsdp_convert.constants import SAFETENSORS_DTYPES, SAFETENSORS_TO_TORCH
 from fsdp_convert.formats.index import ObjPath, dcp_key
-from fsdp_convert.writers._buffer import byte_view, close_synced, dense
 
-__all__ = ["SafetensorsWriter", "SAFETENSORS_DTYPES", "SAFETENSORS_TO_TORCH", "safetensors_name", "ShardFile", "write_hf_index"]
+__all__ = [
+    "SafetensorsLayout",
+    "safetensors_layout",
+    "SAFETENSORS_DTYPES",
+    "SAFETENSORS_TO_TORCH",
+    "safetensors_name",
+    "ShardFile",
+    "write_hf_index",
+]
 
 
 def safetensors_name(path: ObjPath) -> str:
@@ -32,74 +39,50 @@ def safetensors_name(path: ObjPath) -> str:
     return dcp_key(path[1:]) if len(path) > 1 else str(path[0])
 
 
-class SafetensorsWriter:
-    """Streams tensors into one safetensors file whose header is fixed up front. Rank 0 only.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SafetensorsLayout:
+    """A safetensors file laid out before any data is read.
+
+    Attributes:
+        header: the file's first bytes: the 8-byte little-endian length and the padded JSON header.
+        data_offsets: per tensor, where its bytes start in the file, in bytes.
+        size: the file's size, in bytes.
+    """
+
+    header: bytes
+    data_offsets: tuple[int, ...]
+    size: int
+
+
+def safetensors_layout(
+    layout: Sequence[tuple[ObjPath, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None
+) -> SafetensorsLayout:
+    """The header and every tensor's byte range of a safetensors file of these tensors, in this order.
 
     Args:
-        path: the file to create (normally a temporary sibling of the output).
-        layout: ``(path, dtype, shape)`` of every tensor, in the order they will be added.
+        layout: ``(path, dtype, shape)`` of every tensor, in file order.
         metadata: string pairs for ``__metadata__`` (``{"format": "pt"}`` by default, as HF writes).
 
     Raises:
         ValueError: a dtype safetensors cannot hold, or two paths with the same name.
     """
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        layout: Sequence[tuple[ObjPath, torch.dtype, tuple[int, ...]]],
-        metadata: dict[str, str] | None = None,
-    ) -> None:
-        header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
-        self._expected: list[tuple[ObjPath, torch.dtype, tuple[int, ...]]] = list(layout)
-        begin = 0
-        for obj_path, dtype, shape in self._expected:
-            name = safetensors_name(obj_path)
-            if dtype not in SAFETENSORS_DTYPES:
-                raise ValueError(f"{name}: safetensors cannot hold dtype {dtype}")
-            if name in header:
-                raise ValueError(f"two tensors are both named {name}")
-            nbytes = dtype.itemsize * math.prod(shape)
-            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [begin, begin + nbytes]}
-            begin += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        self.path = Path(path)
-        self._file: IO[bytes] = open(self.path, "xb")  # noqa: SIM115 (closed in finish/close)
-        self._file.write(struct.pack("<Q", len(raw)) + raw)
-        self._next = 0
-        self.tensor_bytes = 0
-
-    def add_tensor(self, path: ObjPath, tensor: torch.Tensor, crc32: int | None = None) -> None:
-        """Append ``tensor``'s bytes; it must be the next one of ``layout`` (same path, dtype, shape).
-
-        ``crc32`` is accepted for the ``StateDictWriter`` protocol; safetensors stores none.
-
-        Raises:
-            ValueError: the tensor is not the one the header announced next.
-        """
-        expected = self._expected[self._next] if self._next < len(self._expected) else None
-        got = (path, tensor.dtype, tuple(tensor.shape))
-        if got != expected:
-            raise ValueError(f"safetensors writer expected {expected}, got {got}")
-        tensor = dense(tensor)
-        self._file.write(byte_view(tensor))
-        self._next += 1
-        self.tensor_bytes += tensor.nbytes
-
-    def add_value(self, path: ObjPath, value: Any) -> None:
-        """Safetensors holds tensors only; the planner keeps values away from this writer."""
-        raise ValueError(f"{'.'.join(map(str, path))}: safetensors holds tensors only")
-
-    def finish(self) -> int:
-        """Check every announced tensor arrived, flush and fsync; return the file size in bytes."""
-        if self._next != len(self._expected):
-            raise ValueError(f"safetensors writer got {self._next} of {len(self._expected)} tensors")
-        return close_synced(self._file)
-
-    def close(self) -> None:
-        """Close the file without completing it; the caller removes it."""
-        self._file.close()
+    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+    begins = []
+    begin = 0
+    for obj_path, dtype, shape in layout:
+        name = safetensors_name(obj_path)
+        if dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{name}: safetensors cannot hold dtype {dtype}")
+        if name in header:
+            raise ValueError(f"two tensors are both named {name}")
+        nbytes = dtype.itemsize * math.prod(shape)
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [begin, begin + nbytes]}
+        begins.append(begin)
+        begin += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    head = struct.pack("<Q", len(raw)) + raw
+    return SafetensorsLayout(header=head, data_offsets=tuple(len(head) + b for b in begins), size=len(head) + begin)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,43 +1,72 @@
-"""torch.save writer that streams: storage records first, as tensors arrive; the pickle last.
+"""torch.save output laid out before any data is read: storage records first, at known offsets; the pickle last.
 
 torch.save's container (``torch/serialization.py``, ``_save``) is a zip of one record per storage
 (``data/<key>``), a pickle ``data.pkl`` that refers to storages only by key through
 ``persistent_id``, and small records ``.format_version``, ``.storage_alignment``, ``byteorder``;
 ``version`` and ``.data/serialization_id`` are added by the zip writer. Record order does not
-matter to ``torch.load``, so each tensor's storage is written the moment it arrives and freed,
-and ``data.pkl`` is written at the end. The zip itself is written by torch's own
-``torch._C.PyTorchFileWriter`` (64-byte aligned records), so the result is an ordinary torch.save
-file that ``torch.load(path, weights_only=True, mmap=True)`` reads. Its CRC-32s are computed with
-zlib (several GB/s, against 0.35 GB/s for torch's writer here) and patched in at the end
-(``_zipcrc.py``), so ``zipfile.testzip`` and ``unzip -t`` pass.
+matter to ``torch.load``, so here the storage records come first, in item order, and ``data.pkl``
+after them: every storage's byte range then depends only on the storages' sizes.
+
+The zip is laid out by torch's own writer (``torch._C.PyTorchFileWriter``,
+``caffe2/serialize/inline_container.cc``), driven over ``_HeaderImage``, a file object that keeps
+what it is given in memory and remembers seeks over the data: ``write_record_metadata`` (what
+``torch.serialization.skip_data`` uses) writes a storage record's local header, 64-byte aligned,
+and its data descriptor, and skips its data. So the headers, ``data.pkl``, the central directory
+and zip64 records where needed are exactly torch's, and every storage's data offset is known
+(``torch_save_layout``). Workers ``pwrite`` the storages there; rank 0 writes the headers last
+(``write_torch_save_headers``), with the CRC-32s the workers computed patched in (``_zipcrc``),
+so ``torch.load(weights_only=True, mmap=True)``, ``zipfile.testzip()`` and ``unzip -t`` all pass.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import io
+import math
 import os
 import pickle
 import sys
-import zlib
-from pathlib import Path
-from typing import IO, Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from fsdp_convert._signals import torch_call
-from fsdp_convert._torch import open_torch_save_writer, storage_alignment, storage_type_for
+from fsdp_convert._torch import open_torch_save_writer, reserve_record, storage_alignment, storage_type_for
+from fsdp_convert._zip import read_records
 from fsdp_convert.formats.index import ObjPath, unflatten
-from fsdp_convert.writers._buffer import byte_view, close_synced, dense
 from fsdp_convert.writers._zipcrc import patch_crcs
 
-__all__ = ["TorchSaveWriter", "PICKLE_PROTOCOL"]
+__all__ = [
+    "TensorSlot",
+    "torch_save_layout",
+    "write_torch_save_headers",
+    "PayloadLayout",
+    "tensor_payload_layout",
+    "write_tensor_payload_headers",
+    "PICKLE_PROTOCOL",
+]
 
 PICKLE_PROTOCOL = 2  # torch.serialization.DEFAULT_PROTOCOL
 
 
+@dataclass(frozen=True, slots=True)
+class TensorSlot:
+    """A tensor of the output whose bytes the workers write: its dtype and shape (elements)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Size of its storage, in bytes."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
 class _StorageRef:
-    """Stands for a storage already written as record ``data/<key>``."""
+    """Stands for the storage of record ``data/<key>``."""
 
     __slots__ = ("key", "dtype", "numel")
 
@@ -54,7 +83,7 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class _TensorRef:
-    """Pickles exactly as torch.save pickles a contiguous CPU tensor over a written storage."""
+    """Pickles exactly as torch.save pickles a contiguous CPU tensor over its own storage."""
 
     __slots__ = ("storage", "shape")
 
@@ -86,119 +115,194 @@ class _Pickler(pickle.Pickler):
         return None
 
 
-class _AbortableStream:
-    """File wrapper that never lets an exception reach torch's zip writer.
+class _HeaderImage:
+    """A write-only, seekable file that keeps what is written in memory and skips what is seeked over.
 
-    If a write fails (disk full, file too large) inside ``torch._C.PyTorchFileWriter``, or a
-    signal handler raises (Ctrl-C, SIGTERM) in this Python callback, the exception would cross
-    torch's C++ writer: its bookkeeping goes out of step and the process aborts. So the exception
-    is recorded, the write reported as done, and every later write discarded; the torch.save
-    writer re-raises it after the call returns, and the caller deletes the file.
+    torch's zip writer writes through it (``write``/``seek``/``tell``); afterwards it is the zip
+    with its storage data missing (read as zeros), a ``ZipImage`` for ``patch_crcs``.
     """
 
-    def __init__(self, file: IO[bytes]) -> None:
-        self.file = file
-        self.error: BaseException | None = None
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._parts: list[bytearray] = []
+        self._pos = 0
+        self.size = 0
 
     def write(self, data: Any) -> int:
-        n = len(memoryview(data))
-        if self.error is None:
-            try:
-                self.file.write(data)
-            except BaseException as e:  # also Ctrl-C or SIGTERM landing in this callback
-                self.error = e
-        return n
+        raw = bytes(memoryview(data))
+        if self._parts and self._starts[-1] + len(self._parts[-1]) == self._pos:
+            self._parts[-1] += raw
+        else:
+            self._starts.append(self._pos)
+            self._parts.append(bytearray(raw))
+        self._pos += len(raw)
+        self.size = max(self.size, self._pos)
+        return len(raw)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
+        self._pos = base + offset
+        self.size = max(self.size, self._pos)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
 
     def flush(self) -> None:
-        if self.error is None:
-            try:
-                self.file.flush()
-            except BaseException as e:
-                self.error = e
+        pass
 
-    def abort(self) -> None:
-        """Discard every later write."""
-        if self.error is None:
-            self.error = OSError("writer closed")
+    def pread(self, length: int, offset: int) -> bytes:
+        out = bytearray(max(0, min(length, self.size - offset)))
+        i = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        for start, part in zip(self._starts[i:], self._parts[i:], strict=True):
+            if start >= offset + len(out):
+                break
+            lo, hi = max(start, offset), min(start + len(part), offset + len(out))
+            if lo < hi:
+                out[lo - offset : hi - offset] = part[lo - start : hi - start]
+        return bytes(out)
 
-    def raise_error(self) -> None:
-        """Re-raise the first write error, if any."""
-        if self.error is not None:
-            raise self.error
+    def pwrite(self, data: bytes, offset: int) -> None:
+        i = bisect.bisect_right(self._starts, offset) - 1
+        start, part = (self._starts[i], self._parts[i]) if i >= 0 else (0, bytearray())
+        if i < 0 or offset + len(data) > start + len(part):
+            raise ValueError(f"bytes [{offset}, {offset + len(data)}) are not a header")
+        part[offset - start : offset - start + len(data)] = data
+
+    def parts(self) -> list[tuple[int, bytearray]]:
+        """What was written: ``(offset, bytes)`` runs, in file order."""
+        return list(zip(self._starts, self._parts, strict=True))
 
 
-class TorchSaveWriter:
-    """Streams a nested state dict into one torch.save file. Rank 0 only.
+def _container(entries: Sequence[TensorSlot | None], pickled: bytes) -> _HeaderImage:
+    """The zip torch's writer makes of these storages (position ``j`` is record ``data/<j>``) and ``data.pkl``."""
+    image = _HeaderImage()
+    with torch_call():
+        writer = open_torch_save_writer(image, compute_crc32=False)  # type: ignore[arg-type]
+        for j, slot in enumerate(entries):
+            if slot is not None:
+                reserve_record(writer, f"data/{j}", slot.nbytes)
+        records = [("data.pkl", pickled), (".format_version", b"1"), (".storage_alignment", str(storage_alignment()).encode())]
+        records.append(("byteorder", sys.byteorder.encode()))
+        for name, raw in records:
+            writer.write_record(name, raw, len(raw))
+        writer.write_end_of_file()
+        del writer
+    return image
 
-    ``add_tensor`` writes the tensor's bytes at once (the caller can free the tensor);
-    ``finish`` writes the pickle of the nested structure, closes the zip and fsyncs.
-    Memory held: the nested structure of small references and plain values, not the tensors.
+
+def _data_offsets(image: _HeaderImage, count: int) -> list[int | None]:
+    offsets: list[int | None] = [None] * count
+    for record in read_records(image.pread, image.size):
+        name = record.short_name
+        if name.startswith("data/"):
+            offsets[int(name[5:])] = record.data_offset
+    return offsets
+
+
+def torch_save_layout(entries: Sequence[TensorSlot | None]) -> tuple[int | None, ...]:
+    """Where each storage's bytes go in the torch.save file of these entries, in bytes from its start.
 
     Args:
-        path: the file to create (normally a temporary sibling of the output).
+        entries: the file's items in order: a ``TensorSlot`` for a tensor, None for a plain value.
+
+    Returns:
+        Per entry, the offset of its storage data (None for a value); aligned as torch aligns
+        them (``storage_alignment``), so ``torch.load(mmap=True)`` maps them in place.
+    """
+    return tuple(_data_offsets(_container(entries, b""), len(entries)))
+
+
+def write_torch_save_headers(
+    fd: int,
+    items: Sequence[tuple[ObjPath, TensorSlot | Any]],
+    crcs: dict[int, int],
+    data_offsets: Sequence[int | None],
+) -> int:
+    """Write everything of a torch.save file but its storage data, which the workers wrote. Rank 0 only.
+
+    Builds ``data.pkl`` (the nested state dict, tensors as references to their storage records),
+    lays the zip out again with it, checks every storage lands where ``torch_save_layout`` said,
+    patches in the CRC-32s, and writes the headers, pickle and central directory into ``fd``.
+
+    Args:
+        fd: the output file, open for writing, its storage data in place.
+        items: ``(path, TensorSlot or plain value)`` in file order (the order ``torch_save_layout`` saw).
+        crcs: CRC-32 of each storage's bytes, by position in ``items``.
+        data_offsets: what ``torch_save_layout`` returned for these items.
+
+    Returns:
+        The file's size, in bytes.
+
+    Raises:
+        ValueError: the layout moved (the items differ from the ones planned).
+    """
+    missing = [j for j, (_, value) in enumerate(items) if isinstance(value, TensorSlot) and j not in crcs]
+    if missing:
+        raise ValueError(f"no CRC-32 for the storages of items {missing[:5]}")
+    slots: list[TensorSlot | None] = []
+    tree: list[tuple[ObjPath, Any]] = []
+    for j, (path, value) in enumerate(items):
+        if isinstance(value, TensorSlot):
+            slots.append(value)
+            tree.append((path, _TensorRef(_StorageRef(str(j), value.dtype, math.prod(value.shape)), value.shape)))
+        else:
+            slots.append(None)
+            tree.append((path, value))
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=PICKLE_PROTOCOL).dump(unflatten(tree))
+    image = _container(slots, buf.getvalue())
+    if _data_offsets(image, len(items)) != list(data_offsets):
+        raise ValueError("torch.save layout changed between planning and writing")
+    patch_crcs(image, {f"data/{j}": crc for j, crc in crcs.items()})
+    _pwrite_parts(fd, image, 0)
+    os.ftruncate(fd, image.size)
+    return image.size
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadLayout:
+    """A torch.save of one tensor (``torch.save(tensor)``, as DCP stores a chunk), laid out ahead.
+
+    Attributes:
+        size: the payload's length, in bytes.
+        data_offset: where its storage bytes start within it, in bytes.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        self._file: IO[bytes] = open(self.path, "x+b")  # noqa: SIM115 (closed in finish/close)
-        self._stream = _AbortableStream(self._file)
-        self._zip: torch._C.PyTorchFileWriter | None = open_torch_save_writer(self._stream, compute_crc32=False)  # type: ignore[arg-type]
-        self._crcs: dict[str, int] = {}
-        self._items: list[tuple[ObjPath, Any]] = []
-        self.tensor_bytes = 0
+    size: int
+    data_offset: int
 
-    def add_tensor(self, path: ObjPath, tensor: torch.Tensor, crc32: int | None = None) -> None:
-        """Write ``tensor``'s storage record now; it appears at ``path`` in the loaded dict.
 
-        Args:
-            path: key path in the nested state dict (``("model", "layers.0.attn.wq.weight")``).
-            tensor: CPU tensor of any shape and dtype; non-contiguous tensors are copied first.
-            crc32: CRC-32 of the tensor's bytes if the caller has it (saves a pass over them).
-        """
-        assert self._zip is not None, "writer is closed"
-        tensor = dense(tensor)
-        key = str(len(self._items))
-        self._crcs[f"data/{key}"] = zlib.crc32(byte_view(tensor)) if crc32 is None else crc32
-        # the stub says Storage; torch.save passes an UntypedStorage here too
-        with torch_call():
-            self._zip.write_record(f"data/{key}", tensor.untyped_storage(), tensor.nbytes)  # type: ignore[arg-type]
-        self._stream.raise_error()
-        self.tensor_bytes += tensor.nbytes
-        ref = _TensorRef(_StorageRef(key, tensor.dtype, tensor.numel()), tuple(tensor.shape))
-        self._items.append((path, ref))
+def _payload_image(slot: TensorSlot) -> _HeaderImage:
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=PICKLE_PROTOCOL).dump(_TensorRef(_StorageRef("0", slot.dtype, math.prod(slot.shape)), slot.shape))
+    return _container([slot], buf.getvalue())
 
-    def add_value(self, path: ObjPath, value: Any) -> None:
-        """Record a plain Python value at ``path`` (pickled in ``finish``)."""
-        self._items.append((path, value))
 
-    def finish(self) -> int:
-        """Write ``data.pkl`` and the trailer records, close the zip, flush and fsync.
+def tensor_payload_layout(slot: TensorSlot) -> PayloadLayout:
+    """Size and storage offset of the torch.save payload of a contiguous tensor of ``slot``'s dtype and shape."""
+    image = _payload_image(slot)
+    (offset,) = _data_offsets(image, 1)
+    assert offset is not None
+    return PayloadLayout(size=image.size, data_offset=offset)
 
-        Returns:
-            The file's size in bytes.
-        """
-        assert self._zip is not None, "writer is closed"
-        buf = io.BytesIO()
-        _Pickler(buf, protocol=PICKLE_PROTOCOL).dump(unflatten(self._items))
-        data = buf.getvalue()
-        alignment = str(storage_alignment())
-        records = [("data.pkl", data)]
-        records += [(name, text.encode()) for name, text in ((".format_version", "1"), (".storage_alignment", alignment))]
-        records.append(("byteorder", sys.byteorder.encode()))
-        with torch_call():
-            for name, raw in records:
-                self._crcs[name] = zlib.crc32(raw)
-                self._zip.write_record(name, raw, len(raw))
-            self._zip.write_end_of_file()
-        self._stream.raise_error()
-        self._zip = None
-        self._file.flush()
-        patch_crcs(self._file, self._crcs)
-        return close_synced(self._file)
 
-    def close(self) -> None:
-        """Close the file without completing it; the caller removes it."""
-        self._stream.abort()
-        with torch_call():
-            self._zip = None  # its destructor now writes into the void
-        self._file.close()
+def write_tensor_payload_headers(fd: int, at: int, slot: TensorSlot, crc: int) -> None:
+    """Write a one-tensor payload's zip headers and pickle around its storage bytes, already at ``at + data_offset``.
+
+    Args:
+        fd: the data file, open for writing.
+        at: where the payload starts in it, in bytes.
+        slot: the tensor's dtype and shape.
+        crc: CRC-32 of the storage bytes.
+    """
+    image = _payload_image(slot)
+    patch_crcs(image, {"data/0": crc})
+    _pwrite_parts(fd, image, at)
+
+
+def _pwrite_parts(fd: int, image: _HeaderImage, at: int) -> None:
+    for offset, part in image.parts():
+        view = memoryview(part)
+        while view:
+            view = view[os.pwrite(fd, view, at + offset + len(part) - len(view)) :]

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 import fsdp_convert
 from fsdp_convert.cli import app
+from fsdp_convert.move import MoveJob
 from tests._compare import assert_same_state, same_bits
 from tests._samples import Sample
 
@@ -237,19 +238,24 @@ def test_verify_cli_exit_codes(runner: CliRunner, ws3_ckpt: Sample, tmp_path: Pa
 
 
 def _corrupt_written_tensor(monkeypatch: pytest.MonkeyPatch, fqn: str) -> None:
-    """Make both writers flip the lowest bit of ``fqn``'s first byte as they write it (CRC-32 to match)."""
-    from fsdp_convert.writers import SafetensorsWriter, TorchSaveWriter
+    """Make the mover flip the lowest bit of ``fqn``'s first byte once written, with a CRC-32 to match."""
+    import os
+    import zlib
 
-    for cls in (TorchSaveWriter, SafetensorsWriter):
+    from fsdp_convert.move import Mover, Piece
 
-        def add_tensor(self, path, tensor, crc32=None, _original=cls.add_tensor):  # type: ignore[no-untyped-def]
-            if path[-1] == fqn:
-                tensor = tensor.clone()
-                tensor.reshape(-1).view(torch.uint8)[0] ^= 1
-                crc32 = None
-            return _original(self, path, tensor, crc32)
+    original = Mover.move
 
-        monkeypatch.setattr(cls, "add_tensor", add_tensor)
+    def move(self: Mover, job: MoveJob) -> list[Piece]:
+        pieces = original(self, job)
+        if not job.entry.fqn.endswith(fqn):
+            return pieces
+        first = min(pieces, key=lambda p: p.offset)
+        os.pwrite(job.fd, bytes([os.pread(job.fd, 1, first.offset)[0] ^ 1]), first.offset)
+        crc = zlib.crc32(os.pread(job.fd, first.nbytes, first.offset))
+        return [Piece(p.file, p.offset, p.nbytes, crc) if p is first else p for p in pieces]
+
+    monkeypatch.setattr(Mover, "move", move)
 
 
 @pytest.mark.parametrize("name", ["full.pt", "hf"])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,12 +22,12 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 HANG_S = 120  # a run that takes longer than this to exit after the act has hung (a loaded CI box takes seconds)
 
 
-def _start(ck: Path, out: Path, nproc: int) -> subprocess.Popen[str]:
+def _start(ck: Path, out: Path, nproc: int, log_dir: Path | None = None) -> subprocess.Popen[str]:
     # a small budget and --verify keep the run going long enough to be interrupted mid-write
     args = ["consolidate", str(ck), str(out), "--nproc", str(nproc), "--memory-budget", "1MiB", "--verify"]
     return subprocess.Popen(
         [sys.executable, "-m", "fsdp_convert", *args],
-        env=ENV,
+        env={**ENV, "FSDP_CONVERT_READ_LOG": str(log_dir)} if log_dir else ENV,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -74,19 +76,13 @@ def _descendants(root: int) -> list[int]:
     return found
 
 
-def _non_writer_worker(root: int, folder: Path) -> int:
-    """The launched worker that does not hold the temporary output open (rank 0 writes it)."""
-    workers = []
-    for pid in _descendants(root):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
-        except OSError:
-            continue
-        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-            workers.append((pid, any(str(folder) in target and ".tmp-" in target for target in fds)))
-    assert len(workers) == 2 and sum(writes for _, writes in workers) == 1, workers
-    return next(pid for pid, writes in workers if not writes)
+def _worker_of_rank(log_dir: Path, rank: int) -> int:
+    """The worker process of ``rank``, from the read log it writes (``reads-<pid>.jsonl``, one line per chunk, rank first)."""
+    for log in log_dir.glob("reads-*.jsonl"):
+        first = log.read_text().split("\n", 1)[0]
+        if first and json.loads(first)[0] == str(rank):
+            return int(log.stem.removeprefix("reads-"))
+    raise AssertionError(f"rank {rank} has not read a chunk yet")
 
 
 class _Missed(Exception):
@@ -94,7 +90,7 @@ class _Missed(Exception):
 
 
 def _interrupted_run(
-    ck: Path, folder: Path, nproc: int, act: Callable[[subprocess.Popen[str]], None]
+    ck: Path, folder: Path, nproc: int, act: Callable[[subprocess.Popen[str]], None], log_dir: Path | None = None
 ) -> tuple[int, str, str, float]:
     """Start a run, act on it once it is writing, and return (exit code, stdout, stderr, seconds from act to exit).
 
@@ -106,7 +102,10 @@ def _interrupted_run(
     for _ in range(3):
         for leftover in folder.iterdir():
             leftover.unlink()
-        proc = _start(ck, out, nproc)
+        if log_dir is not None:
+            shutil.rmtree(log_dir, ignore_errors=True)
+            log_dir.mkdir()
+        proc = _start(ck, out, nproc, log_dir)
         acted = time.monotonic()
         try:
             _wait_until_writing(proc, folder)
@@ -149,14 +148,23 @@ def test_dead_worker_fails_the_job_within_seconds(big_sample: Path, tmp_path: Pa
     """The job fails, naming the dead rank, and leaves nothing. How soon is reported, not asserted
     (a loaded 2-core CI box can take many seconds): a run still going HANG_S later fails as hung."""
 
+    logs = tmp_path.parent / f"{tmp_path.name}-reads"
+
     def kill_worker(proc: subprocess.Popen[str]) -> None:
-        try:
-            pid = _non_writer_worker(proc.pid, tmp_path)
-        except AssertionError as e:  # rank 0 no longer holds the temporary: the writing is over
-            raise _Missed from e
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                pid = _worker_of_rank(logs, 1)
+                break
+            except AssertionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise _Missed from None
+                time.sleep(0.002)
+        if not _temporaries(tmp_path):
+            raise _Missed  # the writing is over
         os.kill(pid, signal.SIGKILL)
 
-    returncode, _, stderr, seconds = _interrupted_run(big_sample / CHECKPOINT_DIRNAME, tmp_path, 2, kill_worker)
+    returncode, _, stderr, seconds = _interrupted_run(big_sample / CHECKPOINT_DIRNAME, tmp_path, 2, kill_worker, logs)
     print(f"\nthe job failed {seconds:.1f} s after its worker was killed")
     assert returncode == 1, stderr
     lines = stderr.strip().splitlines()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 
 from fsdp_convert.errors import CheckpointNotFoundError, MissingDataFileError, NotADcpCheckpointError
 from fsdp_convert.formats import check_data_files, detect_format, open_checkpoint, read_index
@@ -16,7 +17,6 @@ from fsdp_convert.formats.full_file import FileBoxReader
 from fsdp_convert.formats.hf_storage import HfStorageReader
 from fsdp_convert.formats.index import TensorEntry
 from fsdp_convert.formats.rank_files import RankFilesReader
-from fsdp_convert.writers.safetensors import SafetensorsWriter
 
 W = torch.arange(8, dtype=torch.float32).reshape(4, 2)
 
@@ -37,13 +37,11 @@ def _hf_storage(root: Path) -> Path:
     """Two safetensors shards of W's rows, with DCP sharding info, as HuggingFaceStorageWriter writes them."""
     root.mkdir()
     for i, start in enumerate((0, 2)):
-        writer = SafetensorsWriter(
+        save_file(
+            {"model.w": W[start : start + 2].clone()},
             root / f"shard-0000{i + 1}-model-00001-of-00001.safetensors",
-            [(("model.w",), torch.float32, (2, 2))],
             metadata={"format": "pt", "DCP_SHARDING_INFO": json.dumps({"model.w": {"saved_offsets": [start, 0]}})},
         )
-        writer.add_tensor(("model.w",), W[start : start + 2])
-        writer.finish()
     return root
 
 

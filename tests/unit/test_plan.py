@@ -9,13 +9,13 @@ import torch
 
 from fsdp_convert.errors import CoverageError, InvalidOptionError
 from fsdp_convert.formats import read_index
-from fsdp_convert.formats.index import BytesEntry, ChunkEntry, TensorEntry
+from fsdp_convert.formats.index import BytesEntry, ChunkEntry, TensorEntry, check_coverage
 from fsdp_convert.items import prepare_items
 from fsdp_convert.plan import (
     assign_owners,
-    check_coverage,
     default_nproc,
     groups_for,
+    mover_buffers,
     output_format,
     plan_consolidate,
     plan_shards,
@@ -91,19 +91,25 @@ def test_plan_rejects_bad_options(ws3_ckpt: Sample, tmp_path: Path) -> None:
 def test_shards_pack_in_order_like_save_pretrained() -> None:
     items = tuple(_item(_entry((n,), [((0,), (n,))], f"t{i}")) for i, n in enumerate([10, 10, 30, 5, 5, 40]))  # x4 bytes
     ids = list(range(len(items)))
-    shards = plan_shards(items, ids, max_shard_bytes=80, nproc=2)
+    shards = plan_shards(items, ids, max_shard_bytes=80)
     assert [s.item_ids for s in shards] == [(0, 1), (2,), (3, 4), (5,)]
     assert [s.filename for s in shards] == [f"model-0000{k}-of-00004.safetensors" for k in (1, 2, 3, 4)]
-    assert [s.tensor_bytes for s in shards] == [80, 120, 40, 160]  # a tensor over the limit gets a shard of its own
-    assert sorted({s.owner for s in shards}) == [0, 1]
-    assert [s.filename for s in plan_shards(items, ids, 10**9, 1)] == ["model.safetensors"]
+    # a tensor over the limit gets a shard of its own; each shard's tensors lie back to back after its header
+    assert [s.data_offsets[-1] - s.data_offsets[0] + items[s.item_ids[-1]].nbytes for s in shards] == [80, 120, 40, 160]
+    assert all(s.data_offsets[0] == len(s.header) for s in shards)
+    assert [s.filename for s in plan_shards(items, ids, 10**9)] == ["model.safetensors"]
 
 
 def test_default_nproc_is_capped_by_cores_files_and_size() -> None:
     assert default_nproc(total_bytes=100, data_files=8, cpus=16) == 1
-    assert default_nproc(total_bytes=10 * 2**30, data_files=8, cpus=16, single_file=False) == 8
     assert default_nproc(total_bytes=10 * 2**30, data_files=4, cpus=16) == 4
     assert default_nproc(total_bytes=10 * 2**30, data_files=8, cpus=16) == 8
-    assert default_nproc(total_bytes=10 * 2**30, data_files=8, cpus=2) == 1  # rank 0 needs a core to write
-    assert default_nproc(total_bytes=10 * 2**30, data_files=8, cpus=2, single_file=False) == 2
+    assert default_nproc(total_bytes=10 * 2**30, data_files=8, cpus=2) == 2  # one per core
     assert default_nproc(total_bytes=600 * 2**20, data_files=8, cpus=16) == 3
+
+
+def test_mover_buffers_fit_the_memory_budget() -> None:
+    threads, piece = mover_buffers(256 << 20)
+    assert threads * 2 * piece <= 256 << 20 and piece >= 16 << 20
+    threads, piece = mover_buffers(8 << 20)
+    assert threads * 2 * piece == 8 << 20

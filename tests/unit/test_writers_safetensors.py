@@ -1,4 +1,4 @@
-"""writers/safetensors.py: SafetensorsWriter writes what the safetensors library writes, in the declared order."""
+"""writers/safetensors.py: a file laid out by safetensors_layout and filled in place is what the safetensors library writes."""
 
 from __future__ import annotations
 
@@ -8,20 +8,23 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fsdp_convert.writers import SafetensorsWriter
+from fsdp_convert.writers.safetensors import safetensors_layout
 from tests._tensors import DTYPES, _tensor
 
 
-def test_safetensors_writer_matches_safetensors_library(tmp_path: Path) -> None:
+def test_layout_filled_in_place_matches_safetensors_library(tmp_path: Path) -> None:
     tensors = {f"layer.{i}": _tensor(dtype, (2, 3), i) for i, dtype in enumerate(DTYPES) if dtype not in (torch.complex64,)}
     tensors["scalar"] = torch.tensor(1.5)
     tensors["empty"] = torch.empty(0, 2)
-    layout = [(("model", name), t.dtype, tuple(t.shape)) for name, t in tensors.items()]
-    w = SafetensorsWriter(tmp_path / "ours.safetensors", layout)
-    for name, t in tensors.items():
-        w.add_tensor(("model", name), t)
-    w.finish()
-    got = load_file(tmp_path / "ours.safetensors")
+    layout = safetensors_layout([(("model", name), t.dtype, tuple(t.shape)) for name, t in tensors.items()])
+    out = tmp_path / "ours.safetensors"
+    with open(out, "wb") as f:
+        f.write(layout.header)
+        for t, offset in zip(reversed(tensors.values()), reversed(layout.data_offsets), strict=True):  # any order
+            f.seek(offset)
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    assert out.stat().st_size == layout.size
+    got = load_file(out)
     save_file(tensors, tmp_path / "theirs.safetensors")
     theirs = load_file(tmp_path / "theirs.safetensors")
     assert sorted(got) == sorted(tensors)
@@ -31,10 +34,6 @@ def test_safetensors_writer_matches_safetensors_library(tmp_path: Path) -> None:
         ), name
 
 
-def test_safetensors_writer_refuses_tensor_out_of_order(tmp_path: Path) -> None:
-    w = SafetensorsWriter(
-        tmp_path / "x.safetensors", [(("model", "a"), torch.float32, (2,)), (("model", "b"), torch.float32, (2,))]
-    )
-    with pytest.raises(ValueError, match="expected"):
-        w.add_tensor(("model", "b"), torch.zeros(2))
-    w.close()
+def test_layout_refuses_two_tensors_of_one_name() -> None:
+    with pytest.raises(ValueError, match="both named a"):
+        safetensors_layout([(("model", "a"), torch.float32, (2,)), (("model", "a"), torch.float32, (2,))])

@@ -1,14 +1,19 @@
-"""writers/torch_save.py: what TorchSaveWriter writes loads back exactly with torch.load, zip CRCs included."""
+"""writers/torch_save.py: a file laid out ahead, its storages written in place in any order, loads back exactly."""
 
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import zipfile
+import zlib
 from pathlib import Path
 
+import pytest
 import torch
 
 from fsdp_convert.formats.index import unflatten
-from fsdp_convert.writers import TorchSaveWriter
+from fsdp_convert.writers.torch_save import TensorSlot, torch_save_layout, write_torch_save_headers
 from tests._compare import assert_same_state
 from tests._tensors import DTYPES, _tensor
 
@@ -20,8 +25,7 @@ def _items() -> list[tuple[tuple[str | int, ...], object]]:
     items += [
         (("model", "scalar"), torch.tensor(3.5)),
         (("model", "empty"), torch.empty(0, 4)),
-        (("model", "view"), torch.arange(40.0).reshape(8, 5)[2:6]),  # storage larger than the tensor
-        (("model", "transposed"), torch.arange(12.0).reshape(3, 4).t()),  # non-contiguous
+        (("model", "fp8"), torch.arange(8.0).to(torch.float8_e4m3fn)),
         (("optim", "state", "w0", "step"), torch.tensor(2.0)),
         (("optim", "param_groups", 0, "lr"), 0.01),
         (("optim", "param_groups", 0, "betas"), (0.9, 0.95)),
@@ -32,62 +36,100 @@ def _items() -> list[tuple[tuple[str | int, ...], object]]:
     return items
 
 
-def test_torch_save_writer_round_trips_every_dtype(tmp_path: Path) -> None:
+def _write(out: Path, items: list[tuple[tuple[str | int, ...], object]]) -> int:
+    """Lay ``items`` out, write every storage at its offset (last first, as workers might), then the headers."""
+    slots = [TensorSlot(v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else None for _, v in items]
+    offsets = torch_save_layout(slots)
+    crcs = {}
+    fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+    try:
+        for j in reversed(range(len(items))):
+            value = items[j][1]
+            if isinstance(value, torch.Tensor):
+                raw = value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                offset = offsets[j]
+                assert offset is not None
+                os.pwrite(fd, raw, offset)
+                crcs[j] = zlib.crc32(raw)
+        return write_torch_save_headers(fd, [(p, s or v) for (p, v), s in zip(items, slots, strict=True)], crcs, offsets)
+    finally:
+        os.close(fd)
+
+
+def test_laid_out_file_round_trips_every_dtype(tmp_path: Path) -> None:
     out = tmp_path / "x.pt"
-    writer = TorchSaveWriter(out)
-    for path, value in _items():
-        if isinstance(value, torch.Tensor):
-            writer.add_tensor(path, value)
-        else:
-            writer.add_value(path, value)
-    size = writer.finish()
+    size = _write(out, _items())
     assert size == out.stat().st_size
-    want = unflatten((p, v.contiguous() if isinstance(v, torch.Tensor) else v) for p, v in _items())
+    want = unflatten(_items())
     for mmap in (False, True):
         assert_same_state(torch.load(out, weights_only=True, mmap=mmap), want)
 
 
-def test_torch_save_writer_output_does_not_depend_on_file_name(tmp_path: Path) -> None:
+def test_every_storage_is_aligned_for_mmap_and_the_zip_checks(tmp_path: Path) -> None:
+    """Storages at 64-byte offsets (torch's alignment), CRC-32s right for zipfile and unzip -t."""
+    out = tmp_path / "x.pt"
+    _write(out, _items())
+    slots = [TensorSlot(v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else None for _, v in _items()]
+    assert all(o % 64 == 0 for o in torch_save_layout(slots) if o is not None)
+    with zipfile.ZipFile(out) as z:
+        assert z.testzip() is None
+    done = subprocess.run(["unzip", "-t", str(out)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and "No errors detected" in done.stdout, done.stdout
+
+
+def test_output_has_torch_saves_records_and_crcs(tmp_path: Path) -> None:
+    """Same records as torch.save writes, and the same CRC-32 for the same storage bytes."""
+    state = {"model": {"a": torch.randn(4, 3), "b": torch.tensor(1, dtype=torch.int64)}}
+    ours = tmp_path / "ours.pt"
+    _write(ours, [(("model", "a"), state["model"]["a"]), (("model", "b"), state["model"]["b"])])
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    with zipfile.ZipFile(ours) as z:
+        mine = {i.filename.split("/", 1)[1]: i.CRC for i in z.infolist()}
+    with zipfile.ZipFile(buf) as z:
+        theirs = {i.filename.split("/", 1)[1]: i.CRC for i in z.infolist()}
+    assert sorted(mine) == sorted(theirs)
+    assert mine["data/0"] == theirs["data/0"] != 0
+    assert_same_state(torch.load(ours, weights_only=True), state)
+
+
+def test_output_does_not_depend_on_file_name(tmp_path: Path) -> None:
     paths = [tmp_path / "a.pt", tmp_path / ".b.pt.tmp-123"]
     for p in paths:
-        w = TorchSaveWriter(p)
-        w.add_tensor(("x",), torch.arange(5))
-        w.finish()
+        _write(p, [(("x",), torch.arange(5))])
     assert paths[0].read_bytes() == paths[1].read_bytes()
 
 
-def test_torch_save_writer_loads_like_torch_save(tmp_path: Path) -> None:
-    """Same structure as torch.save writes: compare what both give back, records included."""
-    state = {"model": {"a": torch.randn(4, 3), "b": torch.tensor(1, dtype=torch.int64)}}
-    w = TorchSaveWriter(tmp_path / "ours.pt")
-    w.add_tensor(("model", "a"), state["model"]["a"])
-    w.add_tensor(("model", "b"), state["model"]["b"])
-    w.finish()
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    import zipfile
+def test_zip64_layout_past_4_gib(tmp_path: Path) -> None:
+    """A 4.5 GiB storage: torch's writer lays out zip64 records, and the headers land after it (sparse file)."""
+    big = TensorSlot(torch.uint8, (9 << 29,))
+    offsets = torch_save_layout([big, TensorSlot(torch.float32, (3,)), None])
+    assert offsets[1] is not None and offsets[1] > 1 << 32
+    out = tmp_path / "big.pt"
+    fd = os.open(out, os.O_RDWR | os.O_CREAT)
+    try:
+        small = torch.tensor([1.0, 2.0, 3.0])
+        os.pwrite(fd, small.view(torch.uint8).numpy().tobytes(), offsets[1])
+        zero_crc = 0
+        for _ in range(9):  # CRC-32 of 9 x 512 MiB of zeros, as the sparse file reads
+            zero_crc = zlib.crc32(bytes(1 << 29), zero_crc)
+        crcs = {0: zero_crc, 1: zlib.crc32(small.view(torch.uint8).numpy().tobytes())}
+        write_torch_save_headers(fd, [(("big",), big), (("small",), TensorSlot(torch.float32, (3,))), (("n",), 5)], crcs, offsets)
+    finally:
+        os.close(fd)
+    loaded = torch.load(out, weights_only=True, mmap=True)
+    assert loaded["n"] == 5 and torch.equal(loaded["small"], small) and loaded["big"].shape == (9 << 29,)
 
-    ours = sorted(n.split("/", 1)[1] for n in zipfile.ZipFile(tmp_path / "ours.pt").namelist())
-    theirs = sorted(n.split("/", 1)[1] for n in zipfile.ZipFile(buf).namelist())
-    assert ours == theirs
-    assert_same_state(torch.load(tmp_path / "ours.pt", weights_only=True), state)
 
-
-def test_torch_save_writer_zip_crcs_are_valid(tmp_path: Path) -> None:
-    """CRCs are computed with zlib and patched in: zipfile's own check passes, and matches torch's."""
-    import zipfile
-
-    out = tmp_path / "x.pt"
-    w = TorchSaveWriter(out)
-    w.add_tensor(("a",), torch.randn(1000))
-    w.add_tensor(("b",), torch.arange(7, dtype=torch.int16))
-    w.add_value(("c",), 3)
-    w.finish()
-    with zipfile.ZipFile(out) as z:
-        assert z.testzip() is None
-        ours = {i.filename.split("/", 1)[1]: i.CRC for i in z.infolist()}
-    buf = io.BytesIO()
-    torch.save({"a": torch.load(out, weights_only=True)["a"]}, buf)
-    with zipfile.ZipFile(buf) as z:
-        theirs = {i.filename.split("/", 1)[1]: i.CRC for i in z.infolist()}
-    assert ours["data/0"] == theirs["data/0"] != 0
+def test_headers_refuse_a_changed_layout_or_a_missing_crc(tmp_path: Path) -> None:
+    slot = TensorSlot(torch.float32, (4,))
+    offsets = torch_save_layout([slot, slot])
+    fd = os.open(tmp_path / "x.pt", os.O_RDWR | os.O_CREAT)
+    try:
+        with pytest.raises(ValueError, match="no CRC-32"):
+            write_torch_save_headers(fd, [(("a",), slot), (("b",), slot)], {0: 0}, offsets)
+        with pytest.raises(ValueError, match="layout changed"):  # a longer first storage moves the second
+            items = [(("a",), TensorSlot(torch.float32, (40,))), (("b",), slot)]
+            write_torch_save_headers(fd, items, {0: 0, 1: 0}, offsets)
+    finally:
+        os.close(fd)

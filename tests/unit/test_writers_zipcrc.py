@@ -11,7 +11,7 @@ import torch
 
 from fsdp_convert._torch import open_torch_save_writer
 from fsdp_convert._zip import read_records
-from fsdp_convert.writers._zipcrc import patch_crcs
+from fsdp_convert.writers._zipcrc import FileImage, patch_crcs
 
 PAYLOADS = {"data/0": bytes(range(256)) * 3, "data/1": b"\x07" * 100, "extra": b"small record"}
 
@@ -35,7 +35,7 @@ def test_patch_fills_every_crc_given_or_not(tmp_path: Path) -> None:
     _zip_without_crcs(path)
     assert {_crcs(path)[name] for name in PAYLOADS} == {0}  # what the fix-up starts from
     with open(path, "r+b") as f:
-        patch_crcs(f, {"data/0": zlib.crc32(PAYLOADS["data/0"])})  # the others are hashed by patch_crcs
+        patch_crcs(FileImage(f.fileno()), {"data/0": zlib.crc32(PAYLOADS["data/0"])})  # the others are hashed by patch_crcs
     crcs = _crcs(path)
     assert all(crcs[name] == zlib.crc32(raw) for name, raw in PAYLOADS.items())
     with zipfile.ZipFile(path) as zf:
@@ -48,7 +48,7 @@ def test_a_wrong_given_crc_is_written_as_given(tmp_path: Path) -> None:
     path = tmp_path / "z.pt"
     _zip_without_crcs(path)
     with open(path, "r+b") as f:
-        patch_crcs(f, {"data/1": 12345})
+        patch_crcs(FileImage(f.fileno()), {"data/1": 12345})
     assert _crcs(path)["data/1"] == 12345
     with zipfile.ZipFile(path) as zf:
         assert zf.testzip() is not None  # so a caller's wrong hash would show
@@ -61,6 +61,6 @@ def test_torch_save_output_still_loads_after_patching(tmp_path: Path) -> None:
     path.write_bytes(buf.getvalue())
     before = path.read_bytes()
     with open(path, "r+b") as f:
-        patch_crcs(f, {})
+        patch_crcs(FileImage(f.fileno()), {})
     assert path.read_bytes() == before  # right CRCs are rewritten unchanged
     assert torch.equal(torch.load(path, weights_only=True)["w"], torch.arange(10.0))

@@ -1,0 +1,424 @@
+"""Move stage: a tensor's bytes from its source chunks to its byte range in an output file, undecoded.
+
+Every output's layout is fixed before any data is read (``plan``), so each tensor has a byte
+range in its output file, and whichever worker owns the tensor writes it there with
+``os.pwrite``, beside the other workers writing elsewhere in the same file.
+
+- Chunks split on dim 0 only (FSDP's ``Shard(0)``), no cast: each chunk is a contiguous run of
+  the output tensor. Its stored elements (``Reader.locate``: the payload's storage record, found
+  from its zip headers, its pickle checked against ``.metadata``) are read with ``os.preadv``
+  into a reusable buffer piece by piece, hashed (``zlib.crc32``, which releases the GIL; the
+  stored CRC-32 is checked at the chunk's end) and written with ``os.pwrite``. Memory: one
+  buffer, whatever the tensor's size.
+- Chunks split on further dims (tensor parallel), or a cast: the tensor is built row block by
+  row block (dim-0 indices, at most a buffer's worth of output) in a buffer. Each chunk's rows in
+  the block are one contiguous run of its storage, read into a second buffer and copied into
+  place (casting if asked); the block is then written with one ``pwrite``. Memory: two buffers,
+  or one row of the tensor if a row is larger.
+- A chunk that cannot be located (a remote source, a stream-transformed payload, a view) is
+  decoded with ``Reader.read_chunk`` and held until its last row is written: memory then also
+  holds that chunk.
+
+Every write is reported as a ``Piece`` (output offset, length, CRC-32), so rank 0 fills in the
+output's CRC-32 fields (``formats._crc.combine``) without reading the data back.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fsdp_convert.errors import CorruptChunkError
+from fsdp_convert.formats import Reader
+from fsdp_convert.formats._crc import combine
+from fsdp_convert.formats._reader import StoredBytes
+from fsdp_convert.formats.index import ChunkEntry, TensorEntry
+from fsdp_convert.writers._buffer import byte_view, dense
+
+__all__ = ["Piece", "MoveJob", "Mover", "move_all", "pwrite_all", "pieces_crc", "JOIN_POLL_S"]
+
+JOIN_POLL_S = 0.2  # how often, in seconds, the main thread looks up from waiting on movers (signals land then)
+DROP_EVERY_BYTES = 256 << 20  # with drop_cache: fsync and drop written ranges from the page cache this often
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One contiguous run written to an output file.
+
+    Attributes:
+        file: index of the output file (``WorkPlan.files``).
+        offset: start in the file, in bytes.
+        nbytes: length, in bytes.
+        crc32: CRC-32 of the bytes written.
+    """
+
+    file: int
+    offset: int
+    nbytes: int
+    crc32: int
+
+
+@dataclass(frozen=True, slots=True)
+class MoveJob:
+    """One tensor, or a run of its dim-0 rows, to move: the entry read, the dtype written, and where it goes.
+
+    Attributes:
+        entry: the source tensor (its chunks).
+        dtype: the output dtype (a cast when it differs from ``entry.dtype``).
+        file: index of the output file; ``fd`` is its open descriptor.
+        fd: descriptor of the output file, open for writing.
+        offset: where the bytes start in the file, in bytes.
+        rows: the dim-0 rows ``[begin, end)`` to move (a reshard's target chunk); None: the whole tensor.
+    """
+
+    entry: TensorEntry
+    dtype: torch.dtype
+    file: int
+    fd: int
+    offset: int
+    rows: tuple[int, int] | None = None
+
+    @property
+    def row_range(self) -> tuple[int, int]:
+        """The dim-0 rows moved, ``[begin, end)`` (a 0-dim tensor is one row)."""
+        return self.rows if self.rows is not None else (0, _rows(self.entry.shape)[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes written, in bytes."""
+        begin, end = self.row_range
+        return (end - begin) * _rows(self.entry.shape)[1] * self.dtype.itemsize
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """``os.pwrite`` all of ``data`` at ``offset`` (a write may be short)."""
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def _rows(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(dim-0 length, elements per dim-0 index); a 0-dim tensor is one row of one element."""
+    return (shape[0], math.prod(shape[1:])) if shape else (1, 1)
+
+
+def _box(chunk: ChunkEntry) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return (chunk.offsets, chunk.sizes) if chunk.sizes else ((0,), (1,))
+
+
+def _overlaps(chunk: ChunkEntry, begin: int, end: int) -> bool:
+    (c0, *_), (c_rows, *_) = _box(chunk)
+    return c0 < end and begin < c0 + c_rows
+
+
+class _CacheDropper:
+    """With ``enabled``: every ``DROP_EVERY_BYTES`` written, fsync and drop those ranges from the page cache.
+
+    So a conversion larger than the page cache does not evict everything else the machine holds.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._written: list[tuple[int, int, int]] = []
+        self._bytes = 0
+
+    def read(self, fd: int, offset: int, nbytes: int) -> None:
+        if self.enabled:
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+
+    def wrote(self, fd: int, offset: int, nbytes: int) -> None:
+        if not self.enabled:
+            return
+        self._written.append((fd, offset, nbytes))
+        self._bytes += nbytes
+        if self._bytes >= DROP_EVERY_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        for fd in {fd for fd, _, _ in self._written}:
+            os.fdatasync(fd)
+        for fd, offset, nbytes in self._written:
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+        self._written.clear()
+        self._bytes = 0
+
+
+class Mover:
+    """Moves tensors from a reader's chunks into output files; one per thread.
+
+    Args:
+        reader: the source's reader (owned by the caller, used by this thread only).
+        piece_bytes: size of each of the (at most two) buffers, in bytes.
+        drop_cache: drop what is read and written from the page cache (see ``_CacheDropper``).
+        stop: set by another thread to make ``move`` raise ``InterruptedError`` at its next piece.
+    """
+
+    def __init__(
+        self, reader: Reader, piece_bytes: int, *, drop_cache: bool = False, stop: threading.Event | None = None
+    ) -> None:
+        self.reader = reader
+        self.piece_bytes = piece_bytes
+        self.cache = _CacheDropper(drop_cache)
+        self._stop = stop
+        self._buffers: list[bytearray] = [bytearray(0), bytearray(0)]
+
+    def _buffer(self, which: int, nbytes: int) -> memoryview:
+        if len(self._buffers[which]) < nbytes:
+            self._buffers[which] = bytearray(max(nbytes, self.piece_bytes))
+        return memoryview(self._buffers[which])[:nbytes]
+
+    def _check_stop(self) -> None:
+        if self._stop is not None and self._stop.is_set():
+            raise InterruptedError("stopped")
+
+    def move(self, job: MoveJob) -> list[Piece]:
+        """Write ``job``'s tensor at its offset; return the pieces written, in file order.
+
+        Raises:
+            MissingDataFileError, CorruptChunkError, UnsafeContentError, ShapeMismatchError: a bad chunk.
+            OSError: the output cannot be written.
+        """
+        entry = job.entry
+        if job.nbytes == 0:
+            return []
+        r0, r1 = job.row_range
+        chunks = sorted((c for c in entry.chunks if c.numel > 0 and _overlaps(c, r0, r1)), key=lambda c: c.offsets)
+        dim0 = all(c.offsets[1:] == (0,) * (len(c.offsets) - 1) and c.sizes[1:] == entry.shape[1:] for c in chunks)
+        if dim0 and job.dtype == entry.dtype:
+            return self._move_dim0(job, chunks)
+        return self._move_row_blocks(job, chunks)
+
+    def _move_dim0(self, job: MoveJob, chunks: list[ChunkEntry]) -> list[Piece]:
+        row_bytes = _rows(job.entry.shape)[1] * job.dtype.itemsize
+        r0, r1 = job.row_range
+        pieces = []
+        for chunk in chunks:
+            (c0, *_), (c_rows, *_) = _box(chunk)
+            lo, hi = max(r0, c0), min(r1, c0 + c_rows)
+            dst = job.offset + (lo - r0) * row_bytes
+            begin, end = (lo - c0) * row_bytes, (hi - c0) * row_bytes
+            stored = self.reader.locate(job.entry, chunk)
+            if stored is not None:
+                if (begin, end) != (0, stored.nbytes):
+                    self._verify(stored)  # read in part: its stored CRC-32 covers the whole chunk
+                pieces.append(Piece(job.file, dst, end - begin, self._stream(stored, begin, end, job.fd, dst)))
+                continue
+            if (lo, hi) == (c0, c0 + c_rows):
+                tensor = dense(self.reader.read_chunk(job.entry, chunk))
+            else:  # only the rows needed (a full file's reader copies just those from its memory map)
+                shape = job.entry.shape
+                tensor = dense(self.reader.read_box(job.entry, (lo, *(0,) * (len(shape) - 1)), (hi - lo, *shape[1:])))
+            data = byte_view(tensor)
+            pwrite_all(job.fd, data, dst)
+            self.cache.wrote(job.fd, dst, len(data))
+            pieces.append(Piece(job.file, dst, len(data), zlib.crc32(data)))
+        return pieces
+
+    def _stream(self, stored: StoredBytes, begin: int, end: int, fd: int, dst: int) -> int:
+        """Copy bytes ``[begin, end)`` of a located chunk to ``dst`` in pieces; return their CRC-32.
+
+        The stored CRC-32 is checked when the whole chunk is copied.
+        """
+        crc, done = 0, begin
+        while done < end:
+            self._check_stop()
+            view = self._buffer(0, min(self.piece_bytes, end - done))
+            self._read_exact(stored, view, done)
+            crc = zlib.crc32(view, crc)
+            pwrite_all(fd, view, dst + done - begin)
+            self.cache.wrote(fd, dst + done - begin, len(view))
+            done += len(view)
+        if (begin, end) == (0, stored.nbytes):
+            self._check_crc(stored, crc)
+        return crc
+
+    def _verify(self, stored: StoredBytes) -> None:
+        """Check a chunk's stored CRC-32 by reading it through (for a chunk copied only in part)."""
+        if stored.crc32 is None:
+            return
+        crc, done = 0, 0
+        while done < stored.nbytes:
+            self._check_stop()
+            view = self._buffer(1, min(self.piece_bytes, stored.nbytes - done))
+            self._read_exact(stored, view, done)
+            crc = zlib.crc32(view, crc)
+            done += len(view)
+        self._check_crc(stored, crc)
+
+    def _read_exact(self, stored: StoredBytes, view: memoryview, at: int) -> None:
+        got = os.preadv(stored.fd, [view], stored.offset + at)
+        if got != len(view):
+            raise CorruptChunkError(
+                f"{stored.where}: short read ({got} of {len(view)} bytes); the file changed while it was read"
+            )
+        self.cache.read(stored.fd, stored.offset + at, len(view))
+
+    @staticmethod
+    def _check_crc(stored: StoredBytes, crc: int) -> None:
+        if stored.crc32 is not None and crc != stored.crc32:
+            raise CorruptChunkError(
+                f"{stored.where}: CRC-32 mismatch in the storage record (stored {stored.crc32:#010x}, "
+                f"computed {crc:#010x}); the data file is corrupt"
+            )
+
+    def _move_row_blocks(self, job: MoveJob, chunks: list[ChunkEntry]) -> list[Piece]:
+        entry = job.entry
+        _, row_elems = _rows(entry.shape)
+        begin, end = job.row_range
+        shape = entry.shape or (1,)
+        widest = max(entry.dtype.itemsize, job.dtype.itemsize)
+        block_rows = max(1, self.piece_bytes // (row_elems * widest))
+        sources = {id(c): _ChunkSource(self, entry, c, begin, end) for c in chunks}
+        pieces = []
+        for r0 in range(begin, end, block_rows):
+            self._check_stop()
+            r1 = min(end, r0 + block_rows)
+            out = self._buffer(0, (r1 - r0) * row_elems * job.dtype.itemsize)
+            block = torch.frombuffer(out, dtype=job.dtype).view(r1 - r0, *shape[1:])
+            for chunk in chunks:
+                (c0, *rest_offsets), (c_rows, *rest_sizes) = _box(chunk)
+                a, b = max(r0, c0), min(r1, c0 + c_rows)
+                if a >= b:
+                    continue
+                dst = block.narrow(0, a - r0, b - a)
+                for dim, (o, n) in enumerate(zip(rest_offsets, rest_sizes, strict=True), start=1):
+                    dst = dst.narrow(dim, o, n)
+                dst.copy_(sources[id(chunk)].rows(a - c0, b - c0))
+            dst_offset = job.offset + (r0 - begin) * row_elems * job.dtype.itemsize
+            pwrite_all(job.fd, out, dst_offset)
+            self.cache.wrote(job.fd, dst_offset, len(out))
+            pieces.append(Piece(job.file, dst_offset, len(out), zlib.crc32(out)))
+        return pieces
+
+
+class _ChunkSource:
+    """A chunk's rows, handed out in order: read from its located bytes, or sliced from the decoded chunk."""
+
+    def __init__(self, mover: Mover, entry: TensorEntry, chunk: ChunkEntry, begin: int, end: int) -> None:
+        self.mover, self.entry, self.chunk = mover, entry, chunk
+        self.stored: StoredBytes | None = mover.reader.locate(entry, chunk)
+        (c0, *_), (c_rows, *_) = _box(chunk)
+        self.last = min(end, c0 + c_rows) - c0  # the chunk's last row needed, plus one
+        if self.stored is not None and (begin > c0 or self.last < c_rows):
+            mover._verify(self.stored)  # read in part: its stored CRC-32 covers the whole chunk
+        self.decoded: torch.Tensor | None = None
+        self.crc = 0
+        self.done_to = 0  # rows read (and hashed) in order from the chunk's start
+
+    def rows(self, a: int, b: int) -> torch.Tensor:
+        """Rows ``[a, b)`` of the chunk (its own dim-0 indices), shape ``(b - a, *sizes[1:])``; called in row order."""
+        _, (c_rows, *rest) = _box(self.chunk)
+        if self.stored is None:
+            if self.decoded is None:
+                self.decoded = self.mover.reader.read_chunk(self.entry, self.chunk).reshape(c_rows, *rest)
+            part = self.decoded[a:b]
+            if b == self.last:
+                self.decoded = None  # its last rows needed: free it once copied
+            return part
+        row_bytes = math.prod(rest) * self.entry.dtype.itemsize
+        view = self.mover._buffer(1, (b - a) * row_bytes)
+        self.mover._read_exact(self.stored, view, a * row_bytes)
+        if a == self.done_to:
+            self.crc = zlib.crc32(view, self.crc)
+            self.done_to = b
+            if b == c_rows:
+                Mover._check_crc(self.stored, self.crc)
+        return torch.frombuffer(view, dtype=self.entry.dtype).view(b - a, *rest)
+
+
+def pieces_crc(pieces: Sequence[Piece]) -> int | None:
+    """CRC-32 of pieces written back to back (in order), without reading them; None without zlib's ``crc32_combine``."""
+    return combine((p.crc32, p.nbytes) for p in pieces)
+
+
+def _pool_worker(
+    open_reader: Callable[[], Reader],
+    jobs: Iterator[MoveJob],
+    lock: threading.Lock,
+    mover_args: dict[str, Any],
+    stop: threading.Event,
+    out: list[Any],
+    on_done: Callable[[MoveJob, list[Piece]], None],
+) -> None:
+    try:
+        with open_reader() as reader:
+            mover = Mover(reader, stop=stop, **mover_args)
+            while not stop.is_set():
+                with lock:
+                    job = next(jobs, None)
+                if job is None:
+                    break
+                pieces = mover.move(job)
+                on_done(job, pieces)
+                out.extend(pieces)
+            mover.cache.flush()
+    except BaseException as e:
+        stop.set()
+        out.append(e)
+
+
+def move_all(
+    open_reader: Callable[[], Reader],
+    jobs: Sequence[MoveJob],
+    *,
+    threads: int,
+    piece_bytes: int,
+    drop_cache: bool = False,
+    on_done: Callable[[MoveJob, list[Piece]], None] = lambda job, pieces: None,
+) -> list[Piece]:
+    """Move every job's tensor with ``threads`` threads, each with its own reader and buffers.
+
+    Reads, CRC-32s and writes release the GIL, so one thread's read overlaps another's write.
+    Memory: at most ``threads x 2 x piece_bytes`` of buffers (see the module docstring).
+
+    Args:
+        open_reader: makes a reader of the source (one per thread).
+        jobs: the tensors, best in output order.
+        threads: mover threads (1 runs in this thread).
+        piece_bytes: size of each buffer, in bytes.
+        drop_cache: drop what is read and written from the page cache as it goes.
+        on_done: called in the mover's thread with each job and its pieces once written (progress,
+            a reshard payload's headers).
+
+    Returns:
+        Every piece written.
+
+    Raises:
+        As ``Mover.move``; a signal landing in this thread stops the others at their next piece.
+    """
+    stop = threading.Event()
+    lock = threading.Lock()
+    it = iter(jobs)
+    args = {"piece_bytes": piece_bytes, "drop_cache": drop_cache}
+    outs: list[list[Any]] = [[] for _ in range(max(1, threads))]
+    if threads <= 1:
+        _pool_worker(open_reader, it, lock, args, stop, outs[0], on_done)
+    else:
+        pool = [
+            threading.Thread(
+                target=_pool_worker, args=(open_reader, it, lock, args, stop, out, on_done), name=f"fsdp-convert-mover-{i}"
+            )
+            for i, out in enumerate(outs)
+        ]
+        for t in pool:
+            t.start()
+        try:
+            for t in pool:
+                while t.is_alive():
+                    t.join(JOIN_POLL_S)
+        except BaseException:
+            stop.set()
+            for t in pool:
+                t.join()
+            raise
+    errors = [x for out in outs for x in out if isinstance(x, BaseException)]
+    if errors:  # the cause, not a thread it stopped
+        raise next((e for e in errors if not isinstance(e, InterruptedError)), errors[0])
+    return [x for out in outs for x in out]

@@ -1,0 +1,189 @@
+"""Plan stage for ``reshard``: every item's chunks per target rank; pure functions, no I/O.
+
+Tensors are split on dim 0 in ``torch.chunk`` order, the layout FSDP2's ``Shard(0)`` and FSDP1
+load; what stays whole (0-dim, empty, replicated tensors, values) goes to rank 0.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from fsdp_convert.constants import METADATA_FILENAME
+from fsdp_convert.errors import InvalidOptionError, NotADcpCheckpointError
+from fsdp_convert.formats.index import CheckpointIndex, TensorEntry, check_coverage, unflatten
+from fsdp_convert.transform import OutputItem
+from fsdp_convert.writers.torch_save import PayloadLayout, TensorSlot, tensor_payload_layout
+
+__all__ = ["TargetChunk", "PayloadPlan", "ReshardPlan", "dim0_boxes", "plan_reshard"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TargetChunk:
+    """One chunk of the reshard output: the box of an item that one target rank stores.
+
+    Attributes:
+        rank: the target rank whose data file holds it.
+        offsets: per-dimension start of the chunk in the global tensor, in elements (``()`` for
+            a bytes entry or a 0-dim tensor).
+        sizes: per-dimension extent of the chunk, in elements (``()`` likewise).
+    """
+
+    rank: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PayloadPlan:
+    """One tensor chunk's torch.save payload in its target rank's data file, laid out ahead.
+
+    Attributes:
+        item: index into ``ReshardPlan.items``.
+        chunk: the target chunk (its rank names the data file).
+        offset: where the payload starts in the data file, in bytes.
+        layout: the payload's size and where its storage bytes lie in it.
+        owner: the worker that moves its bytes and writes its headers.
+    """
+
+    item: int
+    chunk: TargetChunk
+    offset: int
+    layout: PayloadLayout
+    owner: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReshardPlan:
+    """Target layout of a reshard: every item's chunks per target rank, each tensor chunk's byte range, and its worker.
+
+    Each rank's data file holds its tensor chunks' payloads back to back, in item order; rank 0's
+    then holds the values (bytes entries), which rank 0 appends from ``values_offset``.
+
+    Attributes:
+        items: the output items (``transform.build_items``), in output order.
+        chunks: per item, its ``TargetChunk`` s; a value gets one on rank 0 with empty offsets
+            and sizes (rank 0 carries them).
+        payloads: every tensor chunk's payload, rank by rank.
+        values_offset: where the values start in rank 0's data file, in bytes.
+        target_world_size: ranks of the output.
+        nproc: workers (tensor chunks are balanced over them by bytes).
+    """
+
+    items: tuple[OutputItem, ...]
+    chunks: tuple[tuple[TargetChunk, ...], ...]
+    payloads: tuple[PayloadPlan, ...]
+    values_offset: int
+    target_world_size: int
+    nproc: int
+
+    @property
+    def data_ranks(self) -> tuple[int, ...]:
+        """The target ranks that get a data file (those holding a chunk or, for rank 0, a value)."""
+        ranks = {p.chunk.rank for p in self.payloads}
+        if any(not item.is_tensor for item in self.items):
+            ranks.add(0)
+        return tuple(sorted(ranks))
+
+
+def dim0_boxes(shape: tuple[int, ...], world_size: int) -> list[TargetChunk]:
+    """``torch.chunk(world_size)`` on dim 0, as FSDP2's ``Shard(0)`` and FSDP1 lay tensors out.
+
+    Chunks are ``ceil(shape[0] / world_size)`` rows; ranks past the last non-empty chunk get none.
+    Returns one ``TargetChunk`` per non-empty chunk, in rank order.
+    """
+    rows = shape[0]
+    step = -(-rows // world_size)
+    chunks = []
+    for rank in range(world_size):
+        start = rank * step
+        if start >= rows:
+            break
+        offsets = (start, *(0,) * (len(shape) - 1))
+        chunks.append(TargetChunk(rank=rank, offsets=offsets, sizes=(min(step, rows - start), *shape[1:])))
+    return chunks
+
+
+def plan_reshard(
+    index: CheckpointIndex, items: tuple[OutputItem, ...], target_world_size: int, *, nproc: int | None = None
+) -> ReshardPlan:
+    """Lay every item out for ``target_world_size`` ranks.
+
+    Tensors are split on dim 0 in ``torch.chunk`` order (``dim0_boxes``). 0-dim tensors, empty
+    tensors, and tensors a multi-rank source stored whole (replicated, e.g. buffers) stay whole on
+    rank 0; values are carried to rank 0.
+
+    Raises:
+        InvalidOptionError: ``target_world_size`` or ``nproc`` below 1, or nothing to write.
+        CoverageError: a source tensor's chunks do not tile it.
+        NotADcpCheckpointError: inconsistent planner paths.
+    """
+    if target_world_size < 1:
+        raise InvalidOptionError(f"--world-size must be at least 1, got {target_world_size}")
+    if nproc is not None and nproc < 1:
+        raise InvalidOptionError(f"--nproc must be at least 1, got {nproc}")
+    if not items:
+        raise InvalidOptionError(f"{index.checkpoint_id}: nothing to write (no entries are left after --include/--exclude)")
+    try:
+        unflatten((item.path, None) for item in items)
+    except ValueError as err:
+        raise NotADcpCheckpointError(f"{index.checkpoint_id / METADATA_FILENAME}: planner data is inconsistent: {err}") from err
+    chunks: list[tuple[TargetChunk, ...]] = []
+    for item in items:
+        e = item.entry
+        if not item.is_tensor:
+            chunks.append((TargetChunk(rank=0, offsets=(), sizes=()),))
+            continue
+        assert isinstance(e, TensorEntry)
+        check_coverage(e)
+        full = [c for c in e.chunks if c.numel > 0]
+        replicated = index.world_size > 1 and len(full) == 1 and full[0].sizes == e.shape
+        if not e.shape or e.numel == 0 or replicated:
+            chunks.append((TargetChunk(rank=0, offsets=(0,) * len(e.shape), sizes=e.shape),))
+        else:
+            chunks.append(tuple(dim0_boxes(e.shape, target_world_size)))
+    workers = nproc or 1
+    payloads, values_offset = _lay_out_rank_files(items, chunks, target_world_size, workers)
+    return ReshardPlan(
+        items=items,
+        chunks=tuple(chunks),
+        payloads=payloads,
+        values_offset=values_offset,
+        target_world_size=target_world_size,
+        nproc=workers,
+    )
+
+
+def _lay_out_rank_files(
+    items: tuple[OutputItem, ...], chunks: list[tuple[TargetChunk, ...]], world_size: int, nproc: int
+) -> tuple[tuple[PayloadPlan, ...], int]:
+    """Every tensor chunk's payload, back to back per rank file in item order, each given to the least-loaded worker.
+
+    Returns:
+        The payloads, and where rank 0's values start (the end of its payloads), in bytes.
+    """
+    ends = [0] * world_size
+    layouts: dict[tuple[object, ...], PayloadLayout] = {}
+    placed: list[tuple[int, TargetChunk, int, PayloadLayout]] = []
+    for rank in range(world_size):
+        for i, (item, item_chunks) in enumerate(zip(items, chunks, strict=True)):
+            if not item.is_tensor or item.dtype is None:
+                continue
+            for chunk in item_chunks:
+                if chunk.rank != rank:
+                    continue
+                key = (item.dtype, chunk.sizes)
+                layout = layouts.get(key) or layouts.setdefault(key, tensor_payload_layout(TensorSlot(item.dtype, chunk.sizes)))
+                placed.append((i, chunk, ends[rank], layout))
+                ends[rank] += layout.size
+    loads = [(0, w) for w in range(nproc)]
+    owners = {}
+    for k in sorted(range(len(placed)), key=lambda k: (-placed[k][3].size, k)):  # largest first, least loaded
+        load, worker = heapq.heappop(loads)
+        owners[k] = worker
+        heapq.heappush(loads, (load + placed[k][3].size, worker))
+    payloads = tuple(
+        PayloadPlan(item=i, chunk=chunk, offset=offset, layout=layout, owner=owners[k])
+        for k, (i, chunk, offset, layout) in enumerate(placed)
+    )
+    return payloads, ends[0]
