@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from fsdp_convert._pagecache import PageCache
 from fsdp_convert.errors import CorruptChunkError
 from fsdp_convert.formats import Reader
 from fsdp_convert.formats._crc import combine
@@ -45,7 +46,6 @@ from fsdp_convert.writers._buffer import byte_view, dense
 __all__ = ["Piece", "MoveJob", "Mover", "move_all", "pwrite_all", "pieces_crc", "JOIN_POLL_S"]
 
 JOIN_POLL_S = 0.2  # how often, in seconds, the main thread looks up from waiting on movers (signals land then)
-DROP_EVERY_BYTES = 256 << 20  # with drop_cache: fsync and drop written ranges from the page cache this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,45 +118,13 @@ def _overlaps(chunk: ChunkEntry, begin: int, end: int) -> bool:
     return c0 < end and begin < c0 + c_rows
 
 
-class _CacheDropper:
-    """With ``enabled``: every ``DROP_EVERY_BYTES`` written, fsync and drop those ranges from the page cache.
-
-    So a conversion larger than the page cache does not evict everything else the machine holds.
-    """
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self._written: list[tuple[int, int, int]] = []
-        self._bytes = 0
-
-    def read(self, fd: int, offset: int, nbytes: int) -> None:
-        if self.enabled:
-            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
-
-    def wrote(self, fd: int, offset: int, nbytes: int) -> None:
-        if not self.enabled:
-            return
-        self._written.append((fd, offset, nbytes))
-        self._bytes += nbytes
-        if self._bytes >= DROP_EVERY_BYTES:
-            self.flush()
-
-    def flush(self) -> None:
-        for fd in {fd for fd, _, _ in self._written}:
-            os.fdatasync(fd)
-        for fd, offset, nbytes in self._written:
-            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
-        self._written.clear()
-        self._bytes = 0
-
-
 class Mover:
     """Moves tensors from a reader's chunks into output files; one per thread.
 
     Args:
         reader: the source's reader (owned by the caller, used by this thread only).
         piece_bytes: size of each of the (at most two) buffers, in bytes.
-        drop_cache: drop what is read and written from the page cache (see ``_CacheDropper``).
+        drop_cache: drop what is read and written from the page cache (see ``_pagecache.PageCache``).
         stop: set by another thread to make ``move`` raise ``InterruptedError`` at its next piece.
     """
 
@@ -165,7 +133,7 @@ class Mover:
     ) -> None:
         self.reader = reader
         self.piece_bytes = piece_bytes
-        self.cache = _CacheDropper(drop_cache)
+        self.cache = PageCache(drop_cache)
         self._stop = stop
         self._buffers: list[bytearray] = [bytearray(0), bytearray(0)]
 
@@ -230,6 +198,8 @@ class Mover:
         while done < end:
             self._check_stop()
             view = self._buffer(0, min(self.piece_bytes, end - done))
+            nxt = done + len(view)
+            self.cache.will_read(stored.fd, stored.offset + nxt, min(self.piece_bytes, end - nxt))
             self._read_exact(stored, view, done)
             crc = zlib.crc32(view, crc)
             pwrite_all(fd, view, dst + done - begin)

@@ -142,7 +142,7 @@ def consolidate_command(
         json_output=json_output,
         done=f"wrote {result.output} ({result.output_format}, {result.tensors} tensors, {result.values} values, "
         f"{human_bytes(result.file_bytes)}) in {result.seconds:.1f} s",
-        elsewhere=f"read and sent this node's share; rank 0 wrote {result.output}",
+        elsewhere=f"this node's share is in place; rank 0 finished {result.output}",
         prefix=rank_prefix(),
     )
 

@@ -102,7 +102,7 @@ def reshard_command(
         json_output=json_output,
         done=f"wrote {result.output} (DCP, world size {result.target_world_size}, {result.chunks} chunks, "
         f"{human_bytes(result.file_bytes)}) in {result.seconds:.1f} s",
-        elsewhere=f"wrote this node's rank files; rank 0 wrote {result.output}/.metadata",
+        elsewhere=f"this node's share of the rank files is in place; rank 0 wrote {result.output}/.metadata",
         prefix=rank_prefix(),
     )
 

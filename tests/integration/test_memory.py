@@ -48,6 +48,7 @@ def vm_hwm():
 
 
 BASE = vm_hwm()
+PARENT = os.getpid()
 LOG = os.environ["MEMORY_TEST_LOG"]
 
 
@@ -61,6 +62,9 @@ _run_rank = fsdp_convert.ops.consolidate._consolidate_rank
 
 @functools.wraps(_run_rank)  # same name and module: the launcher pickles it by reference
 def _consolidate_rank(job, rank, world_size, group):
+    global BASE
+    if os.getpid() != PARENT:  # a forked worker: its peak starts afresh at the fork, imports done
+        BASE = vm_hwm()
     result = _run_rank(job, rank, world_size, group)
     record(f"rank{rank}")
     return result
