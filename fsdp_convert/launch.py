@@ -231,7 +231,7 @@ def run_workers(
 ) -> dict[int, Any]:
     """Run ``fn(job, rank, world_size, group)`` in ``nproc`` new worker processes on this node.
 
-    Workers are started by torch's elastic launcher (spawn, no restarts) and join a gloo process
+    Workers are started by torch's elastic launcher (fork, no restarts) and join a gloo process
     group. Alone, the rendezvous is c10d on a free loopback port; with a multi-node ``cluster``
     every node's call meets at its endpoint and the group spans ``cluster.nnodes x nproc``
     workers. ``fn`` and ``job`` must be picklable. Blocks until every worker exits.

@@ -6,7 +6,6 @@ chunks that do not tile their tensor) is caught here, before a tensor is read.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -161,29 +160,21 @@ class WorkPlan:
         return loads
 
 
-def _balance(weights: list[int], nproc: int, rank0_start: int = 0) -> list[int]:
-    """Largest first onto the least-loaded rank; ties go to the lower rank (deterministic)."""
-    owners = [0] * len(weights)
-    heap = [(rank0_start if rank == 0 else 0, rank) for rank in range(nproc)]
-    for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
-        load, rank = heapq.heappop(heap)
-        owners[i] = rank
-        heapq.heappush(heap, (load + weights[i], rank))
-    return owners
+def assign_owners(items: tuple[OutputItem, ...], nproc: int, order: list[int] | None = None) -> tuple[int, ...]:
+    """Split the tensors over ``nproc`` ranks in contiguous runs of the output, balanced by bytes.
 
-
-def assign_owners(items: tuple[OutputItem, ...], nproc: int) -> tuple[int, ...]:
-    """Balance tensors over ``nproc`` ranks by bytes (largest first onto the least loaded rank).
-
-    Deterministic, so every process computes the same plan. Values go to rank 0, which writes
-    them, and count against its share.
+    Walking the tensors in output order (``order``, default item order), rank ``r`` takes those
+    whose middle byte falls in the ``r``-th ``nproc``-th of the bytes; so each worker reads and
+    writes one region of the output, in order, as the disk prefers. Values go to rank 0, which
+    writes them, and count first in its share. Deterministic, so every process computes the same plan.
     """
-    tensor_ids = [i for i, item in enumerate(items) if item.is_tensor]
-    values_bytes = sum(item.nbytes for item in items if not item.is_tensor)
-    tensor_owners = _balance([items[i].nbytes for i in tensor_ids], nproc, values_bytes)
+    ids = [i for i in (order if order is not None else range(len(items))) if items[i].is_tensor]
+    done = sum(item.nbytes for item in items if not item.is_tensor)  # rank 0's values come first
+    total = done + sum(items[i].nbytes for i in ids) or 1
     owners = [0] * len(items)
-    for i, owner in zip(tensor_ids, tensor_owners, strict=True):
-        owners[i] = owner
+    for i in ids:
+        owners[i] = min(nproc - 1, (2 * done + items[i].nbytes) * nproc // (2 * total))
+        done += items[i].nbytes
     return tuple(owners)
 
 
@@ -349,7 +340,7 @@ def plan_consolidate(
     threads, piece_bytes = mover_buffers(memory_budget_bytes)
     return WorkPlan(
         items=items,
-        owners=assign_owners(items, nproc),
+        owners=assign_owners(items, nproc, [i for f in files for i in f.item_ids]),
         nproc=nproc,
         output_format=fmt,
         files=files,

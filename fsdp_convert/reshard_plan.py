@@ -6,7 +6,6 @@ load; what stays whole (0-dim, empty, replicated tensors, values) goes to rank 0
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 from fsdp_convert.constants import METADATA_FILENAME
@@ -157,7 +156,7 @@ def plan_reshard(
 def _lay_out_rank_files(
     items: tuple[OutputItem, ...], chunks: list[tuple[TargetChunk, ...]], world_size: int, nproc: int
 ) -> tuple[tuple[PayloadPlan, ...], int]:
-    """Every tensor chunk's payload, back to back per rank file in item order, each given to the least-loaded worker.
+    """Every tensor chunk's payload, back to back per rank file in item order; workers take contiguous runs of them.
 
     Returns:
         The payloads, and where rank 0's values start (the end of its payloads), in bytes.
@@ -176,12 +175,11 @@ def _lay_out_rank_files(
                 layout = layouts.get(key) or layouts.setdefault(key, tensor_payload_layout(TensorSlot(item.dtype, chunk.sizes)))
                 placed.append((i, chunk, ends[rank], layout))
                 ends[rank] += layout.size
-    loads = [(0, w) for w in range(nproc)]
-    owners = {}
-    for k in sorted(range(len(placed)), key=lambda k: (-placed[k][3].size, k)):  # largest first, least loaded
-        load, worker = heapq.heappop(loads)
-        owners[k] = worker
-        heapq.heappush(loads, (load + placed[k][3].size, worker))
+    total = sum(layout.size for *_, layout in placed) or 1
+    owners, done = {}, 0
+    for k, (*_, layout) in enumerate(placed):  # contiguous runs of the rank files, balanced by bytes
+        owners[k] = min(nproc - 1, (2 * done + layout.size) * nproc // (2 * total))
+        done += layout.size
     payloads = tuple(
         PayloadPlan(item=i, chunk=chunk, offset=offset, layout=layout, owner=owners[k])
         for k, (i, chunk, offset, layout) in enumerate(placed)

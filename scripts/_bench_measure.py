@@ -30,7 +30,12 @@ def drop_cache(paths: list[Path]) -> None:
                 os.close(fd)
 
 
-def _tree_rss(root: int) -> int:
+def _tree_memory(root: int) -> tuple[int, int]:
+    """(RSS, PSS) of ``root`` and its descendants, in bytes.
+
+    RSS counts a page shared by several processes (forked workers' copy-on-write torch, shared
+    libraries) once per process; PSS divides it among them, so the tree's PSS is what it holds.
+    """
     parents: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -45,20 +50,23 @@ def _tree_rss(root: int) -> int:
         kids = [p for p, pp in parents.items() if pp == pid and p not in tree]
         tree.update(kids)
         frontier.extend(kids)
-    total = 0
+    rss = pss = 0
     for pid in tree:
         try:
             with open(f"/proc/{pid}/statm") as f:
-                total += int(f.read().split()[1]) * PAGE
-        except (OSError, IndexError, ValueError):
+                rss += int(f.read().split()[1]) * PAGE
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                pss += next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+        except (OSError, IndexError, ValueError, StopIteration):
             pass
-    return total
+    return rss, pss
 
 
 @dataclass(frozen=True)
 class Run:
     wall_s: float
     peak_rss_bytes: int
+    peak_pss_bytes: int
     returncode: int
     stderr_tail: str
 
@@ -68,13 +76,14 @@ def run_measured(cmd: list[str]) -> Run:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    peak = 0
+    peak = peak_pss = 0
     done = threading.Event()
 
     def sample() -> None:
-        nonlocal peak
+        nonlocal peak, peak_pss
         while not done.is_set():
-            peak = max(peak, _tree_rss(proc.pid))
+            rss, pss = _tree_memory(proc.pid)
+            peak, peak_pss = max(peak, rss), max(peak_pss, pss)
             done.wait(0.02)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -83,7 +92,7 @@ def run_measured(cmd: list[str]) -> Run:
     wall = time.monotonic() - start
     done.set()
     sampler.join()
-    return Run(wall, peak, proc.returncode, err.decode(errors="replace")[-2000:])
+    return Run(wall, peak, peak_pss, proc.returncode, err.decode(errors="replace")[-2000:])
 
 
 def _own_cgroup_dirs() -> tuple[Path | None, Path | None]:

@@ -267,7 +267,10 @@ def bench_systems(args: argparse.Namespace) -> None:
             drop_cache(inputs)
             run, result, cg_peak = measure(systems[key], cgroup, args.cgroup_mib * MiB)
             runs[key].append((run, result, cg_peak))
-            line = f"round {r + 1}: {systems[key].label:40s} {run.wall_s:7.2f} s  peak RSS {run.peak_rss_bytes / 2**30:5.2f} GiB"
+            line = (
+                f"round {r + 1}: {systems[key].label:40s} {run.wall_s:7.2f} s  peak RSS {run.peak_rss_bytes / 2**30:5.2f} GiB"
+                f"  PSS {run.peak_pss_bytes / 2**30:5.2f} GiB"
+            )
             print(f"{line}  {result}", file=sys.stderr)
             if result != "ok":
                 print(run.stderr_tail, file=sys.stderr)
@@ -297,6 +300,7 @@ def bench_systems(args: argparse.Namespace) -> None:
             "results_all": results,
             "gb_per_s": None if m is None else round(system.bytes / m / GB, 3),
             "peak_rss_bytes": max(run.peak_rss_bytes for run, _, _ in runs[key]),
+            "peak_pss_bytes": max(run.peak_pss_bytes for run, _, _ in runs[key]),
             "baseline": system.baseline,
             "time_vs_baseline": None if m is None or not base else round(m / base, 3),
             "time_vs_disk_limit": None if m is None or disk_rate is None else round(m / (system.bytes / disk_rate), 3),
@@ -310,15 +314,16 @@ def bench_systems(args: argparse.Namespace) -> None:
         f"\ncheckpoint: {ck} ({data_bytes / GB:.2f} GB in {len(data_files)} data files, world size 4; "
         f"model {model_bytes / GB:.2f} GB), {args.rounds} rounds\n"
     )
-    print("| system | result | wall s (median) | GB/s | peak RSS GiB | time / torch | time / disk limit |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| system | result | wall s (median) | GB/s | peak RSS GiB | peak PSS GiB | time / torch | time / disk limit |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         if "wall_s_median" not in row:
             print(f"| {row['system']} | {row['result']} | — | — | — | — | — |")
             continue
         print(
             f"| {row['system']} | {row['result']} | {fmt(row['wall_s_median'])} | {fmt(row['gb_per_s'])} "
-            f"| {row['peak_rss_bytes'] / 2**30:.2f} | {fmt(row['time_vs_baseline'])} | {fmt(row['time_vs_disk_limit'])} |"
+            f"| {row['peak_rss_bytes'] / 2**30:.2f} | {row['peak_pss_bytes'] / 2**30:.2f} "
+            f"| {fmt(row['time_vs_baseline'])} | {fmt(row['time_vs_disk_limit'])} |"
         )
     print(
         "\ntime / torch: against dcp_to_torch_save, except the two safetensors rows (model only), against torch "
@@ -381,19 +386,20 @@ def bench_sizes(args: argparse.Namespace) -> None:
                 "wall_s_all": [round(run.wall_s, 3) for run in runs],
                 "gb_per_s": None if wall is None else round(data_bytes / wall / GB, 3),
                 "peak_rss_bytes": max(run.peak_rss_bytes for run in runs),
+                "peak_pss_bytes": max(run.peak_pss_bytes for run in runs),
             }
         )
     print(f"\nfsdp-convert consolidate (default options) to a .pt file, median of {args.rounds} runs, cache dropped before each")
     print()
-    print("| checkpoint GB | result | wall s | GB/s | peak RSS MiB (process tree) |")
-    print("|---:|---|---:|---:|---:|")
+    print("| checkpoint GB | result | wall s | GB/s | peak RSS MiB (process tree) | peak PSS MiB (process tree) |")
+    print("|---:|---|---:|---:|---:|---:|")
     for row in rows:
         if "data_bytes" not in row:
             print(f"| {row['size_gb']:g} | {row['result']} | — | — | — |")
             continue
         print(
             f"| {row['data_bytes'] / GB:.2f} | {row['result']} | {fmt(row['wall_s_median'])} | {fmt(row['gb_per_s'])} "
-            f"| {row['peak_rss_bytes'] / MiB:.0f} |"
+            f"| {row['peak_rss_bytes'] / MiB:.0f} | {row['peak_pss_bytes'] / MiB:.0f} |"
         )
     json_out = args.json_out or args.cache / "bench-sizes.json"
     json_out.write_text(json.dumps({"rounds": args.rounds, "rows": rows}, indent=2) + "\n")

@@ -2,8 +2,9 @@
 
 Each process of a run (the parent; at ``--nproc 2`` also rank 0 and rank 1, each moving its own
 tensors into the output) reports its own peak, ``VmHWM`` from ``/proc/self/status``, against its
-own baseline taken right after the imports a run needs. ``VmHWM`` starts afresh at exec, unlike
-``ru_maxrss``, which Linux carries over from the forked parent (pytest's own peak). The reports
+own baseline: the parent's right after the imports a run needs, a forked worker's when it starts
+its rank (its imports are the launcher's). ``VmHWM`` starts afresh at exec and at fork, unlike
+``ru_maxrss``, which Linux carries over from the parent (pytest's own peak). The reports
 come from a ``sitecustomize`` module put on the probe's ``PYTHONPATH``, which every Python process
 of the run loads at start-up, the elastic launcher's spawned workers included; the package itself
 has no test hook. The checkpoint's largest tensors (64 MiB) are larger than the whole bound, so a

@@ -52,7 +52,7 @@ def test_coverage_rejects_gaps_overlaps_and_overhang(boxes: list[tuple[tuple[int
         check_coverage(_entry((4, 6), boxes))
 
 
-def test_owners_balance_bytes_and_keep_bytes_entries_on_rank0() -> None:
+def test_owners_take_contiguous_runs_balanced_by_bytes_and_values_stay_on_rank0() -> None:
     entries = (
         _entry((100,), [((0,), (100,))], "a"),
         _entry((60,), [((0,), (60,))], "b"),
@@ -63,8 +63,9 @@ def test_owners_balance_bytes_and_keep_bytes_entries_on_rank0() -> None:
     )
     items = tuple(_item(e) for e in entries)
     owners = assign_owners(items, 2)
-    assert owners == (0, 1, 0, 1)
+    assert owners == (0, 1, 0, 1)  # a (400 bytes) on rank 0; b and c (440 bytes) on rank 1; the value on rank 0
     assert assign_owners(items, 2) == owners  # deterministic
+    assert assign_owners(items, 2, order=[3, 2, 1, 0]) == (1, 0, 0, 0)  # c and b first in the output: rank 0's run
 
 
 def test_plan_rejects_bad_options(ws3_ckpt: Sample, tmp_path: Path) -> None:
@@ -113,3 +114,32 @@ def test_mover_buffers_fit_the_memory_budget() -> None:
     assert threads * 2 * piece <= 256 << 20 and piece >= 16 << 20
     threads, piece = mover_buffers(8 << 20)
     assert threads * 2 * piece == 8 << 20
+
+
+def test_plan_drops_the_page_cache_only_for_outputs_over_half_the_ram(ws3_ckpt: Sample, tmp_path: Path) -> None:
+    index = read_index(ws3_ckpt.checkpoint)
+    items = prepare_items(index, TransformOptions(), groups_for("torch_save", "all"))
+    total = sum(item.nbytes for item in items)
+    small_ram = plan_consolidate(index, items, tmp_path / "x.pt", fmt="torch_save", ram_bytes=2 * total - 2)
+    big_ram = plan_consolidate(index, items, tmp_path / "x.pt", fmt="torch_save", ram_bytes=2 * total)
+    assert small_ram.drop_cache and not big_ram.drop_cache
+    assert not plan_consolidate(index, items, tmp_path / "x.pt", fmt="torch_save").drop_cache  # RAM unknown
+
+
+def test_plan_lays_every_tensor_out_once_without_overlap(ws3_ckpt: Sample, tmp_path: Path) -> None:
+    """Folder output: every tensor has one byte range, in one file, after that file's header, none overlapping."""
+    index = read_index(ws3_ckpt.checkpoint)
+    items = prepare_items(index, TransformOptions(), groups_for("hf_dir", "all"))
+    plan = plan_consolidate(index, items, tmp_path / "out", fmt="hf_dir", max_shard_bytes=5000, nproc=2)
+    assert len(plan.shards) > 2 and {f.filename for f in plan.files} >= {"optimizer.pt"}
+    seen = [i for f in plan.files for i in f.item_ids]
+    assert sorted(seen) == list(range(len(items)))
+    for file in plan.files:
+        ranges = sorted(
+            (offset, offset + plan.items[i].nbytes)
+            for i, offset in zip(file.item_ids, file.data_offsets, strict=True)
+            if offset is not None
+        )
+        assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:], strict=False)), file.filename
+        assert not ranges or ranges[0][0] >= len(file.header)
+    assert set(plan.owners) == {0, 1}
