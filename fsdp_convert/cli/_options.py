@@ -210,7 +210,7 @@ NprocOpt = Annotated[
 MemoryBudgetOpt = Annotated[
     str,
     typer.Option(
-        "--memory-budget", help="Read-ahead and transfer buffers per process (peak is about this + the largest tensor)."
+        "--memory-budget", help="Mover buffers per process (peak is about the interpreter + this, whatever the largest tensor)."
     ),
 ]
 ProgressOpt = Annotated[

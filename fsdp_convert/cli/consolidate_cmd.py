@@ -102,7 +102,7 @@ def consolidate_command(
     dtype: DtypeOpt = None,
     optim_dtype: OptimDtypeOpt = None,
     overwrite: OverwriteOpt = False,
-    memory_budget: MemoryBudgetOpt = "1GiB",
+    memory_budget: MemoryBudgetOpt = "256MiB",
     max_shard_size: MaxShardSizeOpt = "5GB",
     no_crc: NoCrcOpt = False,
     verify_output: Annotated[

@@ -159,8 +159,8 @@ class DcpReader(ChunkedReader):
         The payload's zip records are parsed from its central directory; its ``data.pkl`` is
         loaded with ``torch.load(weights_only=True, map_location="meta")``, which reads the
         pickle alone and makes no storage, and checked against ``.metadata`` (dtype, shape);
-        with CRC checking on, the pickle's CRC-32 is checked here and the storage's is returned
-        to check as its bytes pass. A payload whose tensor is not its one storage whole and in C
+        with CRC checking on, every other record's CRC-32 is checked here and the storage's is
+        returned to check as its bytes pass. A payload whose tensor is not its one storage whole and in C
         order (a view torch.save kept with its base) is left to ``read_chunk``.
 
         Returns:
@@ -185,8 +185,8 @@ class DcpReader(ChunkedReader):
         order = [r for r in records if r.short_name == "byteorder"]
         if order and payload.pread(order[0].size, order[0].data_offset) != sys.byteorder.encode():
             return None  # torch.load byte-swaps these; read_chunk does
-        if self.check_crc:
-            payload.hashes = [RecordHash(pickles[0])]
+        if self.check_crc:  # every record but the storage, whose CRC-32 the mover checks as its bytes pass
+            payload.hashes = [RecordHash(r) for r in records if r is not storages[0]]
             self._check_crcs(payload, where)
         payload.seek(0)
         try:
