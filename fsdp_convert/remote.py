@@ -58,13 +58,17 @@ def as_location(location: str | os.PathLike[str]) -> Path | Url:
     return Path(text.removeprefix("file://"))
 
 
-@functools.cache
 def filesystem(protocol: str) -> Any:
-    """The fsspec filesystem for ``protocol`` (one per process).
+    """The fsspec filesystem for ``protocol`` (one per process: a forked worker makes its own).
 
     Raises:
         InvalidOptionError: fsspec or the protocol's backend is not installed.
     """
+    return _filesystem(protocol, os.getpid())
+
+
+@functools.cache
+def _filesystem(protocol: str, pid: int) -> Any:
     try:
         import fsspec  # type: ignore[import-untyped]
 

@@ -133,7 +133,7 @@ def test_the_library_gets_its_own_types(runner: CliRunner, monkeypatch: pytest.M
     assert type(options.optim_keys) is str and options.optim_keys == OptimKeysChoice.ids.value
     assert (options.dtype, options.optim_dtype) == (torch.float16, torch.bfloat16)
     assert type(cluster.rdzv_backend) is str and cluster.rdzv_backend == "static"
-    assert (seen["max_shard_bytes"], seen["memory_budget_bytes"]) == (2 * 10**9, 2**30)
+    assert (seen["max_shard_bytes"], seen["memory_budget_bytes"]) == (2 * 10**9, 256 * 2**20)
 
 
 @pytest.mark.parametrize(
