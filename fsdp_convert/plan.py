@@ -51,6 +51,7 @@ MIN_BYTES_PER_WORKER = 256 << 20  # below this a worker's start-up (~2 s) costs 
 THREADS_PER_WORKER = 2  # mover threads per process: one's read overlaps the other's write
 MAX_PIECE_BYTES = 32 << 20  # larger buffers than this gain nothing per read or write
 MIN_PIECE_BYTES = 64 << 10
+STRIPE_BYTES = 64 << 20  # workers take turns at stripes of the output this long
 
 
 def output_format(output: Path, requested: RequestedFormat = "auto") -> OutputFormat:
@@ -160,20 +161,25 @@ class WorkPlan:
         return loads
 
 
-def assign_owners(items: tuple[OutputItem, ...], nproc: int, order: list[int] | None = None) -> tuple[int, ...]:
-    """Split the tensors over ``nproc`` ranks in contiguous runs of the output, balanced by bytes.
+def assign_owners(
+    items: tuple[OutputItem, ...], nproc: int, order: list[int] | None = None, stripe_bytes: int = STRIPE_BYTES
+) -> tuple[int, ...]:
+    """Split the tensors over ``nproc`` ranks in interleaved stripes of the output.
 
-    Walking the tensors in output order (``order``, default item order), rank ``r`` takes those
-    whose middle byte falls in the ``r``-th ``nproc``-th of the bytes; so each worker reads and
-    writes one region of the output, in order, as the disk prefers. Values go to rank 0, which
-    writes them, and count first in its share. Deterministic, so every process computes the same plan.
+    Walking the tensors in output order (``order``, default item order), the output is cut into
+    stripes and stripe ``k`` goes to rank ``k % nproc`` (a tensor to the stripe of its middle
+    byte). Stripes are ``stripe_bytes`` long, or shorter so each rank gets at least 4. So all
+    workers move through the checkpoint together, in one region of the disk at a time, as one
+    process's threads do, and each gets about ``1 / nproc`` of the bytes. Values go to rank 0,
+    which writes them. Deterministic, so every process computes the same plan.
     """
     ids = [i for i in (order if order is not None else range(len(items))) if items[i].is_tensor]
-    done = sum(item.nbytes for item in items if not item.is_tensor)  # rank 0's values come first
-    total = done + sum(items[i].nbytes for i in ids) or 1
+    total = sum(items[i].nbytes for i in ids)
+    stripe_bytes = max(1, min(stripe_bytes, -(-total // (4 * nproc))))
     owners = [0] * len(items)
+    done = 0
     for i in ids:
-        owners[i] = min(nproc - 1, (2 * done + items[i].nbytes) * nproc // (2 * total))
+        owners[i] = (done + items[i].nbytes // 2) // stripe_bytes % nproc
         done += items[i].nbytes
     return tuple(owners)
 

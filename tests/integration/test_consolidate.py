@@ -145,9 +145,9 @@ def _readers(log_dir: Path) -> set[int]:
 def test_consolidate_nproc3_is_byte_identical_to_nproc1(
     ws3_ckpt: Sample, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Three workers: ranks 1 and 2 both send tensors to rank 0, interleaved in file order, and a
-    folder's shards (of uneven sizes) are split three ways; every output file is the same bytes as
-    one in-process worker writes, and bitwise the run's own full state dict."""
+    """Three workers each write their own run of tensors into the same file, and into a folder's
+    shards (of uneven sizes; with --only model every worker writes into some shard); every output
+    file is the same bytes as one in-process worker writes, and bitwise the run's own full state dict."""
     from fsdp_convert.constants import READ_LOG_ENV
 
     logs = tmp_path / "reads"
@@ -176,6 +176,18 @@ def test_consolidate_nproc3_is_byte_identical_to_nproc1(
     got, _ = _load_hf_folder(three / "hf")
     assert_same_state({k: got[k] for k in truth["model"]}, truth["model"])
     assert_same_state(torch.load(three / "hf" / "optimizer.pt", weights_only=True), truth["optim"])
+
+    model_logs = tmp_path / "model-reads"
+    model_logs.mkdir()
+    monkeypatch.setenv(READ_LOG_ENV, str(model_logs))
+    fsdp_convert.consolidate(ws3_ckpt.checkpoint, three / "hf-model", nproc=3, only="model", max_shard_bytes=5000)
+    assert _readers(model_logs) == {0, 1, 2}  # the model alone: every worker moves tensors into shards
+    monkeypatch.delenv(READ_LOG_ENV)
+    fsdp_convert.consolidate(ws3_ckpt.checkpoint, one / "hf-model", nproc=1, only="model", max_shard_bytes=5000)
+    names = sorted(p.name for p in (one / "hf-model").iterdir())
+    assert names == sorted(p.name for p in (three / "hf-model").iterdir()) and len(names) > 6
+    for name in names:
+        assert (one / "hf-model" / name).read_bytes() == (three / "hf-model" / name).read_bytes(), name
 
 
 def test_verify_equal_across_formats(ws3_ckpt: Sample, tmp_path: Path) -> None:
