@@ -20,7 +20,13 @@ CGROUP_SKIPPED = "skipped (needs root and a cgroup memory controller)"
 
 
 def drop_cache(paths: list[Path]) -> None:
-    """Drop ``paths`` from the page cache (posix_fadvise DONTNEED), so the next read hits the disk."""
+    """Drop ``paths`` from the page cache (posix_fadvise DONTNEED), so the next read hits the disk.
+
+    Everything dirty is written back first (``os.sync``): dirty pages cannot be dropped, and a
+    previous run's writeback (a checkpoint just made, an output just removed) would otherwise
+    compete with the next run's disk time.
+    """
+    os.sync()
     for path in paths:
         if path.is_file():
             fd = os.open(path, os.O_RDONLY)

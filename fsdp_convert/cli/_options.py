@@ -202,8 +202,8 @@ NprocOpt = Annotated[
         "--nproc",
         "--nproc-per-node",
         min=1,
-        help="Reading workers, started with torch's elastic launcher (gloo, CPU); 1 runs in-process. "
-        "(default: one per two CPU cores for a file, one per core for a folder; at most one per data file and per 256 MiB)",
+        help="Workers, started with torch's elastic launcher (gloo, CPU); 1 runs in-process. "
+        "(default: one per CPU core; at most one per data file and per 2 GiB)",
         show_default=False,
     ),
 ]

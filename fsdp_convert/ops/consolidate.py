@@ -277,7 +277,7 @@ def consolidate(
             ``extra_state.pt`` (other entries) when ``only`` is ``all``.
         nproc: workers; 1 runs in this process, more start workers with torch's elastic
             launcher (gloo on CPU). ``None``: ``plan.default_nproc`` (one per CPU core, at most
-            one per data file and 256 MiB).
+            one per data file and 2 GiB).
         only: ``all``, ``model`` or ``optim``: which groups to write.
         options: key and dtype transforms (``TransformOptions``); default: wrapper names removed,
             optimizer state keyed by FQN, dtypes kept.

@@ -197,7 +197,7 @@ def reshard(
         output: the output folder.
         world_size: the target world size.
         nproc: workers, each moving its share of the chunks (balanced by bytes) into any rank
-            file; default ``plan.default_nproc`` (one per CPU core, at most one per data file and 256 MiB).
+            file; default ``plan.default_nproc`` (one per CPU core, at most one per data file and 2 GiB).
         options: key and dtype transforms, as for ``consolidate``; the output keeps the source's
             nesting (``{"model": ..., "optim": ...}``, torchtitan's top-level weights...), so the
             producer's own loader reads it.

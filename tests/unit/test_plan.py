@@ -110,9 +110,9 @@ def test_shards_pack_in_order_like_save_pretrained() -> None:
 def test_default_nproc_is_capped_by_cores_files_and_size() -> None:
     assert default_nproc(total_bytes=100, data_files=8, cpus=16) == 1
     assert default_nproc(total_bytes=10 * 2**30, data_files=4, cpus=16) == 4
-    assert default_nproc(total_bytes=10 * 2**30, data_files=8, cpus=16) == 8
+    assert default_nproc(total_bytes=10 * 2**30, data_files=8, cpus=16) == 5  # one per 2 GiB
     assert default_nproc(total_bytes=10 * 2**30, data_files=8, cpus=2) == 2  # one per core
-    assert default_nproc(total_bytes=600 * 2**20, data_files=8, cpus=16) == 3
+    assert default_nproc(total_bytes=3 * 2**30, data_files=8, cpus=16) == 2
 
 
 def test_mover_buffers_fit_the_memory_budget() -> None:
