@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import ctypes
-import os
-from typing import IO
 
 import torch
 
-__all__ = ["dense", "byte_view", "close_synced"]
+__all__ = ["dense", "byte_view"]
 
 
 def dense(tensor: torch.Tensor) -> torch.Tensor:
@@ -29,12 +27,3 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     if tensor.nbytes == 0:
         return memoryview(b"")
     return memoryview((ctypes.c_ubyte * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
-
-
-def close_synced(file: IO[bytes]) -> int:
-    """Flush, fsync and close ``file``; return its size in bytes."""
-    file.flush()
-    os.fsync(file.fileno())
-    size = file.tell()
-    file.close()
-    return size

@@ -1,23 +1,22 @@
-"""DCP writer: a checkpoint folder laid out for a target world size, in DCP's own on-disk format.
+"""DCP writer: the ``.metadata`` of a checkpoint folder laid out for a target world size, in DCP's own format.
 
 Mirrors what ``torch.distributed.checkpoint.FileSystemWriter`` writes
-(``torch/distributed/checkpoint/filesystem.py``): each rank's chunks are torch.save payloads
-appended to ``__<rank>_0.distcp``, and ``.metadata`` is a pickled
-``torch.distributed.checkpoint.metadata.Metadata`` naming every chunk's box and byte range. Each
-rank file is written by one worker; ``.metadata`` is written last, by the caller, so a folder
-without it is visibly incomplete.
+(``torch/distributed/checkpoint/filesystem.py``): each rank's chunks are torch.save payloads in
+``__<rank>_0.distcp`` (laid out by ``reshard_plan``, each a ``writers.torch_save`` one-tensor
+payload), and ``.metadata`` is a pickled ``torch.distributed.checkpoint.metadata.Metadata``
+naming every chunk's box and byte range. ``.metadata`` is written last, so a folder without it
+is visibly incomplete.
 """
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -33,9 +32,8 @@ from torch.distributed.checkpoint.metadata import (
 from fsdp_convert._torch import StorageInfo
 from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.formats.index import ObjPath, plain_path
-from fsdp_convert.writers._buffer import close_synced, dense
 
-__all__ = ["StoredChunk", "MetadataEntry", "Box", "RankFileWriter", "write_metadata", "rank_filename"]
+__all__ = ["StoredChunk", "MetadataEntry", "Box", "write_metadata", "rank_filename"]
 
 
 def rank_filename(rank: int) -> str:
@@ -120,43 +118,6 @@ class MetadataEntry:
     dtype: torch.dtype | None
     shape: tuple[int, ...] | None
     chunks: Sequence[Box]
-
-
-class RankFileWriter:
-    """Appends torch.save payloads (tensor boxes) and raw bytes payloads to one rank's data file.
-
-    Args:
-        folder: the output folder (normally a temporary sibling of the final one).
-        rank: the target rank whose file this is.
-    """
-
-    def __init__(self, folder: Path, rank: int) -> None:
-        self.relative_path = rank_filename(rank)
-        self._file: IO[bytes] = open(folder / self.relative_path, "xb")  # noqa: SIM115 (closed in finish/close)
-        self.stored: list[StoredChunk] = []
-
-    def add_box(self, fqn: str, offsets: tuple[int, ...], box: torch.Tensor) -> None:
-        """Append ``box`` (the chunk at ``offsets``, in elements) as its own torch.save payload."""
-        buf = io.BytesIO()
-        torch.save(dense(box), buf)  # dense: torch.save writes whole storages, never a view's
-        self._append(fqn, offsets, buf.getbuffer())
-
-    def add_raw(self, fqn: str, payload: bytes) -> None:
-        """Append a bytes entry's payload unchanged."""
-        self._append(fqn, None, payload)
-
-    def _append(self, fqn: str, offsets: tuple[int, ...] | None, data: bytes | memoryview) -> None:
-        at = self._file.tell()
-        self._file.write(data)
-        self.stored.append(StoredChunk(fqn, offsets, self.relative_path, at, len(data)))
-
-    def finish(self) -> int:
-        """Flush, fsync and close; return the file size in bytes."""
-        return close_synced(self._file)
-
-    def close(self) -> None:
-        """Close without completing (after an error)."""
-        self._file.close()
 
 
 def write_metadata(folder: Path, entries: Sequence[MetadataEntry], stored: Sequence[StoredChunk], version: str | None) -> None:

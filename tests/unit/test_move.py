@@ -20,7 +20,8 @@ from fsdp_convert.formats import Reader, open_reader, read_index
 from fsdp_convert.formats.dcp import DcpReader
 from fsdp_convert.formats.index import TensorEntry
 from fsdp_convert.move import MoveJob, Mover, Piece, move_all, pieces_crc
-from fsdp_convert.writers.dcp import MetadataEntry, RankFileWriter, write_metadata
+from fsdp_convert.writers.dcp import MetadataEntry, write_metadata
+from tests._dcp_files import RankFileWriter
 
 OFFSET, TAIL, FILL, FILE = 13, 7, b"\xa5", 3  # the range starts at an odd offset, between bytes the mover must not touch
 BF16 = torch.bfloat16

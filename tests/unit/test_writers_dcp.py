@@ -14,7 +14,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from fsdp_convert.formats import open_checkpoint
 from fsdp_convert.formats.index import BytesEntry, DictKey, TensorEntry
-from fsdp_convert.writers.dcp import MetadataEntry, RankFileWriter, StoredChunk, rank_filename, write_metadata
+from fsdp_convert.writers.dcp import MetadataEntry, StoredChunk, rank_filename, write_metadata
+from tests._dcp_files import RankFileWriter
 
 
 @pytest.mark.parametrize(
