@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import re
 import shutil
@@ -130,6 +131,24 @@ class _WorkerCall:
     fn: Callable[[Any, int, int, WorkerGroup], Any]
     job: Any
     error_dir: str
+    environ: dict[str, str]  # the caller's environment when it launched
+
+
+# what torch's elastic agent sets for each worker (local_elastic_agent.py ``worker_env``)
+_LAUNCHER_VARS = re.compile(
+    r"^(LOCAL_RANK|RANK|GROUP_RANK|ROLE_RANK|ROLE_NAME|(LOCAL_|GROUP_|ROLE_)?WORLD_SIZE|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_.*|TORCH_.*)$"
+)
+
+
+def _take_callers_environ(environ: dict[str, str]) -> None:
+    """Make this worker's environment the caller's at launch, plus what the launcher set for the worker.
+
+    A forkserver child starts with the server's environment, taken when the server started (at
+    this process's first launch); a caller may have changed its own since.
+    """
+    for name in [n for n in os.environ if n not in environ and not _LAUNCHER_VARS.match(n)]:
+        del os.environ[name]
+    os.environ.update({n: v for n, v in environ.items() if not _LAUNCHER_VARS.match(n)})
 
 
 def prefix_worker_logs(rank: int) -> None:
@@ -150,10 +169,11 @@ def prefix_worker_logs(rank: int) -> None:
 
 def _worker_main(call: _WorkerCall) -> Any:
     """Entry point of one worker process: join the gloo group, run the job, report errors."""
-    # forked from the launcher, which turns SIGINT/SIGTERM into exceptions: a worker takes them as
+    # the launcher turns SIGINT/SIGTERM into exceptions in its process: a worker takes them as
     # a fresh interpreter does (SIGTERM ends it; the launcher reports the exit)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _take_callers_environ(call.environ)
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
@@ -231,7 +251,7 @@ def run_workers(
 ) -> dict[int, Any]:
     """Run ``fn(job, rank, world_size, group)`` in ``nproc`` new worker processes on this node.
 
-    Workers are started by torch's elastic launcher (fork, no restarts) and join a gloo process
+    Workers are started by torch's elastic launcher (forkserver, no restarts) and join a gloo process
     group. Alone, the rendezvous is c10d on a free loopback port; with a multi-node ``cluster``
     every node's call meets at its endpoint and the group spans ``cluster.nnodes x nproc``
     workers. ``fn`` and ``job`` must be picklable. Blocks until every worker exits.
@@ -261,9 +281,12 @@ def run_workers(
         rdzv_configs={"rank": cluster.node_rank} if cluster.rdzv_backend == "static" else {},
         max_restarts=0,
         monitor_interval=0.1,
-        # fork: workers share the launcher's imported torch (about 150 MiB of private pages per
-        # process) copy-on-write and start at once; spawn re-imports it in each (about 2 s)
-        start_method="fork",
+        # forkserver: workers are forked from one single-threaded server that imported torch and
+        # this package once, so they share those pages (about 150 MiB of private pages a process)
+        # copy-on-write and start at once; spawn re-imports torch in each (about 2 s). A plain fork
+        # of this process is not safe: the launcher's threads may hold a lock (getaddrinfo's) that
+        # the child then waits on forever.
+        start_method="forkserver",
     )
     # The launcher logs each worker's exit and the peers' teardown; the one-line error we raise
     # says the same thing (its traceback goes in the error's notes, shown by --debug).
@@ -278,8 +301,9 @@ def run_workers(
     os.environ["PYTHONWARNINGS"] = ",".join(
         filter(None, [os.environ.get("PYTHONWARNINGS"), "ignore:resource_tracker:UserWarning"])
     )
+    multiprocessing.set_forkserver_preload(["torch.distributed", "fsdp_convert.ops.consolidate", "fsdp_convert.ops.reshard"])
     try:
-        results = elastic_launch(config, _worker_main)(_WorkerCall(fn, job, str(error_dir)))
+        results = elastic_launch(config, _worker_main)(_WorkerCall(fn, job, str(error_dir), dict(os.environ)))
     except ChildFailedError as e:
         raise _failure(error_dir, {rank: f.exitcode for rank, f in e.failures.items()}) from None
     except RendezvousError as e:  # the store's host (a node) is gone, or nodes never all came

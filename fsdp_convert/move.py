@@ -43,7 +43,7 @@ from fsdp_convert.formats._reader import StoredBytes
 from fsdp_convert.formats.index import ChunkEntry, TensorEntry
 from fsdp_convert.writers._buffer import byte_view, dense
 
-__all__ = ["Piece", "MoveJob", "Mover", "move_all", "pwrite_all", "pieces_crc", "JOIN_POLL_S"]
+__all__ = ["Piece", "MoveJob", "Mover", "move_all", "pwrite_all", "pieces_crc", "range_crc", "JOIN_POLL_S"]
 
 JOIN_POLL_S = 0.2  # how often, in seconds, the main thread looks up from waiting on movers (signals land then)
 
@@ -306,6 +306,33 @@ class _ChunkSource:
 def pieces_crc(pieces: Sequence[Piece]) -> int | None:
     """CRC-32 of pieces written back to back (in order), without reading them; None without zlib's ``crc32_combine``."""
     return combine((p.crc32, p.nbytes) for p in pieces)
+
+
+def range_crc(fd: int, by_offset: dict[int, Piece], offset: int, nbytes: int) -> int:
+    """CRC-32 of bytes ``[offset, offset + nbytes)`` of an output file, from the pieces written there.
+
+    Args:
+        fd: the output file, open for reading (read back only without zlib's ``crc32_combine``).
+        by_offset: the pieces written to that file, by their offset in bytes.
+        offset: start of the range, in bytes.
+        nbytes: its length, in bytes.
+
+    Raises:
+        RuntimeError: the pieces do not tile the range (a planning bug).
+    """
+    parts, at = [], offset
+    while at < offset + nbytes:
+        piece = by_offset.get(at)
+        if piece is None:
+            raise RuntimeError(f"no worker wrote byte {at} of a tensor at [{offset}, {offset + nbytes})")
+        parts.append(piece)
+        at += piece.nbytes
+    crc = pieces_crc(parts)
+    if crc is None:  # no zlib crc32_combine: hash the bytes back
+        crc = 0
+        for at in range(offset, offset + nbytes, 16 << 20):
+            crc = zlib.crc32(os.pread(fd, min(16 << 20, offset + nbytes - at), at), crc)
+    return crc
 
 
 def _pool_worker(

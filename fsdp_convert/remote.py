@@ -59,7 +59,7 @@ def as_location(location: str | os.PathLike[str]) -> Path | Url:
 
 
 def filesystem(protocol: str) -> Any:
-    """The fsspec filesystem for ``protocol`` (one per process: a forked worker makes its own).
+    """The fsspec filesystem for ``protocol`` (one per process: a worker forked from another makes its own).
 
     Raises:
         InvalidOptionError: fsspec or the protocol's backend is not installed.

@@ -597,9 +597,9 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "record-crc-from-first-piece",
         "only offsets and CRC-32s go to rank 0 (as JSON over gloo), which writes the headers, the pickle and the central directory last (each storage's CRC-32 combined from its pieces')",
-        "fsdp_convert/ops/consolidate.py",
-        "    crc = combine(parts)\n",
-        "    crc = combine(parts[:1])\n",
+        "fsdp_convert/move.py",
+        "    crc = pieces_crc(parts)\n",
+        "    crc = pieces_crc(parts[:1])\n",
         "tests/integration/test_consolidate.py::test_consolidate_pt_equals_ground_truth[ws3_fp32]",
     ),
     Mutation(

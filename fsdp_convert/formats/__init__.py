@@ -55,10 +55,6 @@ class Reader(Protocol):
         """Where ``chunk``'s elements lie in its data file, to move them undecoded; None to use ``read_chunk``."""
         ...
 
-    def read_tensor_with_crc(self, entry: TensorEntry) -> tuple[torch.Tensor, int | None]:
-        """``read_tensor``, plus the CRC-32 of its bytes when the read computed it anyway."""
-        ...
-
     def read_box(self, entry: TensorEntry, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         """The box ``[offsets, offsets + sizes)`` of ``entry``, contiguous, shape ``sizes``."""
         ...

@@ -20,7 +20,6 @@ import torch
 
 from fsdp_convert.constants import READ_LOG_ENV
 from fsdp_convert.errors import CorruptChunkError, MissingDataFileError, ShapeMismatchError
-from fsdp_convert.formats._crc import combine
 from fsdp_convert.formats.index import BytesEntry, ChunkEntry, Location, TensorEntry, Url
 from fsdp_convert.remote import as_location, read_range, size_of
 
@@ -85,8 +84,6 @@ class ChunkedReader:
         # offset, length], in reads-<pid>.jsonl (to see which worker read what)
         log_dir = os.environ.get(READ_LOG_ENV)
         self._read_log: IO[str] | None = open(Path(log_dir) / f"reads-{os.getpid()}.jsonl", "a") if log_dir else None  # noqa: SIM115
-        # CRC-32 of the last chunk's storage bytes, when the read checked it (DCP payloads)
-        self._last_storage_crc: int | None = None
 
     def __enter__(self) -> ChunkedReader:
         return self
@@ -191,7 +188,6 @@ class ChunkedReader:
         if chunk.relative_path is None:
             return torch.empty(chunk.sizes, dtype=entry.dtype)
         self._log_read(entry, chunk)
-        self._last_storage_crc = None
         tensor = self._load_chunk(entry, chunk)
         return check_payload(
             entry, chunk, tensor, self._where(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, entry.fqn)
@@ -209,36 +205,10 @@ class ChunkedReader:
         Raises:
             As ``read_chunk``. Coverage is checked by the planner (``index.check_coverage``).
         """
-        return self.read_tensor_with_crc(entry)[0]
-
-    def read_tensor_with_crc(self, entry: TensorEntry) -> tuple[torch.Tensor, int | None]:
-        """``read_tensor``, plus the CRC-32 of the full tensor's bytes when it comes for free.
-
-        With CRC checking on and chunks that split only dim 0 (so the full tensor is the chunks'
-        bytes back to back), the checked chunk CRCs are combined; otherwise the CRC is None.
-
-        Raises:
-            As ``read_chunk``.
-        """
-        chunks = sorted((c for c in entry.chunks if c.numel > 0), key=lambda c: c.offsets)
-        dim0_only = all(c.offsets[1:] == (0,) * (len(c.offsets) - 1) and c.sizes[1:] == entry.shape[1:] for c in chunks)
-        parts: list[tuple[int, int]] | None = [] if self.check_crc and dim0_only else None
-        if len(chunks) == 1 and chunks[0].sizes == entry.shape:
-            tensor = self.read_chunk(entry, chunks[0])
-            crc = self._last_storage_crc if parts is not None else None
-            return tensor.contiguous(), crc
-        full = torch.empty(entry.shape, dtype=entry.dtype)
-        for chunk in chunks:
-            box = full
-            for dim, (offset, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
-                box = box.narrow(dim, offset, size)
-            box.copy_(self.read_chunk(entry, chunk))
-            if parts is not None:
-                if self._last_storage_crc is None:
-                    parts = None
-                else:
-                    parts.append((self._last_storage_crc, chunk.numel * entry.dtype.itemsize))
-        return full, (combine(parts) if parts else None)
+        whole = [c for c in entry.chunks if c.numel > 0 and c.sizes == entry.shape]
+        if whole:  # stored in one piece: no copy into a new tensor
+            return self.read_chunk(entry, whole[0]).contiguous()
+        return self.read_box(entry, (0,) * len(entry.shape), entry.shape)
 
     def read_box(self, entry: TensorEntry, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         """Read the box ``[offsets, offsets + sizes)`` (in elements) of ``entry`` from the chunks it meets.

@@ -237,18 +237,7 @@ class DcpReader(ChunkedReader):
         if payload.error is not None:
             raise payload.error
         self._check_crcs(payload, where)
-        self._last_storage_crc = self._storage_crc(payload, value)
         return value
-
-    @staticmethod
-    def _storage_crc(payload: ByteRangeFile, value: Any) -> int | None:
-        """The checked CRC-32 of a tensor payload's one storage record, if it is exactly the tensor's bytes."""
-        if not isinstance(value, torch.Tensor) or not value.is_contiguous() or value.storage_offset() != 0:
-            return None
-        storages = [h for h in payload.hashes if h.record.short_name.startswith("data/")]
-        if len(storages) != 1 or storages[0].record.size != value.nbytes:
-            return None
-        return storages[0].crc
 
     def _check_crcs(self, payload: ByteRangeFile, where: str) -> None:
         for record, computed in payload.finish_crcs():

@@ -319,10 +319,6 @@ class FileBoxReader:
         """
         return self.read_box(entry, (0,) * len(entry.shape), entry.shape)
 
-    def read_tensor_with_crc(self, entry: TensorEntry) -> tuple[torch.Tensor, int | None]:
-        """``read_tensor``, with no CRC-32 (these files store none)."""
-        return self.read_tensor(entry), None
-
     def read_box(self, entry: TensorEntry, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         """The box ``[offsets, offsets + sizes)`` (elements) of the tensor, as a new contiguous tensor."""
         tensor: torch.Tensor = self._source.get(self._key(entry.fqn))

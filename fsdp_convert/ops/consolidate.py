@@ -14,7 +14,6 @@ import os
 import sys
 import threading
 import time
-import zlib
 from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
@@ -26,11 +25,10 @@ from tqdm import tqdm
 from fsdp_convert.constants import HF_INDEX_FILENAME
 from fsdp_convert.errors import VerificationError
 from fsdp_convert.formats import Reader, check_data_files, open_reader, read_index
-from fsdp_convert.formats._crc import combine
 from fsdp_convert.formats.index import BytesEntry, Location, ObjPath, TensorEntry
 from fsdp_convert.items import prepare_items
 from fsdp_convert.launch import Cluster, WorkerGroup, job_world_size, run_ranks, shared_tag
-from fsdp_convert.move import MoveJob, Piece, move_all, pwrite_all
+from fsdp_convert.move import MoveJob, Piece, move_all, pwrite_all, range_crc
 from fsdp_convert.ops.verify import verify
 from fsdp_convert.plan import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -130,27 +128,6 @@ def _value(reader: Reader, item: OutputItem) -> Any:
     return reader.read_value(item.entry)
 
 
-def _record_crc(fd: int, by_offset: dict[int, Piece], offset: int, nbytes: int) -> int:
-    """CRC-32 of ``[offset, offset + nbytes)`` of an output file, from the pieces the workers wrote there.
-
-    Raises:
-        RuntimeError: the pieces do not tile the range (a planning bug).
-    """
-    parts, at = [], offset
-    while at < offset + nbytes:
-        piece = by_offset.get(at)
-        if piece is None:
-            raise RuntimeError(f"no worker wrote byte {at} of a tensor at [{offset}, {offset + nbytes})")
-        parts.append((piece.crc32, piece.nbytes))
-        at += piece.nbytes
-    crc = combine(parts)
-    if crc is None:  # no zlib crc32_combine: hash the bytes back
-        crc = 0
-        for at in range(offset, offset + nbytes, 16 << 20):
-            crc = zlib.crc32(os.pread(fd, min(16 << 20, offset + nbytes - at), at), crc)
-    return crc
-
-
 def _finish_file(job: _ConsolidateJob, f: int, fd: int, pieces: list[Piece], reader: Reader) -> None:
     """Rank 0, once every worker's tensors are in place: write the file's headers (and pickle); fsync."""
     file = job.plan.files[f]
@@ -165,7 +142,7 @@ def _finish_file(job: _ConsolidateJob, f: int, fd: int, pieces: list[Piece], rea
             path = item.path[file.strip :]
             if item.is_tensor:
                 assert item.dtype is not None and offset is not None
-                crcs[j] = _record_crc(fd, by_offset, offset, item.nbytes)
+                crcs[j] = range_crc(fd, by_offset, offset, item.nbytes)
                 items.append((path, TensorSlot(item.dtype, item.shape)))
             else:
                 items.append((path, _value(reader, item)))

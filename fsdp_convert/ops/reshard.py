@@ -13,7 +13,6 @@ import dataclasses
 import io
 import os
 import time
-import zlib
 from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
@@ -28,7 +27,7 @@ from fsdp_convert.formats.index import BytesEntry, Location, TensorEntry, dcp_ke
 from fsdp_convert.items import prepare_items
 from fsdp_convert.launch import Cluster, WorkerGroup, job_world_size, run_ranks, shared_tag
 from fsdp_convert.layout import GROUPS
-from fsdp_convert.move import MoveJob, Piece, move_all, pieces_crc, pwrite_all
+from fsdp_convert.move import MoveJob, Piece, move_all, pwrite_all, range_crc
 from fsdp_convert.plan import DEFAULT_MEMORY_BUDGET_BYTES, default_nproc, mover_buffers
 from fsdp_convert.remote import as_location, local_output
 from fsdp_convert.reshard_plan import PayloadPlan, ReshardPlan, plan_reshard
@@ -128,9 +127,7 @@ def _reshard_rank(job: _ReshardJob, worker: int, world_size: int, group: WorkerG
 
         def write_headers(moved: MoveJob, pieces: list[Piece]) -> None:
             payload = mine[(moved.file, moved.offset)][1]
-            crc = pieces_crc(sorted(pieces, key=lambda p: p.offset)) if pieces else 0
-            if crc is None:  # no zlib crc32_combine: hash the bytes back
-                crc = zlib.crc32(os.pread(moved.fd, moved.nbytes, moved.offset))
+            crc = range_crc(moved.fd, {p.offset: p for p in pieces}, moved.offset, moved.nbytes)
             slot = TensorSlot(moved.dtype, payload.chunk.sizes)
             write_tensor_payload_headers(moved.fd, payload.offset, slot, crc)
 

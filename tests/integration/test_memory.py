@@ -2,8 +2,8 @@
 
 Each process of a run (the parent; at ``--nproc 2`` also rank 0 and rank 1, each moving its own
 tensors into the output) reports its own peak, ``VmHWM`` from ``/proc/self/status``, against its
-own baseline: the parent's right after the imports a run needs, a forked worker's when it starts
-its rank (its imports are the launcher's). ``VmHWM`` starts afresh at exec and at fork, unlike
+own baseline: the parent's right after the imports a run needs, a worker's (forked from the
+launcher's forkserver, which made the imports) when it starts its rank. ``VmHWM`` starts afresh at exec and at fork, unlike
 ``ru_maxrss``, which Linux carries over from the parent (pytest's own peak). The reports
 come from a ``sitecustomize`` module put on the probe's ``PYTHONPATH``, which every Python process
 of the run loads at start-up, the elastic launcher's spawned workers included; the package itself
@@ -64,7 +64,7 @@ _run_rank = fsdp_convert.ops.consolidate._consolidate_rank
 @functools.wraps(_run_rank)  # same name and module: the launcher pickles it by reference
 def _consolidate_rank(job, rank, world_size, group):
     global BASE
-    if os.getpid() != PARENT:  # a forked worker: its peak starts afresh at the fork, imports done
+    if os.getpid() != PARENT:  # a worker forked from the forkserver: its peak starts afresh at the fork, imports done
         BASE = vm_hwm()
     result = _run_rank(job, rank, world_size, group)
     record(f"rank{rank}")
