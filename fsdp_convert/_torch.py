@@ -1,35 +1,177 @@
 """The one place that touches private torch names, so a torch upgrade changes one file.
 
-Covers: DCP's ``filesystem._StorageInfo`` (the per-chunk byte range in ``.metadata``),
-``torch._C.PyTorchFileWriter`` (torch.save's zip container writer) and the storage-type names
-torch.save's pickle uses.
+Every private name is reached through a ``Feature``: a probe that finds it and checks it has
+the shape this package relies on. A torch that lacks one fails with a one-line
+``TorchFeatureError`` naming the torch version and the feature, at first use (and for every
+feature at once by ``check_torch``, which the CLI runs before any command), never with an
+``AttributeError`` from deep inside a conversion.
+
+Covers: DCP's ``filesystem._StorageInfo`` (the per-chunk byte range in ``.metadata``) and
+``metadata._MEM_FORMAT_ENCODING``, ``Metadata(version=...)``, ``torch._C.PyTorchFileWriter``
+(torch.save's zip container writer, three-argument form with storage alignment, and its
+``write_record_metadata``), ``torch.serialization._get_storage_alignment`` and the storage-type
+names and rebuild functions torch.save's pickle uses.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import IO
+import inspect
+import io
+from collections.abc import Callable
+from typing import IO, Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
+import torch.distributed.checkpoint.metadata as dcp_metadata
+
+from fsdp_convert.errors import TorchFeatureError
 
 __all__ = [
+    "TESTED_TORCH",
+    "Feature",
+    "FEATURES",
+    "check_torch",
     "StorageInfo",
     "MEM_FORMAT_ENCODING",
+    "REBUILD_TENSOR_V2",
+    "REBUILD_TENSOR_V3",
     "open_torch_save_writer",
     "storage_type_for",
     "storage_alignment",
     "reserve_record",
 ]
 
-StorageInfo = _StorageInfo
-MEM_FORMAT_ENCODING = _MEM_FORMAT_ENCODING
+TESTED_TORCH = ">=2.13,<2.15"  # pyproject.toml's range: the releases the whole suite passed on
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    """A private torch name this package uses, and a probe that finds it and checks its shape.
+
+    Attributes:
+        name: what the feature is, as the error message says it.
+        probe: returns the object; raises ``AttributeError``, ``ImportError``, ``TypeError`` or
+            ``ValueError`` where this torch lacks it or it has another shape.
+    """
+
+    name: str
+    probe: Callable[[], Any]
+
+    def get(self) -> Any:
+        """The probed object.
+
+        Raises:
+            TorchFeatureError: this torch lacks the feature (one line: torch version, feature, tested range).
+        """
+        return _resolve(self)
+
+
+@functools.cache
+def _resolve(feature: Feature) -> Any:
+    try:
+        return feature.probe()
+    except (AttributeError, ImportError, TypeError, ValueError) as e:
+        raise TorchFeatureError(
+            f"torch {torch.__version__} lacks {feature.name} ({type(e).__name__}: {e}); "
+            f"fsdp-convert is tested with torch{TESTED_TORCH}"
+        ) from None
+
+
+def _storage_info() -> type:
+    cls = dcp_filesystem._StorageInfo
+    fields = {f.name for f in dataclasses.fields(cls)}
+    missing = {"relative_path", "offset", "length", "transform_descriptors"} - fields
+    if missing:
+        raise TypeError(f"_StorageInfo has no field(s) {sorted(missing)}")
+    return cls
+
+
+def _metadata_version() -> type:
+    if "version" not in {f.name for f in dataclasses.fields(dcp_metadata.Metadata)}:
+        raise TypeError("Metadata has no version field")
+    return dcp_metadata.Metadata
+
+
+def _torch_save_writer() -> type:
+    writer = torch._C.PyTorchFileWriter(io.BytesIO(), True, 64)  # three-argument form: storage alignment
+    if not callable(getattr(writer, "write_record_metadata", None)):
+        raise AttributeError("PyTorchFileWriter has no write_record_metadata")
+    return type(writer)
+
+
+def _storage_alignment() -> Callable[[], int]:
+    fn = torch.serialization._get_storage_alignment
+    if not isinstance(fn(), int):
+        raise TypeError("_get_storage_alignment does not return an int")
+    return fn
+
+
+def _storage_type_map() -> Callable[[], dict[torch.dtype, str]]:
+    fn = torch.storage._dtype_to_storage_type_map
+    if fn().get(torch.float32) != "FloatStorage":
+        raise ValueError("_dtype_to_storage_type_map()[float32] is not FloatStorage")
+    return fn
+
+
+def _rebuild(name: str, nargs: int) -> Callable[[], Callable[..., torch.Tensor]]:
+    def probe() -> Callable[..., torch.Tensor]:
+        fn = getattr(torch._utils, name)
+        if len(inspect.signature(fn).parameters) < nargs:
+            raise TypeError(f"torch._utils.{name} takes fewer than {nargs} arguments")
+        return fn  # type: ignore[no-any-return]
+
+    return probe
+
+
+FEATURES: dict[str, Feature] = {
+    "storage_info": Feature("torch.distributed.checkpoint.filesystem._StorageInfo (with transform_descriptors)", _storage_info),
+    "mem_format_encoding": Feature(
+        "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING", lambda: dcp_metadata._MEM_FORMAT_ENCODING
+    ),
+    "metadata_version": Feature("torch.distributed.checkpoint.metadata.Metadata(version=...)", _metadata_version),
+    "torch_save_writer": Feature(
+        "torch._C.PyTorchFileWriter(stream, compute_crc32, alignment) with write_record_metadata", _torch_save_writer
+    ),
+    "storage_alignment": Feature("torch.serialization._get_storage_alignment", _storage_alignment),
+    "storage_type_map": Feature("torch.storage._dtype_to_storage_type_map", _storage_type_map),
+    "rebuild_tensor_v2": Feature("torch._utils._rebuild_tensor_v2", _rebuild("_rebuild_tensor_v2", 6)),
+    "rebuild_tensor_v3": Feature("torch._utils._rebuild_tensor_v3", _rebuild("_rebuild_tensor_v3", 7)),
+}
+
+
+def check_torch() -> None:
+    """Probe every feature in ``FEATURES`` (the CLI runs this before any command).
+
+    Raises:
+        TorchFeatureError: the first feature this torch lacks.
+    """
+    for feature in FEATURES.values():
+        feature.get()
+
+
+def _or_none(key: str) -> Any:
+    """A feature's object for a module-level name, or None where torch lacks it (``check_torch`` then says so)."""
+    try:
+        return FEATURES[key].get()
+    except TorchFeatureError:
+        return None
+
+
+StorageInfo: Any = _or_none("storage_info")
+MEM_FORMAT_ENCODING: Any = _or_none("mem_format_encoding")
+REBUILD_TENSOR_V2: Any = _or_none("rebuild_tensor_v2")
+REBUILD_TENSOR_V3: Any = _or_none("rebuild_tensor_v3")
 
 
 def storage_alignment() -> int:
-    """Byte alignment of storage records in torch.save zips (64 in torch 2.13), for mmap loads."""
-    return int(torch.serialization._get_storage_alignment())
+    """Byte alignment of storage records in torch.save zips (64 in torch 2.13), for mmap loads.
+
+    Raises:
+        TorchFeatureError: this torch has no ``_get_storage_alignment``.
+    """
+    return int(FEATURES["storage_alignment"].get()())
 
 
 def open_torch_save_writer(stream: IO[bytes], *, compute_crc32: bool = True) -> torch._C.PyTorchFileWriter:
@@ -38,23 +180,25 @@ def open_torch_save_writer(stream: IO[bytes], *, compute_crc32: bool = True) -> 
     Writing to a stream (not a path) makes the archive's folder name ``archive``, as
     ``torch.save(obj, buffer)`` does, so the bytes do not depend on the output's file name.
     With ``compute_crc32=False`` the records' CRC-32 fields are left 0 for the caller to fill.
+
+    Raises:
+        TorchFeatureError: this torch's writer takes no alignment or cannot reserve records.
     """
+    FEATURES["torch_save_writer"].get()
     return torch._C.PyTorchFileWriter(stream, compute_crc32, storage_alignment())
 
 
 def reserve_record(writer: torch._C.PyTorchFileWriter, name: str, nbytes: int) -> None:
     """Write a record's zip headers and skip its ``nbytes`` of data, to be written in place later.
 
-    ``PyTorchFileWriter.write_record_metadata``, what ``torch.serialization.skip_data`` uses
-    (torch >= 2.5); the stream must be seekable.
+    ``PyTorchFileWriter.write_record_metadata``, what ``torch.serialization.skip_data`` uses;
+    the stream must be seekable.
 
     Raises:
-        RuntimeError: this torch's writer cannot reserve a record.
+        TorchFeatureError: this torch's writer cannot reserve a record.
     """
-    reserve = getattr(writer, "write_record_metadata", None)
-    if reserve is None:
-        raise RuntimeError(f"torch {torch.__version__} cannot lay out a torch.save file ahead (no write_record_metadata)")
-    reserve(name, nbytes)
+    FEATURES["torch_save_writer"].get()
+    writer.write_record_metadata(name, nbytes)  # type: ignore[attr-defined]
 
 
 @functools.cache
@@ -63,6 +207,9 @@ def storage_type_for(dtype: torch.dtype) -> type | None:
 
     ``None`` for dtypes that have none (float8, uint16/32/64, ...): torch.save pickles those
     through ``torch.storage.UntypedStorage`` and ``torch._utils._rebuild_tensor_v3``.
+
+    Raises:
+        TorchFeatureError: this torch has no ``_dtype_to_storage_type_map``.
     """
-    name = torch.storage._dtype_to_storage_type_map().get(dtype)
+    name = FEATURES["storage_type_map"].get()().get(dtype)
     return None if name is None else getattr(torch, name)

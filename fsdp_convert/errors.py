@@ -21,6 +21,7 @@ __all__ = [
     "OutputWriteError",
     "WorkerFailedError",
     "VerificationError",
+    "TorchFeatureError",
     "TerminatedError",
 ]
 
@@ -91,6 +92,10 @@ class WorkerFailedError(CheckpointError):
 
 class VerificationError(CheckpointError):
     """What was written does not read back equal to the source (``consolidate --verify``)."""
+
+
+class TorchFeatureError(CheckpointError):
+    """The installed torch lacks a (private) API this tool relies on; the message names the torch version."""
 
 
 class TerminatedError(BaseException):
