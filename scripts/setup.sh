@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install fsdp-convert with its test and lint extras.
-# torch is pinned to the CPU build (an unpinned torch pulls a multi-GB CUDA build); the package
-# itself only asks for torch>=2.6,<3.
+# Create a venv (if missing) and install fsdp-convert with its test and lint extras.
+#
+# torch is pinned: TORCH_VERSION (default 2.13.0, the CPU build this project's machines hold; an
+# unpinned torch pulls a multi-GB CUDA build). Another TORCH_VERSION gets its own venv,
+# .venv-torch-<version>, so the main .venv is never changed; VENV overrides the folder.
+# The package itself asks for torch>=2.13,<2.15, the range the whole suite has passed on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+if [ "$TORCH_VERSION" = "2.13.0" ]; then
+  VENV=${VENV:-.venv}
+else
+  VENV=${VENV:-.venv-torch-$TORCH_VERSION}
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,lint]'
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION"
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,lint]'
+echo "$VENV"
