@@ -20,6 +20,9 @@ __all__ = [
     "SAFETENSORS_SUFFIXES",
     "SAFETENSORS_DTYPES",
     "SAFETENSORS_TO_TORCH",
+    "SAFETENSORS_VALUES_PER_ELEMENT",
+    "safetensors_shape",
+    "torch_shape",
     "SUPPORTED_DTYPES",
     "READ_LOG_ENV",
 ]
@@ -32,7 +35,13 @@ EXTRA_STATE_FILENAME = "extra_state.pt"
 TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin")
 SAFETENSORS_SUFFIXES = (".safetensors",)
 
-# torch dtype -> safetensors dtype name (the header's "dtype"); the one table, inverted below
+_FLOAT4 = getattr(torch, "float4_e2m1fn_x2", None)  # torch >= 2.8
+
+# torch dtype -> safetensors dtype name (the header's "dtype"): the one table, inverted below and
+# used by the writer (writers/safetensors.py) and both readers (formats/hf_storage.py,
+# formats/full_file.py). The names are the ones safetensors 0.8 writes for each torch dtype
+# (``safetensors.torch.save``; its Rust ``Dtype``); tests/unit/test_constants.py checks each.
+# safetensors has no complex128 or complex32 (ComplexHalf).
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -49,16 +58,59 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+    torch.float8_e8m0fnu: "F8_E8M0",
     torch.complex64: "C64",
+    **({_FLOAT4: "F4"} if _FLOAT4 is not None else {}),
 }
 # safetensors dtype name -> torch dtype (the inverse of SAFETENSORS_DTYPES)
 SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+# torch dtypes packing several safetensors values into one element: safetensors' header shape
+# counts the values (F4: two 4-bit floats per byte), so its last dim is this many times torch's
+SAFETENSORS_VALUES_PER_ELEMENT: dict[torch.dtype, int] = {_FLOAT4: 2} if _FLOAT4 is not None else {}
+
+
+def safetensors_shape(dtype: torch.dtype, shape: tuple[int, ...]) -> list[int]:
+    """The header ``shape`` safetensors writes for a torch tensor of ``dtype`` and ``shape`` (elements).
+
+    The torch shape, except for packed dtypes (``SAFETENSORS_VALUES_PER_ELEMENT``), whose last dim
+    counts safetensors values (``float4_e2m1fn_x2`` (3, 5) is ``F4`` [3, 10]).
+
+    Raises:
+        ValueError: a 0-dim tensor of a packed dtype (its header would count half a byte;
+            safetensors itself refuses to write one).
+    """
+    per_element = SAFETENSORS_VALUES_PER_ELEMENT.get(dtype, 1)
+    if per_element == 1:
+        return list(shape)
+    if not shape:
+        raise ValueError(f"safetensors cannot hold a 0-dim {str(dtype).removeprefix('torch.')}")
+    return [*shape[:-1], shape[-1] * per_element]
+
+
+def torch_shape(dtype: torch.dtype, header_shape: list[int] | tuple[int, ...]) -> tuple[int, ...]:
+    """The torch shape (elements) of a safetensors tensor whose header says ``dtype`` and ``header_shape``.
+
+    The inverse of ``safetensors_shape``.
+
+    Raises:
+        ValueError: a packed dtype whose last dim does not fill whole torch elements (or no dims).
+    """
+    per_element = SAFETENSORS_VALUES_PER_ELEMENT.get(dtype, 1)
+    if per_element == 1:
+        return tuple(header_shape)
+    if not header_shape or header_shape[-1] % per_element:
+        raise ValueError(f"shape {list(header_shape)} does not hold whole {str(dtype).removeprefix('torch.')} elements")
+    return (*header_shape[:-1], header_shape[-1] // per_element)
+
 
 # dtypes a full tensor can be allocated, written by torch.save and read back for (no quantized types)
 SUPPORTED_DTYPES = frozenset(
     {
         torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+        torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu,
+        *([_FLOAT4] if _FLOAT4 is not None else []),
         torch.complex128, torch.complex64, torch.complex32,
         torch.int64, torch.int32, torch.int16, torch.int8,
         torch.uint64, torch.uint32, torch.uint16, torch.uint8, torch.bool,

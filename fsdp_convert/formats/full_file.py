@@ -30,6 +30,7 @@ from fsdp_convert.constants import (
     SAFETENSORS_SUFFIXES,
     SAFETENSORS_TO_TORCH,
     TORCH_SAVE_SUFFIXES,
+    torch_shape,
 )
 from fsdp_convert.errors import CheckpointNotFoundError, CorruptChunkError, NotADcpCheckpointError, UnsafeContentError
 from fsdp_convert.formats.index import (
@@ -214,10 +215,27 @@ class SafetensorsFiles:
         self.model_only = not self._sides
 
     def describe(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        """Dtype and shape (elements) of ``key`` from the file header alone (no tensor data is read)."""
+        """Dtype and shape (torch elements) of ``key`` from the file header alone (no tensor data is read).
+
+        The dtype comes from ``constants.SAFETENSORS_TO_TORCH``, the shape through
+        ``constants.torch_shape`` (an ``F4`` header counts 4-bit values, two per element).
+
+        Raises:
+            NotADcpCheckpointError: a dtype name not in the table, or an ``F4`` shape that does not
+                fill whole bytes.
+        """
         name = key.removeprefix(MODEL_PREFIX)
-        view = self._handle(self._files[name]).get_slice(name)
-        return SAFETENSORS_TO_TORCH[view.get_dtype()], tuple(view.get_shape())
+        file = self._files[name]
+        view = self._handle(file).get_slice(name)
+        dtype = SAFETENSORS_TO_TORCH.get(view.get_dtype())
+        if dtype is None:
+            raise NotADcpCheckpointError(
+                f"{file}: {name} has safetensors dtype {view.get_dtype()!r}, which this tool does not read"
+            )
+        try:
+            return dtype, torch_shape(dtype, view.get_shape())
+        except ValueError as e:
+            raise NotADcpCheckpointError(f"{file}: {name}: {e}") from e
 
     def close(self) -> None:
         """Close every open file."""

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from fsdp_convert.constants import SAFETENSORS_SUFFIXES, SAFETENSORS_TO_TORCH
+from fsdp_convert.constants import SAFETENSORS_SUFFIXES, SAFETENSORS_TO_TORCH, torch_shape
 from fsdp_convert.errors import CorruptChunkError, NotADcpCheckpointError, ShapeMismatchError
 from fsdp_convert.formats._reader import ChunkedReader, StoredBytes
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Entry, TensorEntry
@@ -104,11 +104,13 @@ def describe_safetensors_dcp(root: Path) -> CheckpointIndex:
     """Index the safetensors files of ``root`` as DCP chunks (see the module docstring).
 
     Keys stand at the top level, as the state dict given to ``dcp.save`` had them (a model's
-    FQNs), so they are model weights.
+    FQNs), so they are model weights. Dtypes come from ``constants.SAFETENSORS_TO_TORCH`` and
+    shapes through ``constants.torch_shape`` (an ``F4`` header counts 4-bit values, two per
+    ``float4_e2m1fn_x2`` element).
 
     Raises:
-        NotADcpCheckpointError: no safetensors file, malformed sharding info or header entries, or
-            two files that disagree on a tensor's dtype or number of dims.
+        NotADcpCheckpointError: no safetensors file, malformed sharding info or header entries, a
+            dtype name not in the table, or two files that disagree on a tensor's dtype or number of dims.
         CorruptChunkError: an unreadable header, or a tensor's byte range that lies outside its
             file or does not fit its shape.
     """
@@ -125,8 +127,8 @@ def describe_safetensors_dcp(root: Path) -> CheckpointIndex:
         size = path.stat().st_size
         for fqn, desc in header.items():
             try:
-                dtype = SAFETENSORS_TO_TORCH[desc["dtype"]]
-                shape = tuple(_naturals(desc["shape"]))
+                dtype = SAFETENSORS_TO_TORCH[desc["dtype"]]  # KeyError: a dtype name not in the table
+                shape = torch_shape(dtype, _naturals(desc["shape"]))
                 begin, end = _naturals(desc["data_offsets"])
             except (KeyError, TypeError, ValueError) as e:
                 raise NotADcpCheckpointError(f"{path}: malformed header entry for {fqn} ({e!r})") from e

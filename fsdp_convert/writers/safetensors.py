@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from fsdp_convert.constants import SAFETENSORS_DTYPES, SAFETENSORS_TO_TORCH
-from fsdp_convert.formats.index import ObjPath, dcp_key
+from fsdp_convert.constants import SAFETENSORS_DTYPES, SAFETENSORS_TO_TORCH, safetensors_shape
+from fsdp_convert.formats.index import ObjPath, dcp_key, dtype_name
 
 __all__ = [
     "SafetensorsLayout",
@@ -59,12 +59,18 @@ def safetensors_layout(
 ) -> SafetensorsLayout:
     """The header and every tensor's byte range of a safetensors file of these tensors, in this order.
 
+    Each tensor's header entry is ``{"dtype": SAFETENSORS_DTYPES[dtype], "shape": ..., "data_offsets":
+    [begin, end]}`` (offsets in bytes from the end of the header), as safetensors 0.8 writes it:
+    the dtype names are ``constants.SAFETENSORS_DTYPES``, and the shape is the torch shape except
+    for ``float4_e2m1fn_x2``, whose last dim counts 4-bit values (``constants.safetensors_shape``).
+
     Args:
-        layout: ``(path, dtype, shape)`` of every tensor, in file order.
+        layout: ``(path, dtype, shape)`` of every tensor, in file order; shapes in torch elements.
         metadata: string pairs for ``__metadata__`` (``{"format": "pt"}`` by default, as HF writes).
 
     Raises:
-        ValueError: a dtype safetensors cannot hold, or two paths with the same name.
+        ValueError: a dtype safetensors cannot hold (complex128, complex32; a 0-dim float4), or
+            two paths with the same name; the message names the tensor and its dtype.
     """
     header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
     begins = []
@@ -72,11 +78,17 @@ def safetensors_layout(
     for obj_path, dtype, shape in layout:
         name = safetensors_name(obj_path)
         if dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{name}: safetensors cannot hold dtype {dtype}")
+            raise ValueError(
+                f"{name}: safetensors has no dtype for {dtype_name(dtype)}; write a .pt file, or leave it out with --exclude"
+            )
+        try:
+            header_shape = safetensors_shape(dtype, shape)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}; write a .pt file, or leave it out with --exclude") from e
         if name in header:
             raise ValueError(f"two tensors are both named {name}")
         nbytes = dtype.itemsize * math.prod(shape)
-        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [begin, begin + nbytes]}
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": header_shape, "data_offsets": [begin, begin + nbytes]}
         begins.append(begin)
         begin += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
