@@ -85,7 +85,11 @@ class _DcpSource:
             return self._reader.read_value(entry)
         check_coverage(entry)
         tensor = self._reader.read_tensor(entry)
-        return tensor if item.dtype in (None, tensor.dtype) else tensor.to(item.dtype)
+        if item.dtype in (None, tensor.dtype):
+            return tensor
+        # cast as consolidate's writers do, element by element: torch casts a 0-dim tensor through
+        # its scalar path, which turns a float32 NaN's payload into the canonical bf16 NaN (0x7fc0)
+        return tensor.reshape(-1).to(item.dtype).reshape(tensor.shape)
 
     def close(self) -> None:
         self._reader.close()
@@ -166,26 +170,61 @@ def _key_group(key: str) -> Group:
     return group_of_top(key.split(".", 1)[0])
 
 
+# floating dtypes torch cannot cast on CPU (no values, so no tolerances or differences): bytes only
+_NO_VALUES = frozenset(d for d in (getattr(torch, "float4_e2m1fn_x2", None),) if d is not None)
+
+
+def _element_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` as a ``(numel, itemsize)`` uint8 tensor, in element order (any dtype, 0-dim too).
+
+    Works for every dtype, where ``torch.equal`` and ``!=`` do not (float8 and float4 have no
+    CPU kernels for them, and NaN != NaN).
+    """
+    return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8).reshape(-1, t.dtype.itemsize)
+
+
+def _values(t: torch.Tensor) -> torch.Tensor | None:
+    """A real floating tensor's values as float64 (exact for every float dtype, float8 included); None otherwise."""
+    if not t.is_floating_point() or t.dtype in _NO_VALUES:
+        return None
+    return t.detach().to(torch.float64)
+
+
 def _compare(a: Any, b: Any, atol: float | None, rtol: float | None) -> str | None:
-    """None when equal, else what differs."""
+    """None when equal, else what differs.
+
+    Tensors are equal when their bytes are (so NaNs with the same bits are equal and -0.0 differs
+    from 0.0), compared as bytes for every dtype; with ``atol``/``rtol``, real floating tensors
+    (float8 too, through float64) are equal within ``torch.allclose`` (NaNs equal). Complex,
+    integer, bool and float4 tensors are always compared bitwise.
+    """
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         if a.dtype != b.dtype:
             return f"dtype {dtype_name(a.dtype)} != {dtype_name(b.dtype)}"
         if a.shape != b.shape:
             return f"shape {tuple(a.shape)} != {tuple(b.shape)}"
-        if atol is None and rtol is None or not a.is_floating_point():
-            # bitwise, so NaNs with the same bits compare equal and -0.0 differs from 0.0
-            if torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)):
-                return None
-        elif torch.allclose(a, b, rtol=rtol or 0.0, atol=atol or 0.0, equal_nan=True):
+        bytes_a, bytes_b = _element_bytes(a), _element_bytes(b)
+        if torch.equal(bytes_a, bytes_b):
             return None
-        if a.is_floating_point() and a.numel():
-            # a NaN on both sides is no difference (it would make the maximum NaN); a NaN on one side is
-            diff = torch.where(a.isnan() & b.isnan(), 0.0, (a.double() - b.double()).abs()).max().item()
+        values_a, values_b = _values(a), _values(b)
+        if values_a is not None and values_b is not None:
+            if (atol is not None or rtol is not None) and torch.allclose(
+                values_a, values_b, rtol=rtol or 0.0, atol=atol or 0.0, equal_nan=True
+            ):
+                return None
+            nan_a, nan_b = values_a.isnan(), values_b.isnan()
+            # a NaN on both sides, or equal values, is no difference in value (inf - inf would be NaN)
+            alike = (nan_a & nan_b) | (values_a == values_b)
+            one_nan = int((nan_a ^ nan_b).sum())
+            diff = torch.where(alike | nan_a | nan_b, 0.0, (values_a - values_b).abs()).max().item()
+            if one_nan:
+                elsewhere = f"; max abs difference {diff:.3g} elsewhere" if diff else ""
+                return f"values differ (a NaN on one side in {one_nan} of {a.numel()} elements{elsewhere})"
             if diff == 0:
                 return "values differ in bits only (-0.0 and 0.0, or NaNs of other bits)"
             return f"values differ (max abs difference {diff:.3g})"
-        return f"values differ ({int((a != b).sum())} of {a.numel()} elements)"
+        differing = int((bytes_a != bytes_b).any(dim=1).sum())
+        return f"values differ ({differing} of {a.numel()} elements)"
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return f"{type(a).__name__} != {type(b).__name__}"
     if type(a) is not type(b) or a != b:

@@ -94,7 +94,7 @@ class _TensorRef:
         args: tuple[Any, ...] = (
             self.storage,
             0,
-            torch.Size(self.shape),
+            tuple(self.shape),  # as Tensor.__reduce_ex__ pickles it (a tuple, not a torch.Size)
             _contiguous_stride(self.shape),
             False,
             collections.OrderedDict(),
