@@ -2,19 +2,29 @@
 
 ``transform.build_items`` is pure; a flattened optimizer state dict needs some small param group
 values (the ``params`` lists, every field of each group) to build the items, so this reads them
-first, from whatever source the index describes.
+first, from whatever source the index describes. A consolidation in the producer's layout of a
+Lightning checkpoint also reads its ``meta.pt`` (``torch.load(weights_only=True)``), whose entries
+Lightning's own loader merges at the top level.
 """
 
 from __future__ import annotations
 
+import io
+import pickle
+from pathlib import Path
 from typing import Any
 
+import torch
+
+from fsdp_convert.errors import CorruptChunkError, InvalidOptionError, UnsafeContentError, UnsupportedTransformError
 from fsdp_convert.formats import Reader, open_reader
-from fsdp_convert.formats.index import BytesEntry, CheckpointIndex
+from fsdp_convert.formats.dcp import LIGHTNING_META_FILENAME
+from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, Url
 from fsdp_convert.layout import Group, classify, detect_producer
+from fsdp_convert.remote import read_bytes, size_of
 from fsdp_convert.transform import OutputItem, TransformOptions, build_items, needs_group_values
 
-__all__ = ["prepare_items"]
+__all__ = ["prepare_items", "read_lightning_meta"]
 
 
 def _value_reader(index: CheckpointIndex, check_crc: bool) -> Reader:
@@ -53,7 +63,7 @@ def prepare_items(
                 entry = index.entries[i]
                 assert isinstance(entry, BytesEntry)
                 values[i] = reader.read_value(entry)
-    return build_items(
+    items = build_items(
         index,
         slots,
         options,
@@ -61,4 +71,88 @@ def prepare_items(
         groups=groups,
         keep_layout=keep_layout,
         params_in_model_order=detect_producer(index) in ("fsdp1", "fsdp"),
+    )
+    if keep_layout or options.layout != "producer" or "other" not in groups:
+        return items
+    return items + _lightning_meta_items(index, items)
+
+
+def _meta_location(index: CheckpointIndex) -> Path | Url | None:
+    """Where Lightning's ``meta.pt`` lies beside ``.metadata``, if it does (remote: one size request)."""
+    root = index.checkpoint_id
+    if isinstance(root, Url):
+        return root / LIGHTNING_META_FILENAME if size_of(root / LIGHTNING_META_FILENAME) is not None else None
+    return root / LIGHTNING_META_FILENAME if index.producer == "lightning" else None
+
+
+def read_lightning_meta(index: CheckpointIndex) -> dict[str, Any] | None:
+    """Lightning Fabric's ``meta.pt`` (the saved state that is neither module nor optimizer), or None.
+
+    Loaded with ``torch.load(weights_only=True)``; its values must be plain (no tensor), as
+    ``fabric.save`` writes a step counter or hyperparameters there.
+
+    Raises:
+        UnsafeContentError: it would run code when loaded.
+        CorruptChunkError: it does not load, or is not a dict with string keys.
+        UnsupportedTransformError: a value holds a tensor (use ``--layout nested``, which leaves it out).
+    """
+    where = _meta_location(index)
+    if where is None:
+        return None
+    try:
+        raw = read_bytes(where) if isinstance(where, Url) else where.read_bytes()
+        meta = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        detail = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln), None)
+        if detail is not None:
+            raise UnsafeContentError(f"{where}: would run code when loaded, refused ({detail})") from e
+        raise CorruptChunkError(f"{where}: does not load as a torch.save file") from e
+    except (OSError, RuntimeError, EOFError) as e:
+        raise CorruptChunkError(f"{where}: does not load as a torch.save file ({e})") from e
+    if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
+        raise CorruptChunkError(f"{where}: expected a dict with string keys (Lightning's meta.pt), got {type(meta).__name__}")
+    for key, value in meta.items():
+        if _holds_tensor(value):
+            raise UnsupportedTransformError(
+                f"{where}: {key!r} holds a tensor, which this tool does not merge; use --layout nested to leave meta.pt out"
+            )
+    return meta
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(_holds_tensor(v) for v in value)
+    return False
+
+
+def _lightning_meta_items(index: CheckpointIndex, items: tuple[OutputItem, ...]) -> tuple[OutputItem, ...]:
+    """``meta.pt``'s entries as top-level values, after the checkpoint's own, as Lightning merges them.
+
+    Raises:
+        InvalidOptionError: a ``meta.pt`` key is also a top-level key of the checkpoint.
+        As ``read_lightning_meta``.
+    """
+    meta = read_lightning_meta(index)
+    if not meta:
+        return ()
+    tops = {item.path[0] for item in items}
+    clash = sorted(k for k in meta if k in tops)
+    if clash:
+        raise InvalidOptionError(
+            f"{index.checkpoint_id}: {LIGHTNING_META_FILENAME} and the checkpoint both hold {clash[0]!r}; "
+            "use --layout nested to leave meta.pt out"
+        )
+    return tuple(
+        OutputItem(
+            entry=BytesEntry(fqn=key, path=(key,), relative_path=LIGHTNING_META_FILENAME, offset_bytes=0, length_bytes=0),
+            path=(key,),
+            group="other",
+            constant=True,
+            value=value,
+        )
+        for key, value in meta.items()
     )

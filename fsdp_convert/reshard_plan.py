@@ -1,20 +1,23 @@
 """Plan stage for ``reshard``: every item's chunks per target rank; pure functions, no I/O.
 
 Tensors are split on dim 0 in ``torch.chunk`` order, the layout FSDP2's ``Shard(0)`` and FSDP1
-load; what stays whole (0-dim, empty, replicated tensors, values) goes to rank 0.
+load; what stays whole (0-dim, empty, replicated tensors, values) goes to rank 0. A source whose
+data lie in several DCP folders (accelerate's ``pytorch_model_fsdp_0/`` and ``optimizer_0/``) is
+planned folder by folder (``split_by_folder``), so the output has the same folders.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 
 from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.errors import InvalidOptionError, NotADcpCheckpointError
-from fsdp_convert.formats.index import CheckpointIndex, TensorEntry, check_coverage, unflatten
+from fsdp_convert.formats.index import CheckpointIndex, Entry, TensorEntry, check_coverage, unflatten
 from fsdp_convert.transform import OutputItem
 from fsdp_convert.writers.torch_save import PayloadLayout, TensorSlot, tensor_payload_layout
 
-__all__ = ["TargetChunk", "PayloadPlan", "ReshardPlan", "dim0_boxes", "plan_reshard"]
+__all__ = ["TargetChunk", "PayloadPlan", "ReshardPlan", "dim0_boxes", "plan_reshard", "split_by_folder"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,6 +104,41 @@ def dim0_boxes(shape: tuple[int, ...], world_size: int) -> list[TargetChunk]:
         offsets = (start, *(0,) * (len(shape) - 1))
         chunks.append(TargetChunk(rank=rank, offsets=offsets, sizes=(min(step, rows - start), *shape[1:])))
     return chunks
+
+
+def _folder(entry: Entry) -> str | None:
+    """The folder of the data file holding ``entry``'s payloads, relative to the checkpoint (``""``: its own)."""
+    if isinstance(entry, TensorEntry):
+        path = next((c.relative_path for c in entry.chunks if c.relative_path is not None), None)
+    else:
+        path = entry.relative_path
+    if path is None:
+        return None
+    parent = PurePosixPath(path).parent.as_posix()
+    return "" if parent == "." else parent
+
+
+def split_by_folder(items: tuple[OutputItem, ...]) -> tuple[tuple[str, tuple[OutputItem, ...]], ...]:
+    """The items by the folder their source data lie in, in order of first appearance.
+
+    A DCP folder gives one group, ``""``. accelerate's checkpoint folder, read as one index whose
+    data file names carry their folder (``pytorch_model_fsdp_0/__0_0.distcp``), gives one group
+    per DCP folder, so that each is written as its own DCP folder. An item with no payload
+    anywhere (a tensor of no elements that DCP stored without data) joins the first group.
+    """
+    groups: dict[str, list[OutputItem]] = {}
+    homeless = []
+    for item in items:
+        folder = _folder(item.entry)
+        if folder is None:
+            homeless.append(item)
+        else:
+            groups.setdefault(folder, []).append(item)
+    if not groups:
+        return (("", tuple(homeless)),)
+    first = next(iter(groups))
+    groups[first] = homeless + groups[first]
+    return tuple((folder, tuple(part)) for folder, part in groups.items())
 
 
 def plan_reshard(

@@ -2,8 +2,10 @@
 
 Pure functions over an index, its ``layout.Slot`` per entry, and the few small param group values
 the caller has read (the ``params`` lists, and every field of a flattened optimizer state dict).
-The output is always the nested layout ``{"model": {fqn: tensor}, "optim": {"state": {...},
-"param_groups": [...]}, <other top-level keys as saved>}``, whatever nesting the producer used.
+A consolidation's output is the nested layout ``{"model": {fqn: tensor}, <optimizer>: {"state":
+{...}, "param_groups": [...]}, <other top-level keys as saved>}``, whatever nesting the producer
+used; ``<optimizer>`` is the producer's own name for it (``optim``, ``optimizer``) in the
+``producer`` layout, ``optim`` in the ``nested`` one.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from fsdp_convert.layout import Group, Slot
 __all__ = [
     "WRAPPER_NAMES",
     "OptimKeys",
+    "Layout",
     "TransformOptions",
     "OutputItem",
     "parse_rename",
@@ -37,6 +40,8 @@ __all__ = [
 WRAPPER_NAMES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 DDP_PREFIX = "module"
 OptimKeys = Literal["names", "ids"]
+Layout = Literal["producer", "nested"]
+NESTED_OPTIM_TOP = "optim"
 
 _DTYPES = {
     "fp32": torch.float32, "float32": torch.float32,
@@ -92,6 +97,11 @@ class TransformOptions:
             wrapper names are removed and before renames.
         dtype: cast floating-point model tensors to this dtype; None keeps them.
         optim_dtype: cast floating-point optimizer state (but never ``step``) to this dtype.
+        layout: top-level names of a consolidation: ``producer`` keeps the producer's name for the
+            optimizer state (``optimizer`` for Lightning, accelerate and torchtitan) and merges
+            Lightning's ``meta.pt`` (``items.prepare_items``), so that its own loader reads the
+            file; ``nested`` writes ``optim`` for every producer and leaves ``meta.pt`` out.
+            Either way model weights go under ``model``. ``reshard`` keeps every key as saved.
     """
 
     optim_keys: OptimKeys = "names"
@@ -101,6 +111,7 @@ class TransformOptions:
     exclude: tuple[str, ...] = ()
     dtype: torch.dtype | None = None
     optim_dtype: torch.dtype | None = None
+    layout: Layout = "producer"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -267,7 +278,8 @@ def build_items(
     """The output items of a conversion, in output order: model, optimizer state, param groups, other.
 
     With ``keep_layout`` false (``consolidate``) the output has the nested layout ``{"model": ...,
-    "optim": {"state": ..., "param_groups": [...]}}``. With it true (``reshard``) every item keeps
+    "optim": {"state": ..., "param_groups": [...]}}``, the optimizer's top-level key as saved
+    (``optimizer``) when ``options.layout`` is ``producer``. With it true (``reshard``) every item keeps
     its producer's nesting (top-level weights, ``optimizer``, a flattened optimizer state dict) so
     the producer's own loader reads the output; only FQNs, ids and dtypes change.
 
@@ -313,6 +325,11 @@ def build_items(
                 entry = index.entries[i]
                 items.append(OutputItem(entry=entry, path=entry.path, group="other", dtype=_cast(entry, None)))
     return tuple(items)
+
+
+def _optim_top(entry: Entry, options: TransformOptions) -> str | int:
+    """The optimizer's top-level key in a consolidation: as saved (``producer``) or ``optim`` (``nested``)."""
+    return entry.path[0] if options.layout == "producer" else NESTED_OPTIM_TOP
 
 
 def _optim_items(
@@ -369,7 +386,7 @@ def _optim_items(
         seen[(key, *tail)] = entry.fqn
         dtype = _cast(entry, options.optim_dtype, keep=slot.key == "step")
         if not keep_layout:
-            path: ObjPath = ("optim", "state", key, *tail)
+            path: ObjPath = (_optim_top(entry, options), "state", key, *tail)
         elif len(entry.path) == 2:  # flattened: "state.<fqn>.<name>"
             path = (entry.path[0], f"state.{key}.{slot.key}")
         else:
@@ -393,7 +410,7 @@ def _optim_items(
             fields["params"] = next(iter(fields.values()))  # flattened: params is made, named after a field
         for key, (i, value) in fields.items():
             entry = index.entries[i]
-            path = (entry.path[0] if keep_layout else "optim", "param_groups", g, key)
+            path = (entry.path[0] if keep_layout else _optim_top(entry, options), "param_groups", g, key)
             if key == "params":
                 if options.optim_keys == "ids":
                     params: list[str | int] = list(range(first, first + len(group.params)))

@@ -5,13 +5,23 @@ file and a worker, balanced by bytes. Each worker moves its chunks' bytes there 
 writes each payload's zip headers around them; rank 0 appends the values (bytes entries) to its
 own file, and its process writes ``.metadata`` once every worker is done. No tensor crosses
 between workers.
+
+The output keeps the source's folders, so the producer's own loader reads it: accelerate's
+``pytorch_model_fsdp_0/`` and ``optimizer_0/`` each become a DCP folder for the new world size,
+and the files beside them that hold the same at any world size (Lightning's ``meta.pt``,
+accelerate's scheduler, sampler, scaler and custom states) are copied byte for byte, never
+loaded. Per-rank files (accelerate's ``random_states_<r>.pkl``) and unknown files are left out,
+and the result says which.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import logging
 import os
+import re
+import shutil
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -23,14 +33,15 @@ import torch
 
 from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.formats import check_data_files, open_reader, read_index
-from fsdp_convert.formats.index import BytesEntry, Location, TensorEntry, dcp_key
+from fsdp_convert.formats.dcp import LIGHTNING_META_FILENAME
+from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, Location, TensorEntry, dcp_key
 from fsdp_convert.items import prepare_items
 from fsdp_convert.launch import Cluster, WorkerGroup, job_world_size, run_ranks, shared_tag
 from fsdp_convert.layout import GROUPS
 from fsdp_convert.move import MoveJob, Piece, move_all, pwrite_all, range_crc
 from fsdp_convert.plan import DEFAULT_MEMORY_BUDGET_BYTES, default_nproc, mover_buffers
 from fsdp_convert.remote import as_location, local_output
-from fsdp_convert.reshard_plan import PayloadPlan, ReshardPlan, plan_reshard
+from fsdp_convert.reshard_plan import PayloadPlan, ReshardPlan, plan_reshard, split_by_folder
 from fsdp_convert.transform import TransformOptions
 from fsdp_convert.writers import atomic_output
 from fsdp_convert.writers._atomic import LeaveToOwner, check_output_free, writing
@@ -38,6 +49,8 @@ from fsdp_convert.writers.dcp import MetadataEntry, StoredChunk, rank_filename, 
 from fsdp_convert.writers.torch_save import TensorSlot, write_tensor_payload_headers
 
 __all__ = ["ReshardResult", "reshard"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,6 +65,11 @@ class ReshardResult:
         nproc: writing workers.
         seconds: wall time, in seconds.
         owner: False in a process that did not write ``.metadata`` (see ``ConsolidateResult``).
+        folders: the DCP folders written, relative to ``output`` (``""``: ``output`` itself;
+            accelerate: ``optimizer_0``, ``pytorch_model_fsdp_0``).
+        copied: files beside the source's DCP data copied byte for byte (``meta.pt``...).
+        left_out: files beside the source's DCP data not carried over (``random_states_0.pkl``...).
+        notes: one line per kind of file left out, saying why (also printed on stderr by the CLI).
     """
 
     output: Location
@@ -61,14 +79,82 @@ class ReshardResult:
     nproc: int
     seconds: float
     owner: bool = True
+    folders: tuple[str, ...] = ("",)
+    copied: tuple[str, ...] = ()
+    left_out: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _ReshardJob:
     checkpoint_id: Location
-    plan: ReshardPlan
+    plans: tuple[tuple[str, ReshardPlan], ...]  # (folder relative to the output, its plan)
     tmp_output: Path
     check_crc: bool
+
+
+# accelerate's save_state files that hold the same at any world size (written by the main process
+# only): LR schedulers, samplers, the grad scaler, register_for_checkpointing's objects
+_ACCELERATE_SHARED_RE = re.compile(r"^((scheduler|sampler)(_\d+)?\.bin|scaler\.pt|custom_checkpoint_\d+\.pkl)$")
+# accelerate's per-rank RNG states: pickles of the old ranks' generators
+_ACCELERATE_RNG_RE = re.compile(r"^random_states_\d+\.pkl$")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Beside:
+    """The files beside a source's DCP data: those copied byte for byte, those left out, and why."""
+
+    copied: tuple[str, ...] = ()
+    left_out: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+def _files_beside(index: CheckpointIndex, folders: tuple[str, ...]) -> _Beside:
+    """Sort the entries of a local DCP source folder that are neither ``.metadata`` nor data files.
+
+    Lightning's ``meta.pt`` and accelerate's world-size-independent files are copied; the rest
+    (accelerate's per-rank ``random_states_<r>.pkl``, anything unknown) is left out. Nothing is
+    opened. A full file, per-rank files or a remote source: nothing beside.
+    """
+    root = index.checkpoint_id
+    accelerate = index.producer == "accelerate"
+    if not isinstance(root, Path) or not root.is_dir() or not (accelerate or (root / METADATA_FILENAME).is_file()):
+        return _Beside()
+    known = {METADATA_FILENAME, *index.data_files, *folders}
+    copied, rng, unknown = [], [], []
+    for path in sorted(root.iterdir()):
+        name = path.name
+        if name in known or name.startswith("."):
+            continue
+        if path.is_file() and (
+            (name == LIGHTNING_META_FILENAME and index.producer == "lightning")
+            or (accelerate and _ACCELERATE_SHARED_RE.match(name))
+        ):
+            copied.append(name)
+        elif accelerate and _ACCELERATE_RNG_RE.match(name):
+            rng.append(name)
+        else:
+            unknown.append(name + ("/" if path.is_dir() else ""))
+    notes = []
+    if rng:
+        notes.append(
+            f"left out {', '.join(rng)}: accelerate's per-rank RNG states (pickles, never loaded) belong to the "
+            "old ranks; load_state then keeps each new rank's own RNG state and step counter"
+        )
+    if unknown:
+        notes.append(f"left out {', '.join(unknown)}: not part of the checkpoint as this tool knows it; copy them if they apply")
+    return _Beside(copied=tuple(copied), left_out=tuple(rng + unknown), notes=tuple(notes))
+
+
+def _copy_beside(root: Path, tmp: Path, names: tuple[str, ...]) -> None:
+    """Copy each file byte for byte (never loaded) into the output, fsynced."""
+    for name in names:
+        shutil.copyfile(root / name, tmp / name)
+        fd = os.open(tmp / name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _payload(value: Any) -> bytes:
@@ -78,19 +164,18 @@ def _payload(value: Any) -> bytes:
     return buf.getvalue()
 
 
-def _move_job(plan: ReshardPlan, payload: PayloadPlan, fd: int) -> MoveJob:
+def _move_job(plan: ReshardPlan, payload: PayloadPlan, fd: int, file: int) -> MoveJob:
     item = plan.items[payload.item]
     assert isinstance(item.entry, TensorEntry) and item.dtype is not None
     chunk = payload.chunk
     rows = (chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]) if chunk.sizes else None
     return MoveJob(
-        entry=item.entry, dtype=item.dtype, file=chunk.rank, fd=fd, offset=payload.offset + payload.layout.data_offset, rows=rows
+        entry=item.entry, dtype=item.dtype, file=file, fd=fd, offset=payload.offset + payload.layout.data_offset, rows=rows
     )
 
 
-def _write_values(job: _ReshardJob, fd: int) -> list[StoredChunk]:
+def _write_values(job: _ReshardJob, plan: ReshardPlan, fd: int) -> list[StoredChunk]:
     """Rank 0: append every value's payload to rank 0's data file after its tensor chunks."""
-    plan = job.plan
     stored, at = [], plan.values_offset
     with open_reader(job.checkpoint_id, check_crc=job.check_crc, full_files=True) as reader:
         for item in plan.items:
@@ -107,23 +192,33 @@ def _write_values(job: _ReshardJob, fd: int) -> list[StoredChunk]:
     return stored
 
 
-def _reshard_rank(job: _ReshardJob, worker: int, world_size: int, group: WorkerGroup | None) -> list[dict[str, Any]] | None:
+def _reshard_rank(
+    job: _ReshardJob, worker: int, world_size: int, group: WorkerGroup | None
+) -> dict[str, list[dict[str, Any]]] | None:
     """Move this worker's chunks into their payloads and write each payload's headers; rank 0 appends the values.
 
+    Called on every worker. Every folder of the output (one, or accelerate's two) is written in
+    the same pass, each with its own rank files.
+
     Returns:
-        On rank 0, where every value's payload went (``StoredChunk.to_json`` rows); None elsewhere.
+        On rank 0, per output folder, where every value's payload went (``StoredChunk.to_json``
+        rows); None elsewhere.
     """
-    plan = job.plan
     with writing(job.tmp_output), ExitStack() as stack:
-        fds: dict[int, int] = {}
-        for rank in plan.data_ranks:
-            fds[rank] = os.open(job.tmp_output / rank_filename(rank), os.O_RDWR | os.O_CREAT, 0o644)
-            stack.callback(os.close, fds[rank])
+        fds: dict[tuple[int, int], int] = {}  # (folder, target rank) -> its data file
+        for p, (sub, plan) in enumerate(job.plans):
+            folder = job.tmp_output / sub
+            folder.mkdir(exist_ok=True)
+            for rank in plan.data_ranks:
+                fds[p, rank] = os.open(folder / rank_filename(rank), os.O_RDWR | os.O_CREAT, 0o644)
+                stack.callback(os.close, fds[p, rank])
         mine = {}
-        for payload in plan.payloads:
-            if payload.owner == worker:
-                move = _move_job(plan, payload, fds[payload.chunk.rank])
-                mine[(move.file, move.offset)] = (move, payload)
+        for p, (_, plan) in enumerate(job.plans):
+            for payload in plan.payloads:
+                if payload.owner == worker:
+                    rank = payload.chunk.rank
+                    move = _move_job(plan, payload, fds[p, rank], file=p * plan.target_world_size + rank)
+                    mine[(move.file, move.offset)] = (move, payload)
 
         def write_headers(moved: MoveJob, pieces: list[Piece]) -> None:
             payload = mine[(moved.file, moved.offset)][1]
@@ -139,16 +234,20 @@ def _reshard_rank(job: _ReshardJob, worker: int, world_size: int, group: WorkerG
             piece_bytes=piece_bytes,
             on_done=write_headers,
         )
-        values = _write_values(job, fds[0]) if worker == 0 and 0 in fds else []
+        values: dict[str, list[dict[str, Any]]] = {}
+        if worker == 0:
+            for p, (sub, plan) in enumerate(job.plans):
+                rows = _write_values(job, plan, fds[p, 0]) if (p, 0) in fds else []
+                values[sub] = [c.to_json() for c in rows]
         for fd in fds.values():
             os.fsync(fd)
         if group is not None:
             group.barrier()
-        return [c.to_json() for c in values] if worker == 0 else None
+        return values if worker == 0 else None
 
 
-def _write_index(folder: Path, plan: ReshardPlan, values: list[StoredChunk], version: str | None) -> int:
-    """Rank 0's process, once every worker is done: write ``.metadata``; return the folder's size in bytes."""
+def _write_index(folder: Path, plan: ReshardPlan, values: list[StoredChunk], version: str | None) -> None:
+    """Rank 0's process, once every worker is done: write the folder's ``.metadata``."""
     stored = [
         StoredChunk(dcp_key(plan.items[p.item].path), p.chunk.offsets, rank_filename(p.chunk.rank), p.offset, p.layout.size)
         for p in plan.payloads
@@ -164,7 +263,6 @@ def _write_index(folder: Path, plan: ReshardPlan, values: list[StoredChunk], ver
         for item, chunks in zip(plan.items, plan.chunks, strict=True)
     ]
     write_metadata(folder, entries, stored + values, version)
-    return sum(p.stat().st_size for p in folder.iterdir())
 
 
 def reshard(
@@ -189,8 +287,17 @@ def reshard(
     only its own file; 0-dim and replicated tensors stay whole and bytes entries are carried over
     unchanged, both in rank 0's file. ``.metadata`` is written last.
 
+    The source's folders are kept: accelerate's ``save_state`` folder gives the same
+    ``pytorch_model_fsdp_0/`` and ``optimizer_0/``, each a DCP folder for ``world_size``, which
+    accelerate's ``load_state`` reads. Files beside the DCP data that hold the same at any world
+    size are copied byte for byte, never loaded: Lightning's ``meta.pt`` (``fabric.load``
+    refuses a folder without it), accelerate's ``scheduler*.bin``, ``sampler*.bin``,
+    ``scaler.pt`` and ``custom_checkpoint_<n>.pkl``. accelerate's per-rank
+    ``random_states_<r>.pkl`` and unknown files are left out; ``ReshardResult.notes`` says so.
+
     Args:
-        checkpoint_id: the source: a DCP folder, a full torch.save or safetensors file, or an HF folder.
+        checkpoint_id: the source: a DCP folder (or accelerate's parent folder), a full torch.save
+            or safetensors file, or an HF folder.
         output: the output folder.
         world_size: the target world size.
         nproc: workers, each moving its share of the chunks (balanced by bytes) into any rank
@@ -216,22 +323,36 @@ def reshard(
         workers = job_world_size(nproc, cluster) or default_nproc(
             sum(item.nbytes for item in items), len(index.data_files) or 1, len(os.sched_getaffinity(0))
         )
-        plan = plan_reshard(index, items, world_size, nproc=workers)
+        parts = split_by_folder(items)
+        plans = tuple((sub, plan_reshard(index, part, world_size, nproc=workers)) for sub, part in parts)
+        beside = _files_beside(index, tuple(sub for sub, _ in parts if sub))
         owner, file_bytes = False, 0
         with atomic_output(output, overwrite=overwrite, directory=True, tag=shared_tag(cluster)) as tmp:
-            job = _ReshardJob(checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, check_crc=check_crc)
-            owner, values = run_ranks(_reshard_rank, job, plan.nproc, cluster)
+            job = _ReshardJob(checkpoint_id=index.checkpoint_id, plans=plans, tmp_output=tmp, check_crc=check_crc)
+            owner, values = run_ranks(_reshard_rank, job, workers, cluster)
             if not owner:
                 raise LeaveToOwner
-            file_bytes = _write_index(tmp, plan, [StoredChunk.from_json(row) for row in values], index.version)
-        chunks = sum(len(c) for item, c in zip(plan.items, plan.chunks, strict=True) if item.is_tensor)
+            for sub, plan in plans:
+                stored = [StoredChunk.from_json(row) for row in values[sub]]
+                _write_index(tmp / sub, plan, stored, index.version)
+            if beside.copied:
+                assert isinstance(index.checkpoint_id, Path)
+                _copy_beside(index.checkpoint_id, tmp, beside.copied)
+            file_bytes = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
+        chunks = sum(len(c) for _, plan in plans for item, c in zip(plan.items, plan.chunks, strict=True) if item.is_tensor)
         result = ReshardResult(
             output=output,
             target_world_size=world_size,
             chunks=chunks,
             file_bytes=file_bytes,
-            nproc=plan.nproc,
+            nproc=workers,
             seconds=time.monotonic() - start,
             owner=owner,
+            folders=tuple(sub for sub, _ in plans),
+            copied=beside.copied,
+            left_out=beside.left_out,
+            notes=beside.notes,
         )
+        for note in beside.notes:
+            logger.info("%s", note)
     return dataclasses.replace(result, output=shown)
