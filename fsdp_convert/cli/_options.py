@@ -21,6 +21,7 @@ __all__ = [
     "OnlyChoice",
     "FormatChoice",
     "OptimKeysChoice",
+    "LayoutChoice",
     "DtypeChoice",
     "RdzvBackendChoice",
     "choice_option",
@@ -34,6 +35,7 @@ __all__ = [
     "ProgressOpt",
     "NoCrcOpt",
     "OptimKeysOpt",
+    "LayoutOpt",
     "KeepWrapperNamesOpt",
     "RenameOpt",
     "IncludeOpt",
@@ -99,6 +101,13 @@ class OptimKeysChoice(Choice):
 
     names = "names"
     ids = "ids"
+
+
+class LayoutChoice(Choice):
+    """``consolidate --layout``: top-level names as the producer's loader reads them, or ``model``/``optim`` for all."""
+
+    producer = "producer"
+    nested = "nested"
 
 
 class DtypeChoice(Choice):
@@ -234,6 +243,16 @@ OptimKeysOpt = Annotated[
         "param-group order (ids, as torch.optim.Optimizer.state_dict, for load_state_dict on a plain model).",
     ),
 ]
+LayoutOpt = Annotated[
+    LayoutChoice,
+    choice_option(
+        LayoutChoice,
+        "--layout",
+        help="Top-level keys of a .pt output: producer (as the producer saved them, so its own loader reads the file: "
+        "Lightning's {model, optimizer, <meta.pt entries>}; optimizer stays optimizer) or nested "
+        "({model, optim, ...} for every producer; meta.pt left out).",
+    ),
+]
 KeepWrapperNamesOpt = Annotated[
     bool,
     typer.Option(
@@ -290,8 +309,9 @@ def transform_options(
     exclude: list[str] | None,
     dtype: DtypeChoice | None,
     optim_dtype: DtypeChoice | None,
+    layout: LayoutChoice = LayoutChoice.producer,
 ) -> TransformOptions:
-    """The ``TransformOptions`` the command line asks for.
+    """The ``TransformOptions`` the command line asks for (``layout``: ``consolidate --layout``).
 
     Raises:
         InvalidOptionError: a bad ``--rename``.
@@ -306,6 +326,7 @@ def transform_options(
         exclude=tuple(exclude or ()),
         dtype=None if dtype is None else parse_dtype(dtype),
         optim_dtype=None if optim_dtype is None else parse_dtype(optim_dtype),
+        layout=layout.value,
     )
 
 

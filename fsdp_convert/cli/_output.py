@@ -84,7 +84,8 @@ def print_result(result: Any, *, json_output: bool, done: str, elsewhere: str, p
 
     ``--json``: one document of all its fields (``schema_version`` 1, seconds rounded to ms).
     Otherwise one line: ``done`` where this process wrote the output, ``prefix + elsewhere``
-    where rank 0's process did.
+    where rank 0's process did. The result's ``notes`` (files ``reshard`` left out), where this
+    process wrote the output, go to stderr as ``note: ...`` lines in either mode.
     """
     if json_output:
         doc: dict[str, Any] = {"schema_version": 1}
@@ -98,3 +99,6 @@ def print_result(result: Any, *, json_output: bool, done: str, elsewhere: str, p
         console.print(prefix + elsewhere, markup=False, highlight=False)
     else:
         console.print(done, highlight=False)
+    if result.owner:
+        for note in getattr(result, "notes", ()):
+            err_console.print(f"note: {note}", markup=False, highlight=False)

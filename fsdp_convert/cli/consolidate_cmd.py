@@ -16,6 +16,8 @@ from fsdp_convert.cli._options import (
     IncludeOpt,
     JsonOpt,
     KeepWrapperNamesOpt,
+    LayoutChoice,
+    LayoutOpt,
     MemoryBudgetOpt,
     NnodesOpt,
     NoCrcOpt,
@@ -56,6 +58,8 @@ Examples:
 
   fsdp-convert consolidate ckpt/step-1000 plain.pt --optim-keys ids --dtype bf16
 
+  fsdp-convert consolidate fabric-ckpt/ full.pt --layout nested
+
   fsdp-convert consolidate ckpt/step-1000 hf-model/ --rename '^=model.' --exclude 'lm_head.weight'
 """
 
@@ -95,6 +99,7 @@ def consolidate_command(
     only: OnlyOpt = OnlyChoice.all,
     output_format: FormatOpt = FormatChoice.auto,
     optim_keys: OptimKeysOpt = OptimKeysChoice.names,
+    layout: LayoutOpt = LayoutChoice.producer,
     keep_wrapper_names: KeepWrapperNamesOpt = False,
     rename: RenameOpt = None,
     include: IncludeOpt = None,
@@ -120,7 +125,7 @@ def consolidate_command(
     """Write the full (unsharded) model and optimizer state of CHECKPOINT_DIR into one file OUT."""
     show_progress = progress if progress is not None else (not json_output and sys.stderr.isatty())
     with handle_errors():
-        options = transform_options(optim_keys, keep_wrapper_names, rename, include, exclude, dtype, optim_dtype)
+        options = transform_options(optim_keys, keep_wrapper_names, rename, include, exclude, dtype, optim_dtype, layout)
         cluster = cluster_options(nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id)
         result = consolidate(
             checkpoint,
