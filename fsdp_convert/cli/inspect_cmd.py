@@ -12,7 +12,7 @@ from fsdp_convert.cli._options import CheckpointArg, JsonOpt
 from fsdp_convert.cli._output import console, human_bytes, print_json, shorten_middle
 
 if TYPE_CHECKING:
-    from fsdp_convert.ops.inspect import InspectResult
+    from fsdp_convert.ops.inspect import EntrySummary, InspectResult
 
 EXAMPLES = """
 Examples:
@@ -34,6 +34,25 @@ def inspect_checkpoint(checkpoint_id: str) -> InspectResult:
     return operation(checkpoint_id)
 
 
+def chunks_cell(result_row: EntrySummary) -> str:
+    """The chunks column: the count, and how the chunks cut the tensor where it is not FSDP's dim 0 alone.
+
+    ``3`` (cut on dim 0, or whole); ``2 (dim 1)``; ``2 x 2 (dim 0, dim 1)`` (tensor parallelism
+    under FSDP); ``5 (irregular)`` when the chunks are not a grid (``chunks_per_dim`` is None).
+    """
+    n, grid = result_row.chunks, result_row.chunks_per_dim
+    if result_row.kind != "tensor":
+        return str(n)
+    if grid is None:
+        return f"{n} (irregular)"
+    cut = [d for d, pieces in enumerate(grid) if pieces > 1]
+    if cut in ([], [0]):
+        return str(n)
+    if len(cut) == 1:
+        return f"{n} (dim {cut[0]})"
+    return " x ".join(str(grid[d]) for d in cut) + " (" + ", ".join(f"dim {d}" for d in cut) + ")"
+
+
 def _render(result: InspectResult, out: Console = console) -> None:
     out.print(f"checkpoint: {result.checkpoint_id}", highlight=False)
     out.print(
@@ -45,7 +64,7 @@ def _render(result: InspectResult, out: Console = console) -> None:
         rows = [e for e in result.entries if e.group == group]
         if not rows:
             continue
-        cells = [("bytes" if r.shape is None else str(r.shape), r.dtype or "-", str(r.chunks), str(r.nbytes)) for r in rows]
+        cells = [("bytes" if r.shape is None else str(r.shape), r.dtype or "-", chunks_cell(r), str(r.nbytes)) for r in rows]
         widths = [max(len(name), *(len(c[i]) for c in cells)) for i, (name, _) in enumerate(_COLUMNS)]
         # one line per row: the FQN column gets what the others and the borders leave, and long FQNs
         # are shortened in the middle to fit it instead of wrapping mid-word
@@ -61,6 +80,9 @@ def _render(result: InspectResult, out: Console = console) -> None:
 
 def inspect_command(checkpoint: CheckpointArg, json_output: JsonOpt = False) -> None:
     """Show FQNs, global shapes, dtypes, chunks and bytes of a DCP checkpoint, and who wrote it.
+
+    Chunks cut on dim 0 (FSDP) show as a count; other cuts say how, e.g. 2 x 2 (dim 0, dim 1)
+    for tensor parallelism under FSDP (--json: chunks_per_dim).
 
     FQNs too long for the terminal lose parts from their middle (model.….17.mlp.weight); --json has them whole.
     """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -10,7 +11,7 @@ from fsdp_convert.formats import read_index
 from fsdp_convert.formats.index import Location, TensorEntry, dtype_name
 from fsdp_convert.layout import GROUPS, Group, classify, detect_producer
 
-__all__ = ["EntrySummary", "InspectResult", "inspect_checkpoint"]
+__all__ = ["EntrySummary", "InspectResult", "chunks_per_dim", "inspect_checkpoint"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -23,7 +24,11 @@ class EntrySummary:
         kind: ``tensor`` or ``bytes`` (a pickled plain value).
         shape: global shape in elements (``None`` for bytes).
         dtype: element type name, e.g. ``"bfloat16"`` (``None`` for bytes).
-        chunks: number of stored chunks (1 for bytes).
+        chunks: number of stored chunks (1 for bytes), empty ones included (FSDP2 records an
+            empty chunk for a rank whose shard of a small tensor is empty).
+        chunks_per_dim: how the non-empty chunks cut the tensor: the number of pieces along each
+            dim, e.g. ``(2, 2)`` for FSDP on dim 0 with tensor parallelism on dim 1, ``(3, 1)``
+            for FSDP alone; ``None`` for bytes, or when the chunks are not such a grid.
         nbytes: tensor size (elements x item size) or payload size, in bytes.
     """
 
@@ -33,6 +38,7 @@ class EntrySummary:
     shape: tuple[int, ...] | None
     dtype: str | None
     chunks: int
+    chunks_per_dim: tuple[int, ...] | None
     nbytes: int
 
 
@@ -59,6 +65,7 @@ class InspectResult:
                     "shape": None if e.shape is None else list(e.shape),
                     "dtype": e.dtype,
                     "chunks": e.chunks,
+                    "chunks_per_dim": None if e.chunks_per_dim is None else list(e.chunks_per_dim),
                     "bytes": e.nbytes,
                 }
             )
@@ -72,6 +79,27 @@ class InspectResult:
             "dcp_version": self.version,
             "groups": groups,
         }
+
+
+def chunks_per_dim(entry: TensorEntry) -> tuple[int, ...] | None:
+    """How a tensor's non-empty chunks cut it: the number of pieces along each dim, if they form a grid.
+
+    The chunks form a grid when each dim is cut into intervals and the chunks are exactly every
+    combination of one interval per dim, as any mesh of ``Shard`` placements (FSDP, tensor
+    parallelism, HSDP, after DCP drops replicas) makes them. ``()`` for a 0-dim tensor.
+
+    Returns:
+        Pieces per dim (``(2, 2)``: two row blocks times two column blocks), or ``None`` when the
+        chunks are not such a grid (they overlap, leave gaps, or are cut irregularly).
+    """
+    boxes = {(c.offsets, c.sizes) for c in entry.chunks if c.numel > 0}
+    if not boxes:
+        return None
+    per_dim = [sorted({(offsets[d], sizes[d]) for offsets, sizes in boxes}) for d in range(len(entry.shape))]
+    grid = {(tuple(o for o, _ in cell), tuple(n for _, n in cell)) for cell in itertools.product(*per_dim)}
+    if grid != boxes or len(grid) != len([c for c in entry.chunks if c.numel > 0]):
+        return None
+    return tuple(len(intervals) for intervals in per_dim)
 
 
 def inspect_checkpoint(checkpoint_id: str | os.PathLike[str]) -> InspectResult:
@@ -99,12 +127,22 @@ def inspect_checkpoint(checkpoint_id: str | os.PathLike[str]) -> InspectResult:
                     shape=e.shape,
                     dtype=dtype_name(e.dtype),
                     chunks=len(e.chunks),
+                    chunks_per_dim=chunks_per_dim(e),
                     nbytes=e.nbytes,
                 )
             )
         else:
             rows.append(
-                EntrySummary(fqn=e.fqn, group=slot.group_name, kind="bytes", shape=None, dtype=None, chunks=1, nbytes=e.nbytes)
+                EntrySummary(
+                    fqn=e.fqn,
+                    group=slot.group_name,
+                    kind="bytes",
+                    shape=None,
+                    dtype=None,
+                    chunks=1,
+                    chunks_per_dim=None,
+                    nbytes=e.nbytes,
+                )
             )
     return InspectResult(
         checkpoint_id=index.checkpoint_id,

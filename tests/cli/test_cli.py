@@ -53,7 +53,7 @@ def test_inspect_json_agrees_with_torchs_reading_of_metadata(runner: CliRunner, 
     """The golden file is a snapshot of the tool's own output; this checks the same document field
     by field against .metadata as torch itself reads it (``FileSystemReader.read_metadata``):
     every FQN once, in its top-level key's group, in the order the state dict was saved; shape,
-    dtype, chunk count and bytes (elements x item size, or a bytes entry's stored length); world
+    dtype, chunk count, chunks per dim and bytes (elements x item size, or a bytes entry's stored length); world
     size (distinct ranks of the ``__<rank>_<n>.distcp`` files), data files, total bytes and DCP version."""
     md = FileSystemReader(str(ws3_ckpt.checkpoint)).read_metadata()
     result = runner.invoke(app, ["inspect", str(ws3_ckpt.checkpoint), "--json"])
@@ -70,12 +70,24 @@ def test_inspect_json_agrees_with_torchs_reading_of_metadata(runner: CliRunner, 
                 "shape": list(meta.size),
                 "dtype": str(dtype).removeprefix("torch."),
                 "chunks": len(meta.chunks),
+                # FSDP2 alone cuts dim 0 only: pieces on dim 0 are its non-empty chunks
+                "chunks_per_dim": [sum(math.prod(c.sizes) > 0 for c in meta.chunks), *([1] * (len(meta.size) - 1))]
+                if meta.size
+                else [],
                 "bytes": math.prod(meta.size) * dtype.itemsize,
             }
         else:
             assert isinstance(meta, BytesStorageMetadata), fqn
             length = md.storage_data[MetadataIndex(fqn)].length
-            want[fqn] = {"fqn": fqn, "kind": "bytes", "shape": None, "dtype": None, "chunks": 1, "bytes": length}
+            want[fqn] = {
+                "fqn": fqn,
+                "kind": "bytes",
+                "shape": None,
+                "dtype": None,
+                "chunks": 1,
+                "chunks_per_dim": None,
+                "bytes": length,
+            }
     assert list(doc["groups"]) == ["model", "optim", "other"]
     rows = [row for group in doc["groups"].values() for row in group]
     assert sorted(row["fqn"] for row in rows) == sorted(want)  # every entry, each once
