@@ -213,3 +213,42 @@ def storage_type_for(dtype: torch.dtype) -> type | None:
     """
     name = FEATURES["storage_type_map"].get()().get(dtype)
     return None if name is None else getattr(torch, name)
+
+
+def dtensor_local_box(
+    shape: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    coordinate: tuple[int, ...],
+    placements: tuple[tuple[str, int, int], ...],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The (sizes, offsets) DCP records for the local shard of a DTensor, in elements of the global tensor.
+
+    torch's ``_compute_local_shape_and_global_offset`` on plain data (no mesh, no process group):
+    what ``compute_local_shape_and_global_offset`` and so DCP's ``_create_chunk_from_dtensor``
+    compute. Offsets are those of the shard's first element on each dim: a ``_StridedShard``
+    shard whose elements are not contiguous still gets one box, so the caller checks that boxes tile.
+
+    Args:
+        shape: global shape.
+        mesh_shape: size of each mesh dim.
+        coordinate: this rank's place on each mesh dim.
+        placements: per mesh dim ``(kind, dim, split_factor)``, kind ``"Shard"``,
+            ``"_StridedShard"`` or ``"Replicate"`` (dim and split factor then unused).
+
+    Raises:
+        TorchFeatureError: this torch lacks the function or ``_StridedShard``.
+    """
+    try:
+        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as compute
+        from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+    except ImportError as e:
+        raise TorchFeatureError(
+            f"torch {torch.__version__} lacks torch.distributed.tensor._utils._compute_local_shape_and_global_offset "
+            f"or _StridedShard ({e}); fsdp-convert is tested with torch{TESTED_TORCH}"
+        ) from None
+    made = [
+        Shard(dim) if k == "Shard" else _StridedShard(dim, split_factor=sf) if k == "_StridedShard" else Replicate()
+        for k, dim, sf in placements
+    ]
+    sizes, offsets = compute(shape, mesh_shape, list(coordinate), made)
+    return tuple(int(s) for s in sizes), tuple(int(o) for o in offsets)

@@ -9,7 +9,9 @@ nothing runs, no process group needed); a chunk is the local tensor its ``record
 
 from __future__ import annotations
 
+import functools
 import io
+import itertools
 import math
 import re
 from dataclasses import dataclass
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 
+from fsdp_convert._torch import dtensor_local_box
 from fsdp_convert.errors import CorruptChunkError, InvalidOptionError, MissingDataFileError, NotADcpCheckpointError
 from fsdp_convert.formats._rank_unpickler import SHARDED_TENSOR, Record, kind, load_rank_file, local_value
 from fsdp_convert.formats._reader import ChunkedReader
@@ -121,6 +124,53 @@ def _flatten_ints(value: Any) -> Any:
         yield value
 
 
+Placement = tuple[str, int, int]  # (kind, dim, split_factor), kind "Shard", "_StridedShard" or "Replicate"
+
+
+def _placements(spec: dict[str, Any], where: str) -> tuple[Placement, ...]:
+    """A DTensor spec's placements as ``(kind, dim, split_factor)``, after checking its shard order.
+
+    ``shard_order``, where recorded, must be the default left-to-right one that DCP's
+    ``compute_local_shape_and_global_offset`` assumes (it reads the placements alone); a spec
+    that treats ``_StridedShard`` as a plain ``Shard`` (``use_strided_shard_as_shard_order``
+    false, as view propagation may) is refused too.
+
+    Raises:
+        NotADcpCheckpointError: a ``Partial`` or unknown placement, or a shard order other than the default.
+    """
+    out: list[Placement] = []
+    for p in spec["placements"]:
+        if kind(p) in ("Shard", "_StridedShard"):
+            dim, split_factor = _naturals([p.fields.get("dim"), p.fields.get("split_factor", 1)])
+            if split_factor < 1:
+                raise NotADcpCheckpointError(f"{where}: placement {p!r} has split factor {split_factor}")
+            out.append((kind(p), dim, split_factor))
+        elif kind(p) == "Replicate":
+            out.append(("Replicate", 0, 1))
+        else:  # Partial is never saved in a state dict
+            raise NotADcpCheckpointError(f"{where}: placement {p!r} is not supported (Shard, _StridedShard and Replicate are)")
+    strided = any(k == "_StridedShard" for k, _, _ in out)
+    if strided and spec.get("use_strided_shard_as_shard_order") is False:
+        raise NotADcpCheckpointError(
+            f"{where}: its _StridedShard stands for a plain Shard (use_strided_shard_as_shard_order); not supported"
+        )
+    order = spec.get("shard_order")
+    if order is not None:
+        by_dim: dict[int, list[int]] = {}
+        for mesh_dim, (k, dim, _) in enumerate(out):
+            if k != "Replicate":
+                by_dim.setdefault(dim, []).append(mesh_dim)
+        try:
+            recorded = {int(e.args[0]): tuple(e.args[1]) for e in order}
+        except (AttributeError, TypeError, ValueError, IndexError) as e:
+            raise NotADcpCheckpointError(f"{where}: malformed DTensor shard_order ({type(e).__name__}: {e})") from e
+        if recorded != {d: tuple(m) for d, m in by_dim.items()}:
+            raise NotADcpCheckpointError(
+                f"{where}: shard order {recorded} is not left to right over the mesh dims; not supported"
+            )
+    return tuple(out)
+
+
 def _dtensor_local(value: Record, where: str) -> _Local:
     """A DTensor record's box: the global shape from its wrapper, the box from its placements."""
     try:
@@ -130,7 +180,7 @@ def _dtensor_local(value: Record, where: str) -> _Local:
         mesh = spec["mesh"].fields
         mesh_shape = tuple(_mesh_size(axis) for axis in mesh["_layout"].fields["axes"])
         coordinate = mesh.get("_coordinate_on_dim")
-        placements = tuple(spec["placements"])
+        placements = _placements(spec, where)
     except (KeyError, AttributeError, TypeError, IndexError) as e:
         raise NotADcpCheckpointError(f"{where}: malformed DTensor ({type(e).__name__}: {e})") from e
     if coordinate is None:
@@ -140,23 +190,63 @@ def _dtensor_local(value: Record, where: str) -> _Local:
         raise NotADcpCheckpointError(f"{where}: mesh coordinate {list(coordinate)} lies outside mesh {list(mesh_shape)}")
     if len(placements) != len(mesh_shape):
         raise NotADcpCheckpointError(f"{where}: {len(placements)} placements for a {len(mesh_shape)}-dim mesh")
-    dims: list[int | None] = []
-    for p in placements:
-        if kind(p) == "Shard":
-            dims.append(_naturals([p.fields.get("dim")])[0])
-        elif kind(p) == "Replicate":
-            dims.append(None)
-        else:  # _StridedShard (FSDP + TP) interleaves; Partial is never saved in a state dict
-            raise NotADcpCheckpointError(f"{where}: placement {p!r} is not supported (Shard and Replicate are)")
     if not isinstance(local, torch.Tensor) or not isinstance(dtype, torch.dtype) or local.dtype != dtype:
         raise NotADcpCheckpointError(f"{where}: malformed DTensor (its local tensor and dtype disagree)")
     shape = _naturals(shape)
-    if any(d is not None and d >= len(shape) for d in dims):
+    if any(k != "Replicate" and d >= len(shape) for k, d, _ in placements):
         raise NotADcpCheckpointError(f"{where}: a placement shards a dim the tensor does not have")
-    sizes, offsets = _local_box(shape, mesh_shape, coordinate, dims)
+    if any(k == "_StridedShard" for k, _, _ in placements):
+        boxes = _strided_boxes(shape, mesh_shape, placements)
+        if isinstance(boxes, str):
+            raise NotADcpCheckpointError(f"{where}: {boxes}")
+        sizes, offsets = boxes[coordinate]
+    else:
+        sizes, offsets = _local_box(shape, mesh_shape, coordinate, [None if k == "Replicate" else d for k, d, _ in placements])
     if tuple(local.shape) != sizes:
         raise CorruptChunkError(f"{where}: local tensor {list(local.shape)} does not match its placement's {list(sizes)}")
     return _Local(shape, local.dtype, [(offsets, sizes, ("_local_tensor",))])
+
+
+@functools.lru_cache(maxsize=256)
+def _strided_boxes(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Placement, ...]
+) -> dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]] | str:
+    """Every mesh coordinate's (sizes, offsets), in elements, for placements with a ``_StridedShard``; or why not.
+
+    The boxes are torch's (``_torch.dtensor_local_box``, what DCP records). A ``_StridedShard``
+    shard is one box only when its elements are contiguous: FSDP over tensor parallelism
+    (``(_StridedShard(0, sf), Shard(0))``) cuts each tp shard's rows again, so each rank's rows
+    are contiguous; ``(_StridedShard(0, sf), Replicate())`` interleaves them. Along each tensor
+    dim the ranks' index sets partition the dim, and such a partition is made of contiguous runs
+    exactly when its (first index, count) intervals tile the dim, so that is checked, dim by dim.
+
+    Returns:
+        The boxes by coordinate, or a one-line reason when a shard is not one box.
+
+    Raises:
+        TorchFeatureError: this torch cannot compute DTensor offsets.
+    """
+    boxes = {
+        coordinate: dtensor_local_box(shape, mesh_shape, coordinate, placements)
+        for coordinate in itertools.product(*(range(n) for n in mesh_shape))
+    }
+    for dim, extent in enumerate(shape):
+        intervals = sorted({(offsets[dim], sizes[dim]) for sizes, offsets in boxes.values() if sizes[dim] > 0})
+        end = 0
+        for start, count in intervals:
+            if start != end:
+                placed = ", ".join(
+                    f"_StridedShard({d}, sf={sf})" if k == "_StridedShard" else f"{k}({d})" if k == "Shard" else k + "()"
+                    for k, d, sf in placements
+                )
+                return (
+                    f"placements ({placed}) on mesh {list(mesh_shape)} give ranks elements of dim {dim} that are not one "
+                    "contiguous run, so a rank's shard is not one box; not supported"
+                )
+            end = start + count
+        if end != extent and intervals:
+            return f"placements on mesh {list(mesh_shape)} leave elements of dim {dim} past {end} on no rank"
+    return boxes
 
 
 def _local_box(
