@@ -215,6 +215,34 @@ def storage_type_for(dtype: torch.dtype) -> type | None:
     return None if name is None else getattr(torch, name)
 
 
+def stream_transform_from(descriptors: tuple[str, ...], stream: IO[bytes]) -> IO[bytes] | None:
+    """``stream`` read back through DCP's stream transforms, as ``FileSystemReader`` undoes them.
+
+    ``torch.distributed.checkpoint._extension.ExtensionRegistry().from_descriptor_list``, then each
+    extension's ``transform_from`` in descriptor order (``filesystem._StorageReaderTransforms``);
+    torch 2.13 registers ``ZStandard`` (``stream.zstd/1``, through the ``zstandard`` or ``pyzstd``
+    package). The returned stream is not seekable.
+
+    Returns:
+        The decoding stream, or None where this torch has no extension registry (the caller then
+        decodes what it knows itself).
+
+    Raises:
+        ValueError: a descriptor torch does not know, or whose decoder package is missing (torch's message).
+    """
+    try:
+        from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+    except ImportError:
+        return None
+    registry = ExtensionRegistry()
+    if not callable(getattr(registry, "from_descriptor_list", None)):
+        return None
+    for extension in registry.from_descriptor_list(list(descriptors)):
+        if isinstance(extension, StreamTransformExtension):
+            stream = extension.transform_from(stream)
+    return stream
+
+
 def dtensor_local_box(
     shape: tuple[int, ...],
     mesh_shape: tuple[int, ...],

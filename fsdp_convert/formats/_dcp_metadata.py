@@ -26,6 +26,7 @@ from fsdp_convert.errors import (
     NotADcpCheckpointError,
     UnsafeContentError,
 )
+from fsdp_convert.formats._dcp_payloads import ReadAt, SizeOf, is_raw_chunk, place_raw_chunks
 from fsdp_convert.formats.index import (
     BytesEntry,
     CheckpointIndex,
@@ -169,23 +170,42 @@ def _obj_path(planner_data: Any, fqn: str, meta_path: Location) -> ObjPath:
     return tuple(path)
 
 
-def build_index(metadata: dcp_metadata.Metadata, checkpoint_id: Location) -> CheckpointIndex:
+def build_index(
+    metadata: dcp_metadata.Metadata,
+    checkpoint_id: Location,
+    *,
+    read_at: ReadAt | None = None,
+    size_of: SizeOf | None = None,
+) -> CheckpointIndex:
     """Turn DCP ``Metadata`` into a ``CheckpointIndex``, checking every field's type.
+
+    Chunks ``FileSystemWriter(serialization_format=SAFETENSORS)`` stored as bare elements in a
+    safetensors file (``_dcp_payloads.is_raw_chunk``) get their true byte ranges from those
+    headers, read through ``read_at`` (the only data-file reads; none for other checkpoints).
 
     Args:
         metadata: as returned by ``load_metadata``.
         checkpoint_id: the checkpoint folder (used for messages and as ``checkpoint_id``).
+        read_at: reads a byte range of a data file (by its name relative to the folder).
+        size_of: a data file's size in bytes.
 
     Raises:
         NotADcpCheckpointError: a field is missing or has the wrong type, a dtype this tool does
             not handle, a non-empty chunk has no storage record or a payload too small for it,
-            two payloads share bytes, or a data file name points outside the folder.
+            two payloads share bytes, a data file name points outside the folder, or a
+            safetensors header disagrees with ``.metadata``.
+        MissingDataFileError, CorruptChunkError: a data file holding safetensors-stored chunks
+            is missing, or its safetensors header is unreadable.
     """
     try:
         index = _build_index(metadata, checkpoint_id)
     except (AttributeError, TypeError, ValueError, KeyError) as e:
         # objects the restricted unpickler built but whose fields are missing or of odd types
         raise _bad(checkpoint_id / METADATA_FILENAME, f"malformed metadata ({type(e).__name__}: {e})") from e
+    if read_at is not None and size_of is not None:
+        index = place_raw_chunks(index, read_at, size_of)
+    elif any(is_raw_chunk(e, c) for e in index.tensors() for c in e.chunks):
+        raise _bad(checkpoint_id / METADATA_FILENAME, "chunks stored as safetensors need their data files to be indexed")
     _check_disjoint_payloads(index)
     return index
 

@@ -10,6 +10,11 @@ Reads: each payload (a torch.save zip, ``torch/distributed/checkpoint/filesystem
 its byte range of the data file: never the whole data file, and the tensor's storage is read
 straight into the memory torch allocates for it. The zip's CRC-32s, which torch never checks, are
 checked on the way (``check_crc``). A remote checkpoint reads each payload with one ranged GET.
+
+``FileSystemWriter`` options that change the payloads (``_dcp_payloads``): a stream-transformed
+(zstd) payload is decoded into a temporary file first, then read as any other (CRC-32s
+included); tensors stored as a safetensors file (``serialization_format=SAFETENSORS``) are
+indexed from its header and read as bare elements by byte range.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import os
 import pickle
 import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import IO, Any, NoReturn, cast
 
@@ -30,21 +36,24 @@ from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.errors import (
     CheckpointNotFoundError,
     CorruptChunkError,
+    MissingDataFileError,
     NotADcpCheckpointError,
     UnsafeContentError,
-    UnsupportedTransformError,
 )
 from fsdp_convert.formats._dcp_metadata import build_index, load_metadata, metadata_from_bytes
+from fsdp_convert.formats._dcp_payloads import decode_stream, is_raw_chunk
 from fsdp_convert.formats._range import ByteRangeFile, RecordHash
 from fsdp_convert.formats._reader import ChunkedReader, StoredBytes, check_payload
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Entry, Location, TensorEntry, Url
-from fsdp_convert.remote import as_location, read_bytes, size_of
+from fsdp_convert.remote import as_location, read_bytes, read_range, size_of
 
 __all__ = ["read_dcp_index", "load_metadata", "metadata_subfolders", "DcpReader", "LIGHTNING_META_FILENAME"]
 
 # accelerate's FSDP checkpoint folder: one DCP folder for the model, one per optimizer
 _ACCELERATE_DIR_RE = re.compile(r"^(pytorch_model_fsdp|optimizer)_\d+$")
 LIGHTNING_META_FILENAME = "meta.pt"  # Lightning Fabric's FSDP strategy: user metadata beside .metadata
+_DECODE_PIECE_BYTES = 4 << 20  # a stream-transformed payload is decoded into its temporary file in pieces of this size
+_PAYLOAD_OVERHEAD_BYTES = 16 << 20  # a tensor's torch.save zip beyond its elements (pickle, headers): far less
 
 
 def metadata_subfolders(root: Path) -> list[Path]:
@@ -62,7 +71,9 @@ def metadata_subfolders(root: Path) -> list[Path]:
 def read_dcp_index(checkpoint_id: str | os.PathLike[str]) -> CheckpointIndex:
     """Read a DCP checkpoint folder's ``.metadata`` (or accelerate's two folders') into a ``CheckpointIndex``.
 
-    Reads ``.metadata`` only; data files are neither opened nor checked here.
+    Reads ``.metadata`` only; data files are neither opened nor checked here, except the
+    safetensors headers of chunks ``FileSystemWriter(serialization_format=SAFETENSORS)`` wrote
+    (a few KB each; see ``_dcp_payloads``).
 
     Args:
         checkpoint_id: the checkpoint folder (the one holding ``.metadata``).
@@ -71,13 +82,15 @@ def read_dcp_index(checkpoint_id: str | os.PathLike[str]) -> CheckpointIndex:
         CheckpointNotFoundError: the path does not exist.
         NotADcpCheckpointError: no ``.metadata`` in the folder, or it is malformed.
         UnsafeContentError: ``.metadata`` would run code when unpickled.
+        MissingDataFileError, CorruptChunkError: a data file holding safetensors-stored chunks
+            is missing, or its safetensors header is unreadable.
     """
     location = as_location(checkpoint_id)
     if isinstance(location, Url):  # object storage: .metadata is read whole, chunks later by range
         meta_url = location / METADATA_FILENAME
         if size_of(meta_url) is None:
             raise NotADcpCheckpointError(f"{location} has no {METADATA_FILENAME}; not a DCP checkpoint")
-        return build_index(metadata_from_bytes(read_bytes(meta_url), meta_url), location)
+        return _build(metadata_from_bytes(read_bytes(meta_url), meta_url), location)
     root = location
     if not root.exists():
         raise CheckpointNotFoundError(f"{root} does not exist")
@@ -86,10 +99,37 @@ def read_dcp_index(checkpoint_id: str | os.PathLike[str]) -> CheckpointIndex:
     meta_path = root / METADATA_FILENAME
     if not meta_path.is_file():
         return _read_parent_folder(root)
-    index = build_index(load_metadata(meta_path), root)
+    index = _build(load_metadata(meta_path), root)
     if (root / LIGHTNING_META_FILENAME).is_file():
         index = dataclasses.replace(index, producer="lightning")
     return index
+
+
+def _build(metadata: Any, folder: Location) -> CheckpointIndex:
+    """``build_index`` with reads of ``folder``'s data files (local or remote), for safetensors-stored chunks."""
+
+    def read_at(relative_path: str, offset: int, length: int) -> bytes:
+        if isinstance(folder, Url):
+            return read_range(folder / relative_path, offset, length)
+        path = folder / relative_path
+        try:
+            with open(path, "rb") as f:
+                return os.pread(f.fileno(), length, offset)
+        except OSError as e:
+            raise MissingDataFileError(f"cannot open {path}: {e.strerror}") from e
+
+    def size_in_bytes(relative_path: str) -> int:
+        if isinstance(folder, Url):
+            size = size_of(folder / relative_path)
+            if size is None:
+                raise MissingDataFileError(f"cannot open {folder / relative_path}: No such object")
+            return size
+        try:
+            return (folder / relative_path).stat().st_size
+        except OSError as e:
+            raise MissingDataFileError(f"cannot open {folder / relative_path}: {e.strerror}") from e
+
+    return build_index(metadata, folder, read_at=read_at, size_of=size_in_bytes)
 
 
 def _read_parent_folder(root: Path) -> CheckpointIndex:
@@ -97,7 +137,8 @@ def _read_parent_folder(root: Path) -> CheckpointIndex:
     subs = metadata_subfolders(root)
     parts = [d for d in subs if _ACCELERATE_DIR_RE.match(d.name)]
     if parts:
-        return _merge_indexes(root, [build_index(load_metadata(d / METADATA_FILENAME), d) for d in parts], "accelerate")
+        indexes = [_build(load_metadata(d / METADATA_FILENAME), d) for d in parts]
+        return _merge_indexes(root, indexes, "accelerate")
     if len(subs) == 1:
         raise NotADcpCheckpointError(f"{root} has no {METADATA_FILENAME}, but {subs[0]} has: pass that folder")
     if subs:
@@ -163,6 +204,10 @@ class DcpReader(ChunkedReader):
         returned to check as its bytes pass. A payload whose tensor is not its one storage whole and in C
         order (a view torch.save kept with its base) is left to ``read_chunk``.
 
+        A chunk ``FileSystemWriter(serialization_format=SAFETENSORS)`` stored (``_dcp_payloads``)
+        is its bare elements at the byte range the index gives it: returned as is, with no CRC-32
+        (safetensors stores none).
+
         Returns:
             The storage bytes, or None for a remote checkpoint, a stream-transformed payload or a view.
 
@@ -173,6 +218,9 @@ class DcpReader(ChunkedReader):
             return None
         where = self._where(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, entry.fqn)
         fd, at = self._range(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, where)
+        if is_raw_chunk(entry, chunk):
+            self._log_read(entry, chunk)
+            return StoredBytes(fd=fd, offset=at, nbytes=chunk.length_bytes, crc32=None, where=where)
         payload = ByteRangeFile(fd, at, chunk.length_bytes)
         try:
             records = read_records(payload.pread, chunk.length_bytes)
@@ -208,18 +256,77 @@ class DcpReader(ChunkedReader):
         crc = storage.crc32 if self.check_crc else None
         return StoredBytes(fd=fd, offset=at + storage.data_offset, nbytes=storage.size, crc32=crc, where=where)
 
+    _decoded: IO[bytes] | None = None  # the temporary file of the last stream-transformed payload decoded
+
+    def close(self) -> None:
+        """Close every open data file and the temporary file of the last decoded payload."""
+        self._drop_decoded()
+        super().close()
+
+    def _drop_decoded(self) -> None:
+        if self._decoded is not None:
+            self._decoded.close()
+            self._decoded = None
+
     def _load_chunk(self, entry: TensorEntry, chunk: ChunkEntry) -> Any:
         assert chunk.relative_path is not None
-        return self._load(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, chunk.transform_descriptors, entry.fqn)
+        if is_raw_chunk(entry, chunk):  # bare elements (serialization_format=SAFETENSORS)
+            where = self._where(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, entry.fqn)
+            fd, at = self._range(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, where)
+            buffer = bytearray(chunk.length_bytes)
+            if chunk.length_bytes == 0:
+                return torch.empty(chunk.sizes, dtype=entry.dtype)
+            if os.preadv(fd, [buffer], at) != chunk.length_bytes:
+                raise CorruptChunkError(f"{where}: short read; the file changed while it was read")
+            return torch.frombuffer(buffer, dtype=entry.dtype).reshape(chunk.sizes)
+        limit = 2 * chunk.numel * entry.dtype.itemsize + _PAYLOAD_OVERHEAD_BYTES
+        args = (chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, chunk.transform_descriptors)
+        return self._load(*args, entry.fqn, limit)
 
-    def _load(self, relative_path: str, offset: int, length: int, transforms: tuple[str, ...], fqn: str) -> Any:
-        """Decode the torch.save payload at a byte range with ``weights_only=True``."""
-        where = self._where(relative_path, offset, length, fqn)
-        if transforms:
-            raise UnsupportedTransformError(
-                f"{where}: written through stream transform(s) {list(transforms)}, which this tool does not decode"
-            )
+    def _payload(
+        self, relative_path: str, offset: int, length: int, transforms: tuple[str, ...], where: str, limit: int
+    ) -> tuple[int, int, int]:
+        """The descriptor, offset and length (bytes) of a payload's torch.save zip.
+
+        That is where it is stored, or, for a stream-transformed payload, a temporary file it is
+        decoded into (kept until the next such payload or ``close``).
+
+        Raises:
+            MissingDataFileError, CorruptChunkError (truncated file, undecodable stream, or one that
+                decodes to more than ``limit`` bytes), UnsupportedTransformError.
+        """
         fd, at = self._range(relative_path, offset, length, where)
+        if not transforms:
+            return fd, at, length
+        source = ByteRangeFile(fd, at, length)
+        stream = decode_stream(transforms, cast(IO[bytes], source), where)
+        self._drop_decoded()
+        # on disk, not in memory: only the tensor torch.load makes of it is held (as for any decoded chunk)
+        out = self._decoded = tempfile.TemporaryFile(prefix="fsdp-convert-decoded-")
+        total = 0
+        try:
+            while piece := stream.read(_DECODE_PIECE_BYTES):
+                total += len(piece)
+                if total > limit:
+                    raise CorruptChunkError(f"{where}: decodes to more than {limit} bytes; the payload is corrupt")
+                out.write(piece)
+        except CorruptChunkError:
+            raise
+        except Exception as e:  # the decoder's own errors (zstd: truncated or corrupt frame)
+            if source.error is not None:
+                raise source.error from None
+            raise CorruptChunkError(
+                f"{where}: stream transform(s) {list(transforms)} do not decode ({type(e).__name__}: {_first_line(e)})"
+            ) from e
+        if source.error is not None:
+            raise source.error
+        out.flush()
+        return out.fileno(), 0, total
+
+    def _load(self, relative_path: str, offset: int, length: int, transforms: tuple[str, ...], fqn: str, limit: int) -> Any:
+        """Decode the torch.save payload at a byte range (undoing any stream transform) with ``weights_only=True``."""
+        where = self._where(relative_path, offset, length, fqn)
+        fd, at, length = self._payload(relative_path, offset, length, transforms, where, limit)
         payload = ByteRangeFile(fd, at, length)
         if self.check_crc:
             try:
@@ -259,15 +366,16 @@ class DcpReader(ChunkedReader):
         raise CorruptChunkError(f"{where}: payload does not decode ({type(e).__name__}: {_first_line(e)})") from e
 
     def read_raw(self, entry: BytesEntry) -> bytes:
-        """A bytes entry's payload exactly as stored (to carry it over unchanged).
+        """A bytes entry's torch.save payload as stored (to carry it over unchanged), any stream transform undone.
 
         Raises:
-            MissingDataFileError, CorruptChunkError (truncated file).
+            MissingDataFileError, CorruptChunkError (truncated file), UnsupportedTransformError.
         """
         self.read_value(entry)  # decode once: refuses a hostile or corrupt payload before it is copied
         where = self._where(entry.relative_path, entry.offset_bytes, entry.length_bytes, entry.fqn)
-        fd, at = self._range(entry.relative_path, entry.offset_bytes, entry.length_bytes, where)
-        return os.pread(fd, entry.length_bytes, at)
+        args = (entry.relative_path, entry.offset_bytes, entry.length_bytes, entry.transform_descriptors)
+        fd, at, length = self._payload(*args, where, _bytes_entry_limit(entry))
+        return os.pread(fd, length, at)
 
     def read_value(self, entry: BytesEntry) -> Any:
         """Decode a bytes entry: the plain Python value (float, tuple, list of FQNs, ...).
@@ -275,7 +383,13 @@ class DcpReader(ChunkedReader):
         Raises:
             MissingDataFileError, CorruptChunkError, UnsupportedTransformError, UnsafeContentError.
         """
-        return self._load(entry.relative_path, entry.offset_bytes, entry.length_bytes, entry.transform_descriptors, entry.fqn)
+        args = (entry.relative_path, entry.offset_bytes, entry.length_bytes, entry.transform_descriptors)
+        return self._load(*args, entry.fqn, _bytes_entry_limit(entry))
+
+
+def _bytes_entry_limit(entry: BytesEntry) -> int:
+    """The most bytes a bytes entry's stream-transformed payload may decode to (a plain value: small)."""
+    return max(1 << 30, 1024 * entry.length_bytes)
 
 
 def _first_line(e: BaseException) -> str:

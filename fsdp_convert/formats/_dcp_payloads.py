@@ -1,0 +1,234 @@
+"""Read stage, DCP payloads other than a bare torch.save zip: safetensors-stored tensors and stream transforms.
+
+``FileSystemWriter`` options change what a payload is (``torch/distributed/checkpoint/filesystem.py``
+``_write_item`` and ``_write_files_from_queue``, torch 2.13):
+
+- ``serialization_format=SerializationFormat.SAFETENSORS``: bytes entries stay torch.save
+  payloads, written first; the tensors of a data file are one safetensors file appended after
+  them. Every tensor's ``_StorageInfo`` then has the same ``offset`` (where that safetensors file
+  starts: the stream position after the bytes entries, as nothing else is written per tensor)
+  and ``length = numel * itemsize``; the true place of each tensor is in the safetensors header
+  (``data_offsets``, relative to the end of the header), keyed by the DCP FQN, with
+  ``__metadata__["DCP_SHARDING_INFO"]`` naming each chunk's ``saved_offsets``. A torch.save zip
+  is always longer than its tensor's elements, so ``length == numel * itemsize`` (no transform)
+  tells such a chunk from ``.metadata`` alone (``is_raw_chunk``); ``place_raw_chunks`` reads
+  each such safetensors header once and gives the chunk its true byte range, so from then on the
+  chunk's bytes are its bare elements (C order, little-endian), read by byte range. torch 2.13's
+  own ``FileSystemReader`` cannot load these (it ``torch.load``s the shared range).
+- ``_extensions=[ZStandard()]``: each payload is a zstd stream of the torch.save zip, and
+  ``transform_descriptors`` says so (``["stream.zstd/1"]``). ``decode_stream`` undoes it through
+  torch's own ``ExtensionRegistry`` where importable (``_torch.stream_transform_from``), else
+  through the ``zstandard`` package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import struct
+from collections.abc import Callable
+from typing import IO, Any
+
+from fsdp_convert._torch import stream_transform_from
+from fsdp_convert.constants import SAFETENSORS_TO_TORCH
+from fsdp_convert.errors import CorruptChunkError, NotADcpCheckpointError, UnsupportedTransformError
+from fsdp_convert.formats.index import CheckpointIndex, ChunkEntry, Entry, TensorEntry
+
+__all__ = [
+    "ZSTD_DESCRIPTOR",
+    "ZSTD_INSTALL_HINT",
+    "ReadAt",
+    "SizeOf",
+    "is_raw_chunk",
+    "place_raw_chunks",
+    "decode_stream",
+]
+
+ZSTD_DESCRIPTOR = "stream.zstd/1"  # torch's ZStandard.get_descriptor()
+ZSTD_INSTALL_HINT = "pip install 'fsdp-convert[zstd]'"
+SHARDING_INFO_KEY = "DCP_SHARDING_INFO"  # torch/distributed/checkpoint/_hf_utils.py CUSTOM_METADATA_KEY
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors refuses larger headers
+
+# (data file relative to the checkpoint folder, offset in bytes, length in bytes) -> the bytes there
+# (fewer at the end of the file); and the data file's size in bytes
+ReadAt = Callable[[str, int, int], bytes]
+SizeOf = Callable[[str], int]
+
+
+def is_raw_chunk(entry: TensorEntry, chunk: ChunkEntry) -> bool:
+    """True for a chunk stored as its bare elements (``serialization_format=SAFETENSORS``), not a torch.save zip.
+
+    A torch.save payload of ``n`` bytes of elements is always longer than ``n`` (its pickle and zip
+    headers), so a stored length of exactly ``numel * itemsize`` bytes without a stream transform
+    can only be bare elements.
+    """
+    return (
+        chunk.relative_path is not None
+        and not chunk.transform_descriptors
+        and chunk.length_bytes == chunk.numel * entry.dtype.itemsize
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Header:
+    """One safetensors file inside a data file: its tensors' ``(dtype, shape, begin, end)`` by FQN, and offsets."""
+
+    tensors: dict[str, tuple[str, list[int], int, int]]
+    saved_offsets: dict[str, list[int]]
+    data_start: int  # where its data begins in the data file, in bytes
+
+
+def _read_header(relative_path: str, offset: int, read_at: ReadAt, file_size: int, where: str) -> _Header:
+    raw = read_at(relative_path, offset, 8)
+    if len(raw) != 8:
+        raise CorruptChunkError(f"{where}: no safetensors header at byte {offset} (the file ends there)")
+    (n,) = struct.unpack("<Q", raw)
+    if n > MAX_HEADER_BYTES or offset + 8 + n > file_size:
+        raise CorruptChunkError(
+            f"{where}: safetensors header length {n} at byte {offset} does not fit the file ({file_size} bytes)"
+        )
+    try:
+        header = json.loads(read_at(relative_path, offset + 8, n))
+        if not isinstance(header, dict):
+            raise ValueError("not a JSON object")
+        meta = header.pop("__metadata__", None) or {}
+        info = json.loads(meta[SHARDING_INFO_KEY]) if isinstance(meta, dict) and SHARDING_INFO_KEY in meta else {}
+        saved = {str(fqn): _naturals(v["saved_offsets"]) for fqn, v in info.items()}
+        tensors = {}
+        for fqn, desc in header.items():
+            begin, end = _naturals(desc["data_offsets"])
+            tensors[str(fqn)] = (str(desc["dtype"]), _naturals(desc["shape"]), begin, end)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise CorruptChunkError(f"{where}: no readable safetensors header at byte {offset} ({type(e).__name__}: {e})") from e
+    return _Header(tensors=tensors, saved_offsets=saved, data_start=offset + 8 + n)
+
+
+def _naturals(values: Any) -> list[int]:
+    if not isinstance(values, list) or not all(type(v) is int and v >= 0 for v in values):
+        raise ValueError(f"{values!r} is not a list of non-negative integers")
+    return values
+
+
+def place_raw_chunks(index: CheckpointIndex, read_at: ReadAt, size_of: SizeOf) -> CheckpointIndex:
+    """Give each bare-elements chunk (``is_raw_chunk``) its true byte range, from its safetensors header.
+
+    Each distinct ``(data file, offset)`` the chunks name is a safetensors file inside the data
+    file; its header is read once (8 bytes + the JSON header; no tensor data) and each chunk
+    becomes ``[data_start + begin, data_start + end)`` of its data file: its elements, in C order.
+
+    Args:
+        index: as ``_dcp_metadata`` built it from ``.metadata``.
+        read_at: reads a byte range of a data file.
+        size_of: a data file's size in bytes.
+
+    Returns:
+        The index with those chunks' ``offset_bytes`` and ``length_bytes`` replaced (others unchanged).
+
+    Raises:
+        MissingDataFileError: a data file is missing (from ``read_at`` / ``size_of``).
+        CorruptChunkError: no readable safetensors header where ``.metadata`` says, or a tensor's
+            range lies outside its file.
+        NotADcpCheckpointError: the header lacks a chunk, or disagrees with ``.metadata`` on its
+            dtype, shape or offsets in the global tensor.
+    """
+    headers: dict[tuple[str, int], _Header] = {}
+    sizes: dict[str, int] = {}
+    entries: list[Entry] = []
+    for entry in index.entries:
+        if not isinstance(entry, TensorEntry) or not any(is_raw_chunk(entry, c) for c in entry.chunks):
+            entries.append(entry)
+            continue
+        chunks = []
+        for chunk in entry.chunks:
+            if not is_raw_chunk(entry, chunk):
+                chunks.append(chunk)
+                continue
+            assert chunk.relative_path is not None
+            rel = chunk.relative_path
+            where = f"{index.checkpoint_id / rel} ({entry.fqn})"
+            if rel not in sizes:
+                sizes[rel] = size_of(rel)
+            key = (rel, chunk.offset_bytes)
+            if key not in headers:
+                headers[key] = _read_header(rel, chunk.offset_bytes, read_at, sizes[rel], where)
+            chunks.append(_place(entry, chunk, headers[key], sizes[rel], where))
+        entries.append(dataclasses.replace(entry, chunks=tuple(chunks)))
+    return dataclasses.replace(index, entries=tuple(entries))
+
+
+def _place(entry: TensorEntry, chunk: ChunkEntry, header: _Header, file_size: int, where: str) -> ChunkEntry:
+    found = header.tensors.get(entry.fqn)
+    if found is None:
+        raise NotADcpCheckpointError(f"{where}: not in the safetensors header at byte {chunk.offset_bytes}")
+    dtype_name, shape, begin, end = found
+    dtype = SAFETENSORS_TO_TORCH.get(dtype_name)
+    saved = header.saved_offsets.get(entry.fqn, list(chunk.offsets))
+    if dtype != entry.dtype or tuple(shape) != chunk.sizes or tuple(saved) != chunk.offsets:
+        raise NotADcpCheckpointError(
+            f"{where}: the safetensors header says {dtype_name} {shape} at offsets {saved}, "
+            f".metadata says {entry.dtype} {list(chunk.sizes)} at offsets {list(chunk.offsets)}"
+        )
+    if not begin <= end or end - begin != chunk.length_bytes or header.data_start + end > file_size:
+        raise CorruptChunkError(f"{where}: data range [{begin}, {end}) does not hold {dtype_name} {shape} in the file")
+    return dataclasses.replace(chunk, offset_bytes=header.data_start + begin, length_bytes=end - begin)
+
+
+def _zstandard() -> Any:
+    """The ``zstandard`` module, or None where it is not installed."""
+    try:
+        return importlib.import_module("zstandard")
+    except ImportError:
+        return None
+
+
+def _zstd_decoder_missing() -> bool:
+    """True when neither package torch decodes zstd with (``zstandard``, ``pyzstd``) is importable."""
+    for name in ("zstandard", "pyzstd"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            continue
+        return False
+    return True
+
+
+def decode_stream(descriptors: tuple[str, ...], stream: IO[bytes], where: str) -> IO[bytes]:
+    """A readable (not seekable) stream of ``stream`` decoded through DCP's stream transforms, in order.
+
+    Through torch's own ``ExtensionRegistry`` (``_torch.stream_transform_from``) where this torch
+    has one, else through the ``zstandard`` package, which knows ``stream.zstd/1`` alone.
+
+    Args:
+        descriptors: the payload's ``transform_descriptors`` from ``.metadata``.
+        stream: the stored (encoded) payload.
+        where: the data file, byte range and FQN, for error messages.
+
+    Raises:
+        UnsupportedTransformError: a transform neither torch nor this tool knows, or zstd without
+            a decoder package installed (the message names ``pip install 'fsdp-convert[zstd]'``).
+    """
+    zstd = [d for d in descriptors if d.partition("/")[0] == "stream.zstd"]
+    if zstd and _zstd_decoder_missing():
+        raise UnsupportedTransformError(
+            f"{where}: compressed with zstd ({zstd[0]}), and no zstd decoder is installed: {ZSTD_INSTALL_HINT}"
+        )
+    try:
+        decoded = stream_transform_from(descriptors, stream)
+    except ValueError as e:
+        raise UnsupportedTransformError(
+            f"{where}: written through stream transform(s) {list(descriptors)}, which this tool does not decode ({e})"
+        ) from e
+    if decoded is not None:
+        return decoded
+    zstandard = _zstandard()
+    for descriptor in descriptors:
+        name, _, version = descriptor.partition("/")
+        if name != "stream.zstd" or version.partition(".")[0] != "1":
+            raise UnsupportedTransformError(
+                f"{where}: written through stream transform(s) {list(descriptors)}, which this tool does not decode"
+            )
+        if zstandard is None:  # pyzstd alone, and a torch without the registry that would use it
+            raise UnsupportedTransformError(f"{where}: compressed with zstd ({descriptor}): {ZSTD_INSTALL_HINT}")
+        stream = zstandard.ZstdDecompressor().stream_reader(stream)
+    return stream
