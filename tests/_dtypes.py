@@ -17,6 +17,7 @@ bits survive a copy that goes through values instead of bytes.
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import torch
@@ -86,7 +87,9 @@ def adversarial(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.
     raw = torch.randint(0, 256, (max(numel, 1) * dtype.itemsize,), dtype=torch.uint8, generator=g)
     for i, pattern in enumerate(_specials(dtype)[:numel]):
         raw[i * dtype.itemsize : (i + 1) * dtype.itemsize] = torch.tensor(list(pattern), dtype=torch.uint8)
-    return raw.view(dtype)[:numel].reshape(shape).clone()
+    with warnings.catch_warnings():  # complex32: "ComplexHalf support is experimental"
+        warnings.simplefilter("ignore", UserWarning)
+        return raw.view(dtype)[:numel].reshape(shape).clone()
 
 
 def dtype_state() -> dict[str, dict[str, torch.Tensor]]:

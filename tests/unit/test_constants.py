@@ -7,10 +7,23 @@ import struct
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
 
-from fsdp_convert.constants import SAFETENSORS_DTYPES, SAFETENSORS_TO_TORCH, SUPPORTED_DTYPES
+from fsdp_convert.constants import (
+    SAFETENSORS_DTYPES,
+    SAFETENSORS_TO_TORCH,
+    SUPPORTED_DTYPES,
+    safetensors_shape,
+    torch_shape,
+)
+from tests._dtypes import DTYPES, FLOAT4, adversarial
+
+
+def _header(raw: bytes) -> dict[str, dict[str, object]]:
+    (length,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + length])  # type: ignore[no-any-return]
 
 
 def test_safetensors_to_torch_is_the_inverse_table() -> None:
@@ -21,14 +34,46 @@ def test_safetensors_to_torch_is_the_inverse_table() -> None:
 
 def test_every_safetensors_dtype_can_be_written_as_a_full_tensor() -> None:
     assert set(SAFETENSORS_DTYPES) <= SUPPORTED_DTYPES
+    assert set(DTYPES.values()) <= SUPPORTED_DTYPES
 
 
-@pytest.mark.parametrize("dtype", list(SAFETENSORS_DTYPES), ids=str)
-def test_safetensors_writes_the_same_dtype_name(tmp_path: Path, dtype: torch.dtype) -> None:
+def test_the_table_has_every_name_safetensors_reads_into_torch() -> None:
+    """safetensors' own torch name table (private, so looked up softly) is a part of ours."""
+    theirs = getattr(safetensors.torch, "_TYPES", {})
+    assert {name: dtype for name, dtype in theirs.items() if dtype is not None}.items() <= SAFETENSORS_TO_TORCH.items()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=str)
+def test_safetensors_writes_the_same_dtype_name_and_shape(tmp_path: Path, dtype: torch.dtype) -> None:
+    """For every dtype: what ``safetensors.torch.save`` writes is what the table says, and
+    ``load_file`` gives the dtype and bytes back; a dtype missing from the table, safetensors refuses."""
+    t = adversarial(dtype, (3, 4), seed=5)
+    if dtype not in SAFETENSORS_DTYPES:
+        with pytest.raises(Exception):  # noqa: B017  (KeyError in safetensors 0.8: it has no name for it)
+            save({"t": t})
+        return
     path = tmp_path / "t.safetensors"
-    save_file({"t": torch.zeros(3, dtype=dtype)}, path)
-    raw = path.read_bytes()
-    (length,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + length])
-    assert header["t"]["dtype"] == SAFETENSORS_DTYPES[dtype]
-    assert load_file(path)["t"].dtype == SAFETENSORS_TO_TORCH[header["t"]["dtype"]]
+    save_file({"t": t}, path)
+    entry = _header(path.read_bytes())["t"]
+    assert entry["dtype"] == SAFETENSORS_DTYPES[dtype]
+    assert entry["shape"] == safetensors_shape(dtype, (3, 4))
+    assert torch_shape(dtype, entry["shape"]) == (3, 4)  # type: ignore[arg-type]
+    got = load_file(path)["t"]
+    assert got.dtype == SAFETENSORS_TO_TORCH[str(entry["dtype"])] == dtype
+    assert torch.equal(got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+
+
+def test_shapes_are_torch_shapes_except_float4_whose_last_dim_counts_values() -> None:
+    assert safetensors_shape(torch.float8_e4m3fn, ()) == [] and torch_shape(torch.float8_e4m3fn, []) == ()
+    assert safetensors_shape(torch.float32, (0, 3)) == [0, 3]
+    if FLOAT4 is None:
+        pytest.skip("this torch has no float4_e2m1fn_x2")
+    assert safetensors_shape(FLOAT4, (2, 3)) == [2, 6] and torch_shape(FLOAT4, [2, 6]) == (2, 3)
+    assert safetensors_shape(FLOAT4, (0, 3)) == [0, 6] and torch_shape(FLOAT4, [0, 6]) == (0, 3)
+    with pytest.raises(ValueError, match="0-dim float4_e2m1fn_x2"):
+        safetensors_shape(FLOAT4, ())
+    with pytest.raises(Exception):  # noqa: B017  (safetensors itself refuses a 0-dim float4)
+        save({"t": torch.zeros((), dtype=torch.uint8).view(FLOAT4)})
+    for odd in ([2, 5], []):
+        with pytest.raises(ValueError, match="whole float4_e2m1fn_x2 elements"):
+            torch_shape(FLOAT4, odd)

@@ -10,8 +10,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from fsdp_convert.constants import SAFETENSORS_DTYPES
 from fsdp_convert.errors import CorruptChunkError, NotADcpCheckpointError
-from fsdp_convert.formats.full_file import open_full_file
+from fsdp_convert.formats.full_file import FileBoxReader, file_index, open_full_file
+from fsdp_convert.formats.index import TensorEntry
+from tests._compare import same_bits
+from tests._dtypes import DTYPES, FLOAT4, adversarial
 
 
 def _file(header: dict[str, object], data_bytes: int) -> bytes:
@@ -52,3 +56,28 @@ def test_an_unknown_file_type_is_not_a_checkpoint(tmp_path: Path) -> None:
     path.write_bytes(b"PK")
     with pytest.raises(NotADcpCheckpointError, match="unknown checkpoint file type '.npz'"):
         open_full_file(path)
+
+
+def test_every_safetensors_dtype_indexes_and_reads_back_its_bytes(tmp_path: Path) -> None:
+    """A file safetensors itself wrote, in every dtype of the table: ``file_index`` gives torch's
+    dtype and shape (float4's header counts 4-bit values), and each box read is the tensor's slice."""
+    tensors = {
+        name: adversarial(dtype, (5, 4), seed=i) for i, (name, dtype) in enumerate(DTYPES.items()) if dtype in SAFETENSORS_DTYPES
+    }
+    save_file(tensors, tmp_path / "model.safetensors")
+    index = file_index(tmp_path / "model.safetensors")
+    entries = {e.fqn: e for e in index.entries if isinstance(e, TensorEntry)}
+    assert {k: (e.dtype, e.shape) for k, e in entries.items()} == {k: (t.dtype, (5, 4)) for k, t in tensors.items()}
+    with FileBoxReader(tmp_path / "model.safetensors") as reader:
+        for name, t in tensors.items():
+            assert same_bits(reader.read_tensor(entries[name]), t), name
+            assert same_bits(reader.read_box(entries[name], (1, 0), (3, 4)), t[1:4]), name
+
+
+@pytest.mark.skipif(FLOAT4 is None, reason="this torch has no float4_e2m1fn_x2")
+def test_a_float4_header_of_half_an_element_is_not_a_checkpoint(tmp_path: Path) -> None:
+    """F4 [2, 5] is a valid safetensors tensor (10 values, 5 bytes) that no float4_e2m1fn_x2 shape holds."""
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(_file({"w": {"dtype": "F4", "shape": [2, 5], "data_offsets": [0, 5]}}, 5))
+    with pytest.raises(NotADcpCheckpointError, match=r"model\.safetensors: w: shape \[2, 5\] does not hold whole float4"):
+        file_index(path)

@@ -9,11 +9,15 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import fsdp_convert
+from fsdp_convert.constants import SAFETENSORS_DTYPES
 from fsdp_convert.errors import CorruptChunkError, NotADcpCheckpointError
 from fsdp_convert.formats.hf_storage import describe_safetensors_dcp, read_header
 from fsdp_convert.formats.index import TensorEntry
+from tests._compare import same_bits
+from tests._dtypes import DTYPES, FLOAT4, adversarial
 
 
 def test_negative_chunk_offsets_are_refused(tmp_path: Path) -> None:
@@ -89,4 +93,36 @@ def test_data_offsets_outside_the_file_are_corrupt(tmp_path: Path, offsets: list
 def test_unknown_dtype_is_not_a_checkpoint(tmp_path: Path, dtype: Any) -> None:
     _safetensors(tmp_path / "model.safetensors", _one_tensor(dtype=dtype), bytes(24))
     with pytest.raises(NotADcpCheckpointError, match="malformed header entry for w"):
+        describe_safetensors_dcp(tmp_path)
+
+
+def test_sharded_safetensors_in_every_dtype_consolidate_bitwise(tmp_path: Path) -> None:
+    """Two shard files as torch's HuggingFaceStorageWriter lays them out (rows 0-1 and 2-4, offsets
+    in DCP_SHARDING_INFO), written by safetensors itself in every dtype of the table: the index has
+    torch's dtypes and shapes (an F4 header counts 4-bit values) and consolidate gives the bytes back."""
+    full = {
+        name: adversarial(dtype, (5, 4), seed=i) for i, (name, dtype) in enumerate(DTYPES.items()) if dtype in SAFETENSORS_DTYPES
+    }
+    ck = tmp_path / "hf_dcp"
+    ck.mkdir()
+    for rank, (begin, end) in enumerate(((0, 2), (2, 5))):
+        info = {name: {"saved_offsets": [begin, 0]} for name in full}
+        save_file(
+            {name: t[begin:end].clone() for name, t in full.items()},
+            ck / f"shard-0000{rank + 1}-model-00001-of-00001.safetensors",
+            metadata={"format": "pt", "DCP_SHARDING_INFO": json.dumps(info)},
+        )
+    index = describe_safetensors_dcp(ck)
+    assert {e.fqn: (e.dtype, e.shape) for e in index.entries if isinstance(e, TensorEntry)} == {
+        name: (t.dtype, (5, 4)) for name, t in full.items()
+    }
+    fsdp_convert.consolidate(ck, tmp_path / "full.pt", nproc=1)
+    got = torch.load(tmp_path / "full.pt", weights_only=True)["model"]
+    assert sorted(got) == sorted(full) and all(same_bits(got[k], t) for k, t in full.items())
+
+
+@pytest.mark.skipif(FLOAT4 is None, reason="this torch has no float4_e2m1fn_x2")
+def test_a_float4_header_of_half_an_element_is_malformed(tmp_path: Path) -> None:
+    _safetensors(tmp_path / "model.safetensors", {"w": {"dtype": "F4", "shape": [2, 5], "data_offsets": [0, 5]}}, bytes(5))
+    with pytest.raises(NotADcpCheckpointError, match="malformed header entry for w .*whole float4_e2m1fn_x2 elements"):
         describe_safetensors_dcp(tmp_path)

@@ -13,8 +13,16 @@ import pytest
 import torch
 
 from fsdp_convert.formats.index import unflatten
-from fsdp_convert.writers.torch_save import TensorSlot, torch_save_layout, write_torch_save_headers
+from fsdp_convert.writers.torch_save import (
+    TensorSlot,
+    tensor_payload_layout,
+    torch_save_layout,
+    write_tensor_payload_headers,
+    write_torch_save_headers,
+)
 from tests._compare import assert_same_state
+from tests._dtypes import DTYPES as ALL_DTYPES
+from tests._dtypes import SHAPES, adversarial, fqn
 from tests._tensors import DTYPES, _tensor
 
 
@@ -133,3 +141,51 @@ def test_headers_refuse_a_changed_layout_or_a_missing_crc(tmp_path: Path) -> Non
             write_torch_save_headers(fd, items, {0: 0, 1: 0}, offsets)
     finally:
         os.close(fd)
+
+
+def _dtype_items() -> list[tuple[tuple[str | int, ...], object]]:
+    """Every dtype of tests/_dtypes.py in every shape there (random bits, NaN payloads, -0.0)."""
+    return [(("model", fqn(name, shape_name)), t) for name, shapes in _by_dtype().items() for shape_name, t in shapes.items()]
+
+
+def _by_dtype() -> dict[str, dict[str, torch.Tensor]]:
+    return {
+        name: {shape_name: adversarial(dtype, shape, seed=i) for shape_name, shape in SHAPES.items()}
+        for i, (name, dtype) in enumerate(ALL_DTYPES.items())
+    }
+
+
+def test_laid_out_file_round_trips_float8_float4_complex_and_wide_uints(tmp_path: Path) -> None:
+    out = tmp_path / "x.pt"
+    _write(out, _dtype_items())
+    want = unflatten(_dtype_items())
+    for mmap in (False, True):
+        assert_same_state(torch.load(out, weights_only=True, mmap=mmap), want)
+    with zipfile.ZipFile(out) as z:
+        assert z.testzip() is None
+
+
+@pytest.mark.parametrize("name", list(ALL_DTYPES))
+def test_payload_pickle_is_torch_saves_for_every_dtype(tmp_path: Path, name: str) -> None:
+    """A one-tensor payload (as DCP stores a chunk): ``data.pkl`` byte for byte what torch.save
+    pickles (a legacy typed storage, or for float8/float4/uint16+/complex32 an untyped one with
+    the dtype passed to ``_rebuild_tensor_v3``), and the same records."""
+    for shape_name, t in _by_dtype()[name].items():
+        slot = TensorSlot(t.dtype, tuple(t.shape))
+        layout = tensor_payload_layout(slot)
+        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        path = tmp_path / f"{shape_name}.payload"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT)
+        try:
+            os.pwrite(fd, raw, layout.data_offset)
+            write_tensor_payload_headers(fd, 0, slot, zlib.crc32(raw))
+            os.ftruncate(fd, layout.size)
+        finally:
+            os.close(fd)
+        buf = io.BytesIO()
+        torch.save(t, buf)
+        with zipfile.ZipFile(path) as ours, zipfile.ZipFile(buf) as theirs:
+            assert sorted(ours.namelist()) == sorted(theirs.namelist()), shape_name
+            assert ours.read("archive/data.pkl") == theirs.read("archive/data.pkl"), shape_name
+            assert ours.testzip() is None
+        assert_same_state(torch.load(path, weights_only=True), t)
