@@ -83,6 +83,32 @@ def _write_truth(
     dist.barrier()
 
 
+# Loaders: each framework's own resume, checked against the run's truth.pt --------------------------
+
+LOAD_SEED = 4321  # another initialisation than the run's: only a load makes the model the run's
+
+
+def _full_state(model: nn.Module, optim: torch.optim.Optimizer, *, cpu_offload: bool = True) -> dict[str, Any]:
+    """The full model and optimizer state, as ``_write_truth`` takes it (called on every rank)."""
+    full = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+    return _clone(
+        {"model": get_model_state_dict(model, options=full), "optim": get_optimizer_state_dict(model, optim, options=full)}
+    )
+
+
+def _assert_is_the_run(rank: int, got: dict[str, Any], before: dict[str, Any], truth_path: Path) -> None:
+    """Rank 0: ``got`` is the run's model and optimizer state bit for bit; ``before`` (the state
+    before the load) was not, so the load put it there."""
+    if rank != 0:
+        return
+    from tests._compare import assert_same_state
+
+    truth = torch.load(truth_path, weights_only=True)
+    want = {"model": truth["model"], "optim": truth["optim"]}
+    assert not torch.equal(before["model"]["output.weight"], want["model"]["output.weight"]), "the seed gave the run's weights"
+    assert assert_same_state(got, want) == len(want["model"]) + 3 * len(want["optim"]["state"])
+
+
 # accelerate ---------------------------------------------------------------------------------------
 
 
@@ -106,10 +132,10 @@ def _switch_on_accelerate_fsdp() -> None:
     AcceleratorState.__init__ = init  # type: ignore[method-assign]
 
 
-def accelerate_run(rank: int, world_size: int, out: Path) -> None:
+def _accelerate_prepared(seed: int) -> tuple[Any, Any, Any]:
     """``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2,
-    state_dict_type="SHARDED_STATE_DICT"))``, ``prepare``, ``CFG.steps`` AdamW steps with
-    ``accelerator.backward``, then ``accelerator.save_state(out / "accelerate")``."""
+    state_dict_type="SHARDED_STATE_DICT"))`` with FSDP switched on (``_switch_on_accelerate_fsdp``),
+    and the model (initialised from ``seed``) and AdamW through its ``prepare``."""
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
 
     _switch_on_accelerate_fsdp()
@@ -121,10 +147,18 @@ def accelerate_run(rank: int, world_size: int, out: Path) -> None:
     )
     accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
     assert accelerator.is_fsdp2
-    torch.manual_seed(CFG.seed)
+    torch.manual_seed(seed)
     model = Transformer(CFG)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     model, optim = accelerator.prepare(model, optim)
+    return accelerator, model, optim
+
+
+def accelerate_run(rank: int, world_size: int, out: Path) -> None:
+    """``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2,
+    state_dict_type="SHARDED_STATE_DICT"))``, ``prepare``, ``CFG.steps`` AdamW steps with
+    ``accelerator.backward``, then ``accelerator.save_state(out / "accelerate")``."""
+    accelerator, model, optim = _accelerate_prepared(CFG.seed)
 
     def step(tokens: torch.Tensor) -> None:
         accelerator.backward(_loss(model(tokens[:, :-1]), tokens, CFG.vocab_size))
@@ -135,6 +169,19 @@ def accelerate_run(rank: int, world_size: int, out: Path) -> None:
         step(_batch(CFG, 100 * i + rank))
     accelerator.save_state(str(out / "accelerate"))
     _write_truth(rank, out / "accelerate", model, optim.optimizer, step)
+
+
+def accelerate_load(rank: int, world_size: int, checkpoint: Path, truth_path: Path) -> None:
+    """accelerate's own resume at this world size: the run's ``Accelerator`` and FSDP2 plugin
+    (``_accelerate_prepared``; on CPU accelerate honours the plugin only when the process group is
+    on an accelerator, so ``_switch_on_accelerate_fsdp`` tells its state FSDP right after its own
+    init, as on a GPU) over a model from another seed, then ``accelerator.load_state(checkpoint)``
+    (``load_fsdp_model``/``load_fsdp_optimizer``: ``dcp.load`` of ``pytorch_model_fsdp_0/`` and
+    ``optimizer_0/``). Rank 0 compares the full model and optimizer state with the run's, bit for bit."""
+    accelerator, model, optim = _accelerate_prepared(LOAD_SEED)
+    before = _full_state(model, optim.optimizer)
+    accelerator.load_state(str(checkpoint))
+    _assert_is_the_run(rank, _full_state(model, optim.optimizer), before, truth_path)
 
 
 # Lightning Fabric ---------------------------------------------------------------------------------
@@ -163,18 +210,14 @@ def _cpu_fsdp_strategy() -> Any:
     return CPUFSDPStrategy
 
 
-def lightning_run(rank: int, world_size: int, out: Path) -> None:
-    """Lightning Fabric, twice: ``FSDPStrategy(state_dict_type="sharded")`` (FSDP1, blocks wrapped)
-    into ``lightning_fsdp1/`` and ``ModelParallelStrategy`` (FSDP2 ``fully_shard`` per block) into
-    ``lightning_fsdp2/``; each ``fabric.setup_module``/``setup_optimizers``, ``CFG.steps`` AdamW
-    steps with ``fabric.backward``, then ``fabric.save(path, {"model", "optimizer", "step"})``."""
-    import lightning.fabric as L
+def _lightning_strategies(world_size: int) -> dict[str, Any]:
+    """The two Fabric strategies of the Lightning run, by the folder each saves into: FSDP1
+    (``FSDPStrategy(state_dict_type="sharded")``, blocks wrapped) and FSDP2 (``ModelParallelStrategy``,
+    ``fully_shard`` per block)."""
     from lightning.fabric.strategies import ModelParallelStrategy
     from torch.distributed.fsdp import fully_shard
 
     from fsdp_convert._sample import Block
-
-    os.environ["LOCAL_RANK"] = str(rank)  # Fabric then takes the processes as launched, and the group as made
 
     def parallelize(model: nn.Module, mesh: Any) -> nn.Module:
         for layer in model.layers:
@@ -182,18 +225,35 @@ def lightning_run(rank: int, world_size: int, out: Path) -> None:
         fully_shard(model, mesh=mesh["data_parallel"])
         return model
 
-    strategies = {
+    return {
         "lightning_fsdp1": _cpu_fsdp_strategy()(state_dict_type="sharded", auto_wrap_policy={Block}),
         "lightning_fsdp2": ModelParallelStrategy(
             parallelize_fn=parallelize, data_parallel_size=world_size, tensor_parallel_size=1
         ),
     }
-    for name, strategy in strategies.items():
-        fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
-        fabric.launch()
-        torch.manual_seed(CFG.seed)
-        model = fabric.setup_module(Transformer(CFG))
-        optim = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+
+
+def _fabric_setup(strategy: Any, world_size: int, seed: int) -> tuple[Any, Any, Any]:
+    """``Fabric(accelerator="cpu", devices=world_size, strategy=strategy)``, launched, with the model
+    (initialised from ``seed``) and AdamW through ``setup_module``/``setup_optimizers``."""
+    import lightning.fabric as L
+
+    fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(seed)
+    model = fabric.setup_module(Transformer(CFG))
+    optim = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    return fabric, model, optim
+
+
+def lightning_run(rank: int, world_size: int, out: Path) -> None:
+    """Lightning Fabric, twice: ``FSDPStrategy(state_dict_type="sharded")`` (FSDP1, blocks wrapped)
+    into ``lightning_fsdp1/`` and ``ModelParallelStrategy`` (FSDP2 ``fully_shard`` per block) into
+    ``lightning_fsdp2/``; each ``fabric.setup_module``/``setup_optimizers``, ``CFG.steps`` AdamW
+    steps with ``fabric.backward``, then ``fabric.save(path, {"model", "optimizer", "step"})``."""
+    os.environ["LOCAL_RANK"] = str(rank)  # Fabric then takes the processes as launched, and the group as made
+    for name, strategy in _lightning_strategies(world_size).items():
+        fabric, model, optim = _fabric_setup(strategy, world_size, CFG.seed)
 
         def step(tokens: torch.Tensor, model: Any = model, optim: Any = optim, fabric: Any = fabric) -> None:
             fabric.backward(_loss(model(tokens[:, :-1]), tokens, CFG.vocab_size))
@@ -205,6 +265,47 @@ def lightning_run(rank: int, world_size: int, out: Path) -> None:
         fabric.save(out / name, {"model": model, "optimizer": optim, "step": CFG.steps})
         # FSDP1's CPU-offloaded full optimizer state can reuse a gather buffer on this torch: no offload
         _write_truth(rank, out / name, model._forward_module, optim.optimizer, step, cpu_offload=name != "lightning_fsdp1")
+
+
+def lightning_load(rank: int, world_size: int, sources: dict[str, list[Path]], truth_root: Path) -> None:
+    """Lightning's own resume at this world size, for each strategy of ``lightning_run``
+    (``lightning_fsdp1``, ``lightning_fsdp2``) and each of its ``sources`` (a folder for
+    ``fabric.load``'s sharded path, which needs ``meta.pt``; a file for its full-checkpoint path):
+    a fresh Fabric over a model from another seed, ``fabric.load(path, {"model", "optimizer"})``,
+    which returns the rest (``{"step": CFG.steps}``); rank 0 compares the full model and optimizer
+    state with the run's ``truth.pt``, bit for bit."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    for name, paths in sources.items():
+        offload = name != "lightning_fsdp1"  # as _write_truth took it
+        for path in paths:
+            fabric, model, optim = _fabric_setup(_lightning_strategies(world_size)[name], world_size, LOAD_SEED)
+            before = _full_state(model._forward_module, optim.optimizer, cpu_offload=offload)
+            rest = fabric.load(path, {"model": model, "optimizer": optim})
+            assert rest == {"step": CFG.steps}, (path, rest)
+            got = _full_state(model._forward_module, optim.optimizer, cpu_offload=offload)
+            if path.is_file() and name == "lightning_fsdp2":
+                # ModelParallelStrategy's full-checkpoint load gives ``betas`` back as a list (it
+                # does so with Lightning's own consolidate_checkpoint output too): compare values
+                for group in got["optim"].get("param_groups", []):  # rank 0 holds the full state
+                    group["betas"] = tuple(group["betas"])
+            _assert_is_the_run(rank, got, before, truth_root / name / TRUTH)
+
+
+def fabric_plain_load(path: Path, truth_path: Path) -> None:
+    """A single-process Fabric (``accelerator="cpu", devices=1``: no FSDP, no process group) over a
+    plain model from another seed loads the full checkpoint file with ``fabric.load(path, {"model",
+    "optimizer"})``, which returns the rest (``{"step": CFG.steps}``); the model and the
+    optimizer state (read back FQN-keyed with ``get_optimizer_state_dict``) are the run's, bit for bit."""
+    import lightning.fabric as L
+
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    torch.manual_seed(LOAD_SEED)
+    model = Transformer(CFG)
+    model, optim = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    before = _full_state(model._forward_module, optim.optimizer)
+    rest = fabric.load(path, {"model": model, "optimizer": optim})
+    assert rest == {"step": CFG.steps}, rest
+    _assert_is_the_run(0, _full_state(model._forward_module, optim.optimizer), before, truth_path)
 
 
 # torchtitan ---------------------------------------------------------------------------------------

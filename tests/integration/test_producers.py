@@ -23,8 +23,9 @@ from fsdp_convert.transform import TransformOptions
 from tests._compare import assert_same_state
 from tests._producers import CFG, TRUTH, train_step
 
-# fixture, checkpoint path inside it, truth.pt inside it, inspect's producer, other top-level keys,
-# optimizer form in the output ("names": FQN-keyed; "ids": the producer saved optim.state_dict(); None: model only)
+# fixture, checkpoint path inside it, truth.pt inside it, inspect's producer, other top-level keys
+# (Lightning: meta.pt's, merged), optimizer form in the output ("names": FQN-keyed; "ids": the
+# producer saved optim.state_dict(); None: model only)
 PRODUCERS: dict[str, tuple[str, str, str, str, set[str], str | None]] = {
     "torchtitan": (
         "torchtitan_run",
@@ -35,8 +36,8 @@ PRODUCERS: dict[str, tuple[str, str, str, str, set[str], str | None]] = {
         "names",
     ),
     "accelerate": ("accelerate_run", "accelerate", "accelerate/truth.pt", "accelerate", set(), "names"),
-    "lightning-fsdp1": ("lightning_run", "lightning_fsdp1", "lightning_fsdp1/truth.pt", "lightning", set(), "names"),
-    "lightning-fsdp2": ("lightning_run", "lightning_fsdp2", "lightning_fsdp2/truth.pt", "lightning", set(), "names"),
+    "lightning-fsdp1": ("lightning_run", "lightning_fsdp1", "lightning_fsdp1/truth.pt", "lightning", {"step"}, "names"),
+    "lightning-fsdp2": ("lightning_run", "lightning_fsdp2", "lightning_fsdp2/truth.pt", "lightning", {"step"}, "names"),
     "fsdp2-wrapper-names": ("fsdp2_layouts", "wrapped", TRUTH, "fsdp2", set(), "names"),
     "hf-storage-writer": ("fsdp2_layouts", "hf_storage", TRUTH, "hf_storage", set(), None),
     "verl": ("fsdp2_layouts", "verl", TRUTH, "verl", {"extra_state"}, "ids"),
@@ -44,6 +45,10 @@ PRODUCERS: dict[str, tuple[str, str, str, str, set[str], str | None]] = {
     "fsdp1-flat-params": ("fsdp1_layouts", "orig_params_false/checkpoint", "orig_params_false/truth.pt", "fsdp1", set(), "names"),
     "fsdp1-rank-files": ("fsdp1_layouts", "orig_params_true/rank_files", "orig_params_true/truth.pt", "fsdp1", set(), "names"),
 }
+
+
+# the optimizer's top-level key in consolidate's default (producer) layout: as the producer saved it
+OPTIM_KEY = {"torchtitan": "optimizer", "accelerate": "optimizer", "lightning": "optimizer"}
 
 
 def _layout(request: pytest.FixtureRequest, name: str) -> tuple[Path, dict[str, Any], str, set[str], str | None]:
@@ -69,9 +74,10 @@ def _by_id(optim: dict[str, Any], order: list[str]) -> dict[str, Any]:
 @pytest.mark.parametrize("name", sorted(PRODUCERS))
 def test_each_producer_consolidates_to_its_ground_truth(request: pytest.FixtureRequest, name: str, tmp_path: Path) -> None:
     """Bitwise equal to get_model_state_dict/get_optimizer_state_dict(full_state_dict=True) of the
-    same run, after the documented cleaning: wrapper names removed, ``optimizer`` as ``optim``,
-    torchtitan's flattened optimizer state nested again with its param groups rebuilt; verl's
-    id-keyed optimizer files stay id-keyed. (torchtitan's truth is its model's own state dict,
+    same run, after the documented cleaning: wrapper names removed, the optimizer under the
+    producer's own key (``optimizer`` for torchtitan, accelerate and Lightning), Lightning's
+    ``meta.pt`` merged (``step``), torchtitan's flattened optimizer state nested again with its
+    param groups rebuilt; verl's id-keyed optimizer files stay id-keyed. (torchtitan's truth is its model's own state dict,
     gathered: a save hook writes the fused ``wqkv`` as ``wq``/``wk``/``wv``, while its optimizer
     state stays keyed by ``wqkv``.)"""
     ckpt, truth, producer, others, optim = _layout(request, name)
@@ -80,10 +86,11 @@ def test_each_producer_consolidates_to_its_ground_truth(request: pytest.FixtureR
     out = tmp_path / "full.pt"
     fsdp_convert.consolidate(ckpt, out, nproc=1, verify_output=True)
     got = torch.load(out, weights_only=True)
-    assert set(got) == ({"model", "optim"} if optim else {"model"}) | others
+    key = OPTIM_KEY.get(producer, "optim")
+    assert set(got) == ({"model", key} if optim else {"model"}) | others
     want = {"model": truth["model"]}
     if optim is not None:
-        want["optim"] = truth["optim"] if optim == "names" else _by_id(truth["optim"], list(truth["model"]))
+        want[key] = truth["optim"] if optim == "names" else _by_id(truth["optim"], list(truth["model"]))
     if producer == "hf_storage":  # safetensors headers list names sorted: compare in the truth's order
         assert sorted(got["model"]) == sorted(truth["model"])
         got["model"] = {k: got["model"][k] for k in truth["model"]}
@@ -147,15 +154,16 @@ def test_resume_on_one_process_matches_the_fsdp_next_step(
     result = runner.invoke(app, ["consolidate", str(ckpt), str(out), "--optim-keys", "ids", "--nproc", "1"])
     assert result.exit_code == 0, result.stderr
     state = torch.load(out, weights_only=True)
+    optim = state[OPTIM_KEY.get(producer, "optim")]
     n_params = len(truth["optim"]["state"])
-    assert sorted(state["optim"]["state"]) == list(range(n_params))
-    assert state["optim"]["param_groups"][0]["params"] == list(range(n_params))
+    assert sorted(optim["state"]) == list(range(n_params))
+    assert optim["param_groups"][0]["params"] == list(range(n_params))
     if producer == "torchtitan":
         from tests._frameworks import titan_plain_step
 
-        stepped, head = titan_plain_step(state["model"], state["optim"], truth["batch"]), "lm_head.weight"
+        stepped, head = titan_plain_step(state["model"], optim, truth["batch"]), "lm_head.weight"
     else:
-        stepped, head = _plain_step(state["model"], state["optim"], truth["batch"]), "output.weight"
+        stepped, head = _plain_step(state["model"], optim, truth["batch"]), "output.weight"
     assert list(stepped) == list(truth["next_model"])
     for fqn, want in truth["next_model"].items():
         torch.testing.assert_close(stepped[fqn], want, rtol=1e-6, atol=1e-7, msg=fqn)
@@ -189,19 +197,18 @@ def test_parent_folder_errors_name_the_folder_to_pass(runner: CliRunner, torchti
     assert not (tmp_path / "x.pt").exists()
 
 
-@pytest.mark.parametrize("name", ["torchtitan", "lightning-fsdp1", "lightning-fsdp2"])
+@pytest.mark.parametrize("name", ["torchtitan", "accelerate", "lightning-fsdp1", "lightning-fsdp2"])
 def test_reshard_keeps_the_producer_layout(request: pytest.FixtureRequest, name: str, tmp_path: Path) -> None:
     """A checkpoint resharded to 3 keeps every key as saved (torchtitan: weights at the top level
-    and the flattened optimizer state, so torchtitan's own loader reads it); consolidating it gives
-    the same bytes."""
+    and the flattened optimizer state, so torchtitan's own loader reads it; accelerate: its two DCP
+    folders; Lightning: meta.pt beside .metadata); consolidating it gives the same bytes."""
     ckpt, _, producer, *_ = _layout(request, name)
     out = tmp_path / "ws3"
     fsdp_convert.reshard(ckpt, out, world_size=3)
     keys = {e.fqn for e in fsdp_convert.inspect_checkpoint(out).entries}
     assert keys == {e.fqn for e in fsdp_convert.inspect_checkpoint(ckpt).entries}
     assert fsdp_convert.inspect_checkpoint(out).world_size == 3
-    if producer == "torchtitan":
-        assert fsdp_convert.inspect_checkpoint(out).producer == "torchtitan"
+    assert fsdp_convert.inspect_checkpoint(out).producer == producer
     a, b = tmp_path / "a.pt", tmp_path / "b.pt"
     fsdp_convert.consolidate(ckpt, a)
     fsdp_convert.consolidate(out, b)
