@@ -272,13 +272,9 @@ class DcpReader(ChunkedReader):
         assert chunk.relative_path is not None
         if is_raw_chunk(entry, chunk):  # bare elements (serialization_format=SAFETENSORS)
             where = self._where(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, entry.fqn)
-            fd, at = self._range(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, where)
-            buffer = bytearray(chunk.length_bytes)
-            if chunk.length_bytes == 0:
-                return torch.empty(chunk.sizes, dtype=entry.dtype)
-            if os.preadv(fd, [buffer], at) != chunk.length_bytes:
-                raise CorruptChunkError(f"{where}: short read; the file changed while it was read")
-            return torch.frombuffer(buffer, dtype=entry.dtype).reshape(chunk.sizes)
+            return _read_bare(
+                *self._range(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, where), entry, chunk, where
+            )
         limit = 2 * chunk.numel * entry.dtype.itemsize + _PAYLOAD_OVERHEAD_BYTES
         args = (chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, chunk.transform_descriptors)
         return self._load(*args, entry.fqn, limit)
@@ -385,6 +381,20 @@ class DcpReader(ChunkedReader):
         """
         args = (entry.relative_path, entry.offset_bytes, entry.length_bytes, entry.transform_descriptors)
         return self._load(*args, entry.fqn, _bytes_entry_limit(entry))
+
+
+def _read_bare(fd: int, at: int, entry: TensorEntry, chunk: ChunkEntry, where: str) -> torch.Tensor:
+    """A chunk stored as its bare elements at byte ``at`` of ``fd``, read into a new tensor.
+
+    Raises:
+        CorruptChunkError: a short read (the file changed while it was read).
+    """
+    if chunk.length_bytes == 0:
+        return torch.empty(chunk.sizes, dtype=entry.dtype)
+    buffer = bytearray(chunk.length_bytes)
+    if os.preadv(fd, [buffer], at) != chunk.length_bytes:
+        raise CorruptChunkError(f"{where}: short read; the file changed while it was read")
+    return torch.frombuffer(buffer, dtype=entry.dtype).reshape(chunk.sizes)
 
 
 def _bytes_entry_limit(entry: BytesEntry) -> int:
