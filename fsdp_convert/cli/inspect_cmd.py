@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -34,23 +35,46 @@ def inspect_checkpoint(checkpoint_id: str) -> InspectResult:
     return operation(checkpoint_id)
 
 
-def chunks_cell(result_row: EntrySummary) -> str:
-    """The chunks column: the count, and how the chunks cut the tensor where it is not FSDP's dim 0 alone.
-
-    ``3`` (cut on dim 0, or whole); ``2 (dim 1)``; ``2 x 2 (dim 0, dim 1)`` (tensor parallelism
-    under FSDP); ``5 (irregular)`` when the chunks are not a grid (``chunks_per_dim`` is None).
-    """
-    n, grid = result_row.chunks, result_row.chunks_per_dim
-    if result_row.kind != "tensor":
-        return str(n)
-    if grid is None:
-        return f"{n} (irregular)"
+def _cut(grid: tuple[int, ...]) -> str:
+    """``2 x 2 (dim 0, dim 1)``, ``3 (dim 0)``, or ``whole``: the pieces on each dim that is cut."""
     cut = [d for d, pieces in enumerate(grid) if pieces > 1]
-    if cut in ([], [0]):
-        return str(n)
-    if len(cut) == 1:
-        return f"{n} (dim {cut[0]})"
+    if not cut:
+        return "whole"
     return " x ".join(str(grid[d]) for d in cut) + " (" + ", ".join(f"dim {d}" for d in cut) + ")"
+
+
+def chunks_cell(row: EntrySummary) -> str:
+    """The chunks column: the count, and how the chunks cut the tensor where that is not dim 0 alone.
+
+    ``3`` (FSDP's cut on dim 0, or whole); ``2 (dim 1)``; ``2 x 2 (dim 0, dim 1)`` (tensor
+    parallelism under FSDP); ``5 (irregular)`` when the chunks are no grid (``chunks_per_dim`` None).
+    """
+    grid = row.chunks_per_dim
+    if row.kind != "tensor":
+        return str(row.chunks)
+    if grid is None:
+        return f"{row.chunks} (irregular)"
+    if all(pieces == 1 for pieces in grid[1:]):
+        return str(row.chunks)
+    return _cut(grid)
+
+
+def cuts_lines(result: InspectResult, width: int) -> list[str]:
+    """Header lines: how many tensors are cut each way, most common first, wrapped between items at ``width``.
+
+    e.g. ``cuts: 92 tensors 2 (dim 0), 12 tensors 4 (dim 0), 8 tensors 2 x 2 (dim 0, dim 1), 24 tensors whole``.
+    """
+    counts = Counter(
+        "irregular" if r.chunks_per_dim is None else _cut(r.chunks_per_dim) for r in result.entries if r.kind == "tensor"
+    )
+    items = [f"{n} {'tensor' if n == 1 else 'tensors'} {cut}" for cut, n in counts.most_common()]
+    lines = ["cuts:"]
+    for i, item in enumerate(items):
+        item += "," if i < len(items) - 1 else ""
+        if len(lines[-1]) + 1 + len(item) > width and lines[-1].strip() not in ("cuts:", ""):
+            lines.append("     ")
+        lines[-1] += " " + item
+    return lines
 
 
 def _render(result: InspectResult, out: Console = console) -> None:
@@ -60,6 +84,9 @@ def _render(result: InspectResult, out: Console = console) -> None:
         f"total: {human_bytes(result.total_bytes)} ({result.total_bytes} bytes) in {len(result.data_files)} data files",
         highlight=False,
     )
+    if any(r.kind == "tensor" for r in result.entries):
+        for line in cuts_lines(result, out.width):
+            out.print(line, highlight=False)
     for group in ("model", "optim", "other"):
         rows = [e for e in result.entries if e.group == group]
         if not rows:

@@ -1,9 +1,10 @@
-"""inspect's table: one line per entry in an 80-column terminal, long FQNs shortened in the middle."""
+"""inspect's table: one line per entry in an 80-column terminal, long FQNs shortened in the middle; how chunks cut tensors."""
 
 from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from rich.cells import cell_len
@@ -11,6 +12,8 @@ from typer.testing import CliRunner
 
 from fsdp_convert.cli import app
 from fsdp_convert.cli._output import shorten_middle
+from fsdp_convert.cli.inspect_cmd import chunks_cell, cuts_lines
+from fsdp_convert.ops.inspect import EntrySummary, InspectResult
 from tests._samples import Sample
 
 
@@ -58,3 +61,42 @@ def test_every_row_is_one_line_and_names_its_fqn(runner: CliRunner, ws3_ckpt: Sa
     assert len(set(cells)) == len(cells)  # still tells the rows apart
     shortened = [cell for cell in cells if "…" in cell]
     assert shortened if columns == 80 else not shortened  # a wide terminal shows every FQN whole
+
+
+def _row(shape: tuple[int, ...] | None, chunks: int, grid: tuple[int, ...] | None) -> EntrySummary:
+    return EntrySummary(
+        fqn="model.w", group="model", kind="bytes" if shape is None else "tensor", shape=shape,
+        dtype=None if shape is None else "float32", chunks=chunks, chunks_per_dim=grid, nbytes=4,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("shape", "chunks", "grid", "cell"),
+    [
+        ((101, 16), 3, (3, 1), "3"),  # FSDP: dim 0 alone stays a count
+        ((1,), 2, (1,), "2"),  # an empty chunk beside the whole tensor
+        ((), 1, (), "1"),
+        ((16, 64), 4, (2, 2), "2 x 2 (dim 0, dim 1)"),  # FSDP over tensor parallelism
+        ((16, 64), 2, (1, 2), "2 (dim 1)"),
+        ((4, 4, 4), 8, (2, 1, 4), "2 x 4 (dim 0, dim 2)"),
+        ((16, 64), 3, None, "3 (irregular)"),
+        (None, 1, None, "1"),  # bytes
+    ],
+)
+def test_chunks_cell_says_how_a_tensor_is_cut(
+    shape: tuple[int, ...] | None, chunks: int, grid: tuple[int, ...] | None, cell: str
+) -> None:
+    assert chunks_cell(_row(shape, chunks, grid)) == cell
+
+
+def test_cuts_lines_count_tensors_and_wrap_between_items() -> None:
+    rows = [_row((8, 8), 2, (2, 1))] * 3 + [_row((8, 8), 4, (2, 2))] + [_row((), 1, ())] * 2 + [_row(None, 1, None)]
+    result = InspectResult(
+        checkpoint_id=Path("ck"), producer="fsdp2", world_size=4, total_bytes=28, data_files=(), version=None, entries=tuple(rows)
+    )
+    assert cuts_lines(result, 200) == ["cuts: 3 tensors 2 (dim 0), 2 tensors whole, 1 tensor 2 x 2 (dim 0, dim 1)"]
+    assert cuts_lines(result, 30) == [
+        "cuts: 3 tensors 2 (dim 0),",
+        "      2 tensors whole,",
+        "      1 tensor 2 x 2 (dim 0, dim 1)",
+    ]

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from rich.cells import cell_len
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -138,12 +139,16 @@ def test_inspect_shows_how_tp_cut_each_tensor(runner: CliRunner, meshes: Path, s
     assert cells["model.layers.0.mlp.2.bias"] == (2, [2])  # replicated over tp: stored once
     # exp_avg and exp_avg_sq of both blocks' mlp.2.weight (by FQN in DCP, by parameter id in rank files)
     assert sum(cell == (4, [2, 2]) for fqn, cell in cells.items() if fqn.startswith("optim.state.")) == 4
-    table = runner.invoke(app, ["inspect", str(ckpt)], env={"COLUMNS": "160"})
+    table = runner.invoke(app, ["inspect", str(ckpt)], env={"COLUMNS": "80"})
     assert table.exit_code == 0, table.stderr
-    row = next(line for line in table.stdout.splitlines() if " model.layers.0.mlp.2.weight " in line)
-    assert "2 x 2 (dim 0, dim 1)" in row
-    row = next(line for line in table.stdout.splitlines() if " model.layers.0.mlp.0.weight " in line)
-    assert row.split("│")[4].strip() == "4"
+    lines = table.stdout.splitlines()
+    assert all(cell_len(line) <= 80 for line in lines[2:]), "\n".join(lines)
+    cuts = " ".join(line.strip() for line in lines[2 : next(i for i, line in enumerate(lines) if line.startswith("model:"))])
+    assert cuts.startswith("cuts: ") and "6 tensors 2 x 2 (dim 0, dim 1)" in cuts and "15 tensors 4 (dim 0)" in cuts, cuts
+    wide = runner.invoke(app, ["inspect", str(ckpt)], env={"COLUMNS": "160"}).stdout.splitlines()  # FQNs whole
+    rows = {line.split("│")[1].strip(): line.split("│")[4].strip() for line in wide if line.startswith("│")}
+    assert rows["model.layers.0.mlp.2.weight"] == "2 x 2 (dim 0, dim 1)"
+    assert rows["model.layers.0.mlp.0.weight"] == "4" and rows["model.output.weight"] == "4"
 
 
 def test_inspect_json_of_a_tp_checkpoint_matches_golden(runner: CliRunner, meshes: Path) -> None:
