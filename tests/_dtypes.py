@@ -21,8 +21,17 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+)
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 FLOAT4 = getattr(torch, "float4_e2m1fn_x2", None)  # torch >= 2.8
@@ -116,11 +125,52 @@ def distribute(t: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     return DTensor.from_local(local.view(t.dtype), mesh, [Shard(0)], shape=t.shape, stride=t.stride())
 
 
+class BufferModel(nn.Module):
+    """Two linear layers (7 rows: uneven over 2 or 3 ranks) and buffers in dtypes FSDP2 leaves alone.
+
+    A float8 scale, float8_e8m0fnu block scales (as MX formats keep them), uint16 token ids, a
+    bool mask and a complex64 phase: FSDP2 shards parameters only, so buffers are saved whole.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 7)
+        self.out = nn.Linear(7, 3)
+        self.register_buffer("fp8_scale", adversarial(torch.float8_e4m3fn, (5,), seed=1))
+        self.register_buffer("mx_scales", adversarial(torch.float8_e8m0fnu, (7, 2), seed=2))
+        self.register_buffer("token_ids", adversarial(torch.uint16, (9,), seed=3))
+        self.register_buffer("mask", adversarial(torch.bool, (4,), seed=4))
+        self.register_buffer("phase", adversarial(torch.complex64, (3,), seed=5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.inp(x)))  # type: ignore[no-any-return]
+
+
+def save_fsdp2_buffers(out: Path) -> None:
+    """One rank of an FSDP2 run of ``BufferModel``: one AdamW step, then ``dcp.save`` of
+    ``{"model", "optim"}`` to ``out/fsdp2`` and, on rank 0, the full state dicts to ``out/fsdp2_truth.pt``."""
+    torch.manual_seed(0)
+    model = BufferModel()
+    fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 6, generator=torch.Generator().manual_seed(1))).square().sum().backward()
+    optim.step()
+    optim.zero_grad()
+    model_sd, optim_sd = get_state_dict(model, optim)
+    dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=out / "fsdp2")
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    truth = {"model": get_model_state_dict(model, options=full), "optim": get_optimizer_state_dict(model, optim, options=full)}
+    if dist.get_rank() == 0:
+        torch.save(truth, out / "fsdp2_truth.pt")
+
+
 def save_dtypes(rank: int, world_size: int, out: Path) -> None:
-    """One rank of the save: ``out/checkpoint`` (DCP, DTensors) and, on rank 0, ``out/truth.pt``."""
+    """One rank of the save: ``out/checkpoint`` (DCP, DTensors) and, on rank 0, ``out/truth.pt``;
+    then ``save_fsdp2_buffers``."""
     mesh = init_device_mesh("cpu", (world_size,))
     state = dtype_state()
     sharded = {key: distribute(t, mesh) for key, t in state["model"].items()}
     dcp_save({"model": sharded}, checkpoint_id=out / "checkpoint")
     if rank == 0:
         torch.save(state, out / "truth.pt")
+    save_fsdp2_buffers(out)

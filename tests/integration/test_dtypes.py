@@ -32,7 +32,7 @@ from fsdp_convert.cli import app
 from fsdp_convert.constants import SAFETENSORS_DTYPES, safetensors_shape
 from fsdp_convert.errors import InvalidOptionError
 from fsdp_convert.transform import TransformOptions
-from tests._compare import same_bits
+from tests._compare import assert_same_state, same_bits
 from tests._dist import run_ranks
 from tests._dtypes import DTYPES, FLOAT4, SHAPES, adversarial, distribute, dtype_state, fqn, save_dtypes
 
@@ -311,3 +311,42 @@ def test_dtype_cast_keeps_float4(dtypes_ckpt: DtypeSample, tmp_path: Path) -> No
     fsdp_convert.consolidate(dtypes_ckpt.checkpoint, out, nproc=1, options=options)
     want = {k: t for k, t in dtypes_ckpt.truth().items() if k.startswith("float4_e2m1fn_x2.")}
     assert_same_tensors(torch.load(out, weights_only=True)["model"], want)
+
+
+def test_fsdp2_run_with_float8_buffers_consolidates_bitwise(dtypes_ckpt: DtypeSample, tmp_path: Path) -> None:
+    """An FSDP2-trained model whose buffers are float8, float8_e8m0fnu, uint16, bool and complex64:
+    the .pt is the run's full state dict (model and AdamW state, in its order)."""
+    out = tmp_path / "full.pt"
+    fsdp_convert.consolidate(dtypes_ckpt.root / "fsdp2", out, nproc=1)
+    truth = torch.load(dtypes_ckpt.root / "fsdp2_truth.pt", weights_only=True)
+    assert assert_same_state(torch.load(out, weights_only=True), truth) == 9 + 4 * 3
+    assert fsdp_convert.verify(dtypes_ckpt.root / "fsdp2", out, nproc=1).equal
+
+
+def test_fsdp2_run_casts_floats_only_and_never_step(dtypes_ckpt: DtypeSample, tmp_path: Path) -> None:
+    """``--dtype bf16 --optim-dtype bf16``: parameters and the float8 buffers become bf16; the uint16,
+    bool and complex64 buffers keep their dtype and bytes; AdamW's moments become bf16, ``step`` does not."""
+    out = tmp_path / "bf16.pt"
+    options = TransformOptions(dtype=torch.bfloat16, optim_dtype=torch.bfloat16)
+    fsdp_convert.consolidate(dtypes_ckpt.root / "fsdp2", out, nproc=1, options=options)
+    got = torch.load(out, weights_only=True)
+    truth = torch.load(dtypes_ckpt.root / "fsdp2_truth.pt", weights_only=True)
+    for key, t in truth["model"].items():
+        want = _cast_like_torch(t, torch.bfloat16) if t.is_floating_point() else t
+        assert same_bits(got["model"][key], want), key
+    assert {k: got["model"][k].dtype for k in ("token_ids", "mask", "phase")} == {
+        "token_ids": torch.uint16,
+        "mask": torch.bool,
+        "phase": torch.complex64,
+    }
+    for fqn_, state in truth["optim"]["state"].items():
+        assert same_bits(got["optim"]["state"][fqn_]["exp_avg"], state["exp_avg"].to(torch.bfloat16)), fqn_
+        assert same_bits(got["optim"]["state"][fqn_]["step"], state["step"]), fqn_
+    assert fsdp_convert.verify(dtypes_ckpt.root / "fsdp2", out, nproc=1, options=options).equal
+
+
+def test_fsdp2_run_reshards_to_three_for_torch(dtypes_ckpt: DtypeSample, tmp_path: Path) -> None:
+    fsdp_convert.reshard(dtypes_ckpt.root / "fsdp2", tmp_path / "ws3", world_size=3, nproc=1)
+    dcp_to_torch_save(tmp_path / "ws3", tmp_path / "view.pt")
+    truth = torch.load(dtypes_ckpt.root / "fsdp2_truth.pt", weights_only=True)
+    assert_same_state(torch.load(tmp_path / "view.pt", weights_only=True), truth)
