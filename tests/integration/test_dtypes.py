@@ -230,6 +230,7 @@ def test_verify_finds_every_output_equal(dtypes_ckpt: DtypeSample, consolidated:
         result = fsdp_convert.verify(ckpt, consolidated[name], nproc=1, options=SAFETENSORS_OPTIONS)
         assert result.equal and result.compared == len(_safetensors_subset(dtypes_ckpt.truth())), result.differences
     assert fsdp_convert.verify(consolidated["pt"], dtypes_ckpt.truth_path, nproc=1).equal
+    assert fsdp_convert.verify(ckpt, consolidated["pt"], nproc=1, atol=1e-3, rtol=1e-3).equal  # float8 allclose
 
 
 def _flip(t: torch.Tensor) -> torch.Tensor:
@@ -250,6 +251,12 @@ def test_verify_detects_one_flipped_byte_in_any_dtype(dtypes_ckpt: DtypeSample, 
     # element 1 of a float tensor is -0.0 (the sign bit alone): now the smallest negative subnormal
     assert details[f"model.{fqn('float32', 'odd')}"][1] == "values differ (max abs difference 1.4e-45)"
     assert details[f"model.{fqn('uint64', 'odd')}"][1] == "values differ (1 of 35 elements)"
+    # with a tolerance, float8 is compared in value too (through float64; torch has no float8 allclose)
+    tolerant = fsdp_convert.verify(dtypes_ckpt.checkpoint, tmp_path / "flipped.pt", nproc=1, atol=1e-6)
+    keys = {d.key for d in tolerant.differences}
+    assert f"model.{fqn('float32', 'odd')}" not in keys  # 1.4e-45 is within 1e-6
+    assert {f"model.{fqn(str(d).removeprefix('torch.'), 'odd')}" for d in FLOAT8} <= keys  # float8 subnormals are not
+    assert f"model.{fqn('complex64', 'odd')}" in keys  # complex: bitwise always
 
 
 def test_verify_detects_a_flipped_byte_in_a_safetensors_file(
