@@ -64,6 +64,7 @@ def test_shell_completion_is_on(runner: CliRunner) -> None:
                 "--only": "[all|model|optim]",
                 "--format": "[auto|torch|safetensors]",
                 "--optim-keys": "[names|ids]",
+                "--layout": "[producer|nested]",
                 "--dtype": "[fp32|bf16|fp16]",
                 "--optim-dtype": "[fp32|bf16|fp16]",
                 "--rdzv-backend": "[c10d|static]",
@@ -88,6 +89,7 @@ def test_help_lists_the_choices(runner: CliRunner, command: str, choices: dict[s
         ("consolidate", ["--only", "weights"], "--only 'weights': use all, model or optim"),
         ("consolidate", ["--format", "gguf"], "--format 'gguf': use auto, torch or safetensors"),
         ("consolidate", ["--optim-keys", "numbers"], "--optim-keys 'numbers': use names or ids"),
+        ("consolidate", ["--layout", "flat"], "--layout 'flat': use producer or nested"),
         ("consolidate", ["--dtype", "fp8"], "--dtype 'fp8' is not a dtype; use fp32, bf16 or fp16"),
         ("reshard", ["--world-size=2", "--optim-dtype", "int8"], "--optim-dtype 'int8' is not a dtype; use fp32, bf16 or fp16"),
         ("verify", ["--rdzv-backend", "etcd"], "--rdzv-backend 'etcd': use c10d or static"),
@@ -124,7 +126,18 @@ def test_the_library_gets_its_own_types(runner: CliRunner, monkeypatch: pytest.M
 
     monkeypatch.setattr(consolidate_cmd, "consolidate", fake_consolidate)
     args = ["consolidate", "ck", str(tmp_path / "o.pt"), "--only", "model", "--format", "torch", "--optim-keys", "ids"]
-    args += ["--dtype", "half", "--optim-dtype", "BF16", "--rdzv-backend", "static", "--max-shard-size", "2GB"]
+    args += [
+        "--dtype",
+        "half",
+        "--optim-dtype",
+        "BF16",
+        "--rdzv-backend",
+        "static",
+        "--max-shard-size",
+        "2GB",
+        "--layout",
+        "nested",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 130, result.stderr
     assert type(seen["only"]) is str and seen["only"] == "model"
@@ -132,6 +145,7 @@ def test_the_library_gets_its_own_types(runner: CliRunner, monkeypatch: pytest.M
     options, cluster = seen["options"], seen["cluster"]
     assert type(options.optim_keys) is str and options.optim_keys == OptimKeysChoice.ids.value
     assert (options.dtype, options.optim_dtype) == (torch.float16, torch.bfloat16)
+    assert type(options.layout) is str and options.layout == "nested"
     assert type(cluster.rdzv_backend) is str and cluster.rdzv_backend == "static"
     assert (seen["max_shard_bytes"], seen["memory_budget_bytes"]) == (2 * 10**9, 256 * 2**20)
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from fsdp_convert.errors import CorruptChunkError, InvalidOptionError, UnsafeContentError, UnsupportedTransformError
 from fsdp_convert.formats import read_index
 from fsdp_convert.items import prepare_items
+from fsdp_convert.layout import GROUPS
 from fsdp_convert.transform import TransformOptions
 from tests._samples import Sample
 
@@ -36,3 +40,63 @@ def test_only_the_groups_asked_for_become_items_with_their_cast(tmp_path: Path) 
     index = read_index(tmp_path)
     items = prepare_items(index, TransformOptions(dtype=torch.bfloat16), ("model",))
     assert [(item.path, item.group, item.dtype) for item in items] == [(("model", "w"), "model", torch.bfloat16)]
+
+
+def _lightning_folder(path: Path, meta: object) -> Path:
+    """A DCP folder as Fabric's ``fabric.save`` writes it: modules and optimizers, and ``meta.pt`` beside."""
+    dcp.save(
+        {"model": {"w": torch.ones(2)}, "optimizer": {"state": {"w": {"step": torch.tensor(1.0)}}}},
+        checkpoint_id=path,
+        no_dist=True,
+    )
+    torch.save(meta, path / "meta.pt")
+    return path
+
+
+def test_lightning_meta_is_merged_at_the_top_level_in_the_producer_layout_only(tmp_path: Path) -> None:
+    """As Lightning's own consolidate_checkpoint does (``checkpoint.update(meta)``): after the
+    checkpoint's own items; not in the nested layout, nor for reshard, which copies the file."""
+    index = read_index(_lightning_folder(tmp_path, {"step": 3, "hparams": {"lr": 0.1}}))
+    assert index.producer == "lightning"
+    items = prepare_items(index, TransformOptions(), GROUPS)
+    meta = [(item.path, item.group, item.constant, item.value) for item in items if item.path[0] in ("step", "hparams")]
+    assert meta == [(("step",), "other", True, 3), (("hparams",), "other", True, {"lr": 0.1})]
+    assert items[-2:] == tuple(item for item in items if item.path[0] in ("step", "hparams"))
+    assert {item.path[0] for item in items} == {"model", "optimizer", "step", "hparams"}
+    for other in (
+        prepare_items(index, TransformOptions(layout="nested"), GROUPS),
+        prepare_items(index, TransformOptions(), GROUPS, keep_layout=True),
+        prepare_items(index, TransformOptions(), ("model", "optim")),
+    ):
+        assert not any(item.path[0] in ("step", "hparams") for item in other)
+
+
+@pytest.mark.parametrize(
+    ("meta", "error", "message"),
+    [
+        (
+            {"ema": torch.ones(2)},
+            UnsupportedTransformError,
+            "'ema' holds a tensor, which this tool does not merge; use --layout nested",
+        ),
+        ({"model": 1}, InvalidOptionError, "meta.pt and the checkpoint both hold 'model'; use --layout nested"),
+        ([1, 2], CorruptChunkError, "expected a dict with string keys (Lightning's meta.pt), got list"),
+    ],
+)
+def test_lightning_meta_that_cannot_merge_is_refused_naming_the_file(
+    tmp_path: Path, meta: object, error: type[Exception], message: str
+) -> None:
+    index = read_index(_lightning_folder(tmp_path, meta))
+    with pytest.raises(error, match=re.escape(message)) as caught:
+        prepare_items(index, TransformOptions(), GROUPS)
+    assert str(tmp_path) in str(caught.value)
+
+
+def test_lightning_meta_that_would_run_code_is_never_run(tmp_path: Path) -> None:
+    from tests.cli.test_bad_inputs import Evil
+
+    marker = tmp_path / "pwned"
+    index = read_index(_lightning_folder(tmp_path / "ck", {"step": Evil(marker)}))
+    with pytest.raises(UnsafeContentError, match="meta.pt: would run code when loaded, refused"):
+        prepare_items(index, TransformOptions(), GROUPS)
+    assert not marker.exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -156,3 +157,30 @@ def test_parse_dtype() -> None:
     assert parse_dtype(" BF16 ") == torch.bfloat16 and parse_dtype("half") == torch.float16
     with pytest.raises(InvalidOptionError, match="not a dtype"):
         parse_dtype("int8")
+
+
+def _optimizer_named(entries: tuple[Any, ...]) -> CheckpointIndex:
+    """INDEX with its optimizer saved under ``optimizer`` (Lightning, accelerate, torchtitan)."""
+    renamed = tuple(
+        dataclasses.replace(e, fqn="optimizer" + e.fqn.removeprefix("optim"), path=("optimizer", *e.path[1:]))
+        if e.path[0] == "optim"
+        else e
+        for e in entries
+    )
+    return CheckpointIndex(checkpoint_id=Path("/nowhere"), entries=renamed, data_files=("__0_0.distcp",))
+
+
+@pytest.mark.parametrize(("layout", "top"), [("producer", "optimizer"), ("nested", "optim")])
+def test_layout_keeps_the_producers_optimizer_key_or_writes_optim(layout: str, top: str) -> None:
+    """``producer`` (the default) keeps the optimizer's top-level key as saved; ``nested`` writes
+    ``optim`` for every producer. Model weights go under ``model`` either way; ``reshard``
+    (keep_layout) ignores it."""
+    index = _optimizer_named(ENTRIES)
+    slots = classify(index)
+    items = build_items(index, slots, TransformOptions(layout=layout), VALUES)  # type: ignore[arg-type]
+    tops = [item.path[0] for item in items]
+    assert tops == ["model"] * 3 + [top] * 5 + ["train_state"]
+    assert (top, "param_groups", 0, "params") in {item.path for item in items}
+    kept = build_items(index, slots, TransformOptions(layout=layout), VALUES, keep_layout=True)  # type: ignore[arg-type]
+    assert [item.path[0] for item in kept] == ["model"] * 3 + ["optimizer"] * 5 + ["train_state"]
+    assert TransformOptions().layout == "producer"
