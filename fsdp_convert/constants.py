@@ -23,6 +23,7 @@ __all__ = [
     "SAFETENSORS_VALUES_PER_ELEMENT",
     "safetensors_shape",
     "torch_shape",
+    "UNCASTABLE_DTYPES",
     "SUPPORTED_DTYPES",
     "READ_LOG_ENV",
 ]
@@ -104,6 +105,10 @@ def torch_shape(dtype: torch.dtype, header_shape: list[int] | tuple[int, ...]) -
         raise ValueError(f"shape {list(header_shape)} does not hold whole {str(dtype).removeprefix('torch.')} elements")
     return (*header_shape[:-1], header_shape[-1] // per_element)
 
+
+# floating dtypes torch has no cast for (float4_e2m1fn_x2 packs two 4-bit values per element):
+# --dtype/--optim-dtype keep them as they are, and verify compares them by bytes only
+UNCASTABLE_DTYPES: frozenset[torch.dtype] = frozenset({_FLOAT4} if _FLOAT4 is not None else ())
 
 # dtypes a full tensor can be allocated, written by torch.save and read back for (no quantized types)
 SUPPORTED_DTYPES = frozenset(

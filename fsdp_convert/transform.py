@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import torch
 
+from fsdp_convert.constants import UNCASTABLE_DTYPES
 from fsdp_convert.errors import InvalidOptionError, UnsupportedTransformError
 from fsdp_convert.formats.index import CheckpointIndex, DictKey, Entry, ObjPath, TensorEntry, dcp_key
 from fsdp_convert.layout import Group, Slot
@@ -209,8 +210,8 @@ def _selected(fqn: str, options: TransformOptions) -> bool:
 def _cast(entry: Entry, dtype: torch.dtype | None, keep: bool = False) -> torch.dtype | None:
     if not isinstance(entry, TensorEntry):
         return None
-    if dtype is None or keep or not entry.dtype.is_floating_point:
-        return entry.dtype
+    if dtype is None or keep or not entry.dtype.is_floating_point or entry.dtype in UNCASTABLE_DTYPES:
+        return entry.dtype  # complex, integer, bool and float4 (torch has no cast for it) are kept
     return dtype
 
 

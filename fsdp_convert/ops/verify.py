@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from fsdp_convert.constants import UNCASTABLE_DTYPES
 from fsdp_convert.errors import CheckpointNotFoundError
 from fsdp_convert.formats import check_data_files, detect_format, open_reader, read_index
 from fsdp_convert.formats.full_file import open_full_file
@@ -170,10 +171,6 @@ def _key_group(key: str) -> Group:
     return group_of_top(key.split(".", 1)[0])
 
 
-# floating dtypes torch cannot cast on CPU (no values, so no tolerances or differences): bytes only
-_NO_VALUES = frozenset(d for d in (getattr(torch, "float4_e2m1fn_x2", None),) if d is not None)
-
-
 def _element_bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of ``t`` as a ``(numel, itemsize)`` uint8 tensor, in element order (any dtype, 0-dim too).
 
@@ -185,7 +182,7 @@ def _element_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _values(t: torch.Tensor) -> torch.Tensor | None:
     """A real floating tensor's values as float64 (exact for every float dtype, float8 included); None otherwise."""
-    if not t.is_floating_point() or t.dtype in _NO_VALUES:
+    if not t.is_floating_point() or t.dtype in UNCASTABLE_DTYPES:
         return None
     return t.detach().to(torch.float64)
 

@@ -287,37 +287,29 @@ def _cast_like_torch(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.reshape(-1).to(dtype).reshape(t.shape)
 
 
+def _is_cast(dtype: torch.dtype) -> bool:
+    """What ``--dtype`` casts: real floating dtypes but float4_e2m1fn_x2 (two packed values; no cast)."""
+    return dtype.is_floating_point and dtype != FLOAT4
+
+
 def test_dtype_cast_touches_floating_tensors_only(dtypes_ckpt: DtypeSample, tmp_path: Path) -> None:
     """``--dtype bf16``: every real floating tensor, float8 included, becomes bf16 as torch casts it;
-    complex, integer and bool tensors keep their dtype and bytes."""
-    options = TransformOptions(dtype=torch.bfloat16, exclude=("float4_e2m1fn_x2.*",))  # see the xfail below
+    complex, integer, bool and float4 (two packed values per element, no cast in torch) tensors
+    keep their dtype and bytes."""
+    options = TransformOptions(dtype=torch.bfloat16)
     out = tmp_path / "bf16.pt"
     fsdp_convert.consolidate(dtypes_ckpt.checkpoint, out, nproc=1, options=options)
     got = torch.load(out, weights_only=True)["model"]
-    truth = {k: t for k, t in dtypes_ckpt.truth().items() if not k.startswith("float4_e2m1fn_x2.")}
-    want = {k: _cast_like_torch(t, torch.bfloat16) if t.is_floating_point() else t for k, t in truth.items()}
+    truth = dtypes_ckpt.truth()
+    want = {k: _cast_like_torch(t, torch.bfloat16) if _is_cast(t.dtype) else t for k, t in truth.items()}
     assert_same_tensors(got, want)
     for dtype in FLOAT8:  # float8 -> bf16 is exact, so a direct .to() of a non-0-dim tensor gives the same bits
         key = fqn(str(dtype).removeprefix("torch."), "odd")
         assert same_bits(got[key], truth[key].to(torch.bfloat16)), key
-    assert {got[k].dtype for k in got if not truth[k].is_floating_point()} == {
-        d for d in DTYPES.values() if not d.is_floating_point
-    }
+    kept = {d for d in DTYPES.values() if not _is_cast(d)}
+    assert {got[k].dtype for k in got} == {torch.bfloat16} | kept
+    assert kept == {d for d in DTYPES.values() if not d.is_floating_point} | ({FLOAT4} if FLOAT4 else set())
     assert fsdp_convert.verify(dtypes_ckpt.checkpoint, out, nproc=1, options=options).equal
-
-
-@pytest.mark.skipif(FLOAT4 is None, reason="this torch has no float4_e2m1fn_x2")
-@pytest.mark.xfail(
-    strict=True,
-    reason="transform._cast casts every is_floating_point dtype; float4_e2m1fn_x2 has no CPU cast (owned elsewhere)",
-)
-def test_dtype_cast_keeps_float4(dtypes_ckpt: DtypeSample, tmp_path: Path) -> None:
-    """float4_e2m1fn_x2 packs two values per element and torch cannot cast it: it is kept as is."""
-    out = tmp_path / "bf16.pt"
-    options = TransformOptions(dtype=torch.bfloat16, include=("float4_e2m1fn_x2.*",))
-    fsdp_convert.consolidate(dtypes_ckpt.checkpoint, out, nproc=1, options=options)
-    want = {k: t for k, t in dtypes_ckpt.truth().items() if k.startswith("float4_e2m1fn_x2.")}
-    assert_same_tensors(torch.load(out, weights_only=True)["model"], want)
 
 
 def test_fsdp2_run_with_float8_buffers_consolidates_bitwise(dtypes_ckpt: DtypeSample, tmp_path: Path) -> None:
