@@ -21,7 +21,13 @@ from typing import Any
 import torch
 
 from fsdp_convert._torch import dtensor_local_box
-from fsdp_convert.errors import CorruptChunkError, InvalidOptionError, MissingDataFileError, NotADcpCheckpointError
+from fsdp_convert.errors import (
+    CorruptChunkError,
+    InvalidOptionError,
+    MissingDataFileError,
+    NotADcpCheckpointError,
+    TorchFeatureError,
+)
 from fsdp_convert.formats._rank_unpickler import SHARDED_TENSOR, Record, kind, load_rank_file, local_value
 from fsdp_convert.formats._reader import ChunkedReader
 from fsdp_convert.formats.index import (
@@ -196,7 +202,10 @@ def _dtensor_local(value: Record, where: str) -> _Local:
     if any(k != "Replicate" and d >= len(shape) for k, d, _ in placements):
         raise NotADcpCheckpointError(f"{where}: a placement shards a dim the tensor does not have")
     if any(k == "_StridedShard" for k, _, _ in placements):
-        boxes = _strided_boxes(shape, mesh_shape, placements)
+        try:
+            boxes = _strided_boxes(shape, mesh_shape, placements)
+        except TorchFeatureError as e:
+            raise TorchFeatureError(f"{where}: {e}") from None
         if isinstance(boxes, str):
             raise NotADcpCheckpointError(f"{where}: {boxes}")
         sizes, offsets = boxes[coordinate]
@@ -313,11 +322,14 @@ def rank_files_index(root: Path) -> CheckpointIndex:
     placements and mesh coordinate, a ShardedTensor's from its ``ShardMetadata``; a plain tensor
     (present on every rank, as replicated state is) is read from the first rank's file, as are
     plain values. Entries go under ``model``/``optim`` by file prefix, others under their prefix.
+    A ``_StridedShard`` placement (FSDP over tensor parallelism) gets torch's own box for it, the
+    one ``dcp.save`` records; one whose shards are not boxes is refused.
 
     Raises:
         NotADcpCheckpointError: no rank files, or files that disagree on a value's kind, shape or dtype.
         MissingDataFileError: a rank's file is missing.
         UnsafeContentError, CorruptChunkError: a file would run code, or does not load.
+        TorchFeatureError: a ``_StridedShard`` placement, and this torch cannot compute its offsets.
     """
     groups = find_rank_files(root)
     if not groups:

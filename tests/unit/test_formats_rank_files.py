@@ -4,6 +4,7 @@ DTensor boxes from placements, ``_StridedShard`` ones from torch's own offsets."
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,17 @@ def test_a_shard_order_other_than_left_to_right_is_refused() -> None:
     assert _placements(_spec(None, False), "f w") == (("Shard", 0, 1), ("Shard", 0, 1))
     with pytest.raises(NotADcpCheckpointError, match=r"^f w: shard order \{0: \(1, 0\)\} is not left to right"):
         _placements(_spec(((0, (1, 0)),), False), "f w")
+
+
+def test_a_torch_without_dtensor_offsets_fails_in_one_line_naming_its_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed.tensor._utils as dtensor_utils
+
+    from fsdp_convert.errors import TorchFeatureError
+
+    monkeypatch.delattr(dtensor_utils, "_compute_local_shape_and_global_offset")
+    _strided_boxes.cache_clear()
+    with pytest.raises(
+        TorchFeatureError, match=rf"^torch {re.escape(torch.__version__)} lacks .*_compute_local_shape_and_global_offset"
+    ) as e:
+        _strided_boxes((4, 2), (2, 2), (("_StridedShard", 0, 2), ("Shard", 0, 1)))
+    assert "\n" not in str(e.value)
