@@ -19,7 +19,7 @@ from fsdp_convert.constants import UNCASTABLE_DTYPES
 from fsdp_convert.errors import CheckpointNotFoundError
 from fsdp_convert.formats import check_data_files, detect_format, open_reader, read_index
 from fsdp_convert.formats.full_file import open_full_file
-from fsdp_convert.formats.index import BytesEntry, Location, Url, check_coverage, dcp_key, dtype_name
+from fsdp_convert.formats.index import BytesEntry, Location, TensorEntry, Url, check_coverage, dcp_key, dtype_name
 from fsdp_convert.items import prepare_items
 from fsdp_convert.launch import Cluster, WorkerGroup, job_world_size, run_ranks
 from fsdp_convert.layout import GROUPS, Group, group_of_top
@@ -88,9 +88,14 @@ class _DcpSource:
         tensor = self._reader.read_tensor(entry)
         if item.dtype in (None, tensor.dtype):
             return tensor
-        # cast as consolidate's writers do, element by element: torch casts a 0-dim tensor through
-        # its scalar path, which turns a float32 NaN's payload into the canonical bf16 NaN (0x7fc0)
+        # cast as consolidate's writers do, element by element (a 0-dim tensor would take torch's
+        # scalar path); NaN bits still vary by torch's code path, so a cast key compares NaNs as NaNs
         return tensor.reshape(-1).to(item.dtype).reshape(tensor.shape)
+
+    def was_cast(self, key: str) -> bool:
+        """True when ``key``'s tensor is read in another dtype than stored (``--dtype``/``--optim-dtype``)."""
+        item = self._items[key]
+        return isinstance(item.entry, TensorEntry) and item.dtype not in (None, item.entry.dtype)
 
     def close(self) -> None:
         self._reader.close()
@@ -187,13 +192,19 @@ def _values(t: torch.Tensor) -> torch.Tensor | None:
     return t.detach().to(torch.float64)
 
 
-def _compare(a: Any, b: Any, atol: float | None, rtol: float | None) -> str | None:
+def _was_cast(source: Source, key: str) -> bool:
+    return isinstance(source, _DcpSource) and source.was_cast(key)
+
+
+def _compare(a: Any, b: Any, atol: float | None, rtol: float | None, *, any_nan: bool = False) -> str | None:
     """None when equal, else what differs.
 
     Tensors are equal when their bytes are (so NaNs with the same bits are equal and -0.0 differs
     from 0.0), compared as bytes for every dtype; with ``atol``/``rtol``, real floating tensors
     (float8 too, through float64) are equal within ``torch.allclose`` (NaNs equal). Complex,
-    integer, bool and float4 tensors are always compared bitwise.
+    integer, bool and float4 tensors are always compared bitwise. With ``any_nan`` (a side was
+    cast: torch's casts give a NaN's sign and payload bits by code path, vectorised or not), a
+    NaN equals any NaN; every other element still compares by its bytes.
     """
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         if a.dtype != b.dtype:
@@ -204,6 +215,10 @@ def _compare(a: Any, b: Any, atol: float | None, rtol: float | None) -> str | No
         if torch.equal(bytes_a, bytes_b):
             return None
         values_a, values_b = _values(a), _values(b)
+        if any_nan and values_a is not None and values_b is not None:
+            other_bits = (bytes_a != bytes_b).any(dim=1) & ~(values_a.isnan() & values_b.isnan()).reshape(-1)
+            if not other_bits.any():
+                return None
         if values_a is not None and values_b is not None:
             if (atol is not None or rtol is not None) and torch.allclose(
                 values_a, values_b, rtol=rtol or 0.0, atol=atol or 0.0, equal_nan=True
@@ -328,7 +343,8 @@ def _verify_rank(job: _VerifyJob, rank: int, world_size: int, group: WorkerGroup
         source_b = open_source(job.b, check_crc=job.check_crc, options=job.options)
         try:
             for key in job.keys[rank::world_size]:
-                detail = _compare(source_a.get(key), source_b.get(key), job.atol, job.rtol)
+                any_nan = _was_cast(source_a, key) or _was_cast(source_b, key)
+                detail = _compare(source_a.get(key), source_b.get(key), job.atol, job.rtol, any_nan=any_nan)
                 if detail is not None:
                     mine.append((key, detail))
         finally:

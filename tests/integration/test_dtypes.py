@@ -349,3 +349,25 @@ def test_fsdp2_run_reshards_to_three_for_torch(dtypes_ckpt: DtypeSample, tmp_pat
     dcp_to_torch_save(tmp_path / "ws3", tmp_path / "view.pt")
     truth = torch.load(dtypes_ckpt.root / "fsdp2_truth.pt", weights_only=True)
     assert_same_state(torch.load(tmp_path / "view.pt", weights_only=True), truth)
+
+
+def test_reshard_with_a_cast_keeps_every_value_and_verifies(dtypes_ckpt: DtypeSample, tmp_path: Path) -> None:
+    """``reshard --dtype bf16``: what torch reads is each value cast; a NaN stays a NaN, but its sign
+    and payload bits are torch's choice (they differ between its vectorised and scalar cast paths:
+    float64 0x7ff8... becomes 0x7fc0 in one and 0xffff in the other), so NaNs compare as NaNs, and
+    verify, told of the cast, finds the reshard equal."""
+    options = TransformOptions(dtype=torch.bfloat16)
+    out = tmp_path / "ws3"
+    fsdp_convert.reshard(dtypes_ckpt.checkpoint, out, world_size=3, nproc=2, options=options)
+    dcp_to_torch_save(out, tmp_path / "view.pt")
+    got = torch.load(tmp_path / "view.pt", weights_only=True)["model"]
+    for key, t in dtypes_ckpt.truth().items():
+        if not _is_cast(t.dtype):
+            assert same_bits(got[key], t), key
+            continue
+        want = _cast_like_torch(t, torch.bfloat16)
+        assert got[key].dtype == torch.bfloat16 and got[key].shape == t.shape, key
+        nan = want.isnan()
+        assert torch.equal(got[key].isnan(), nan), key
+        assert same_bits(got[key][~nan], want[~nan]), key
+    assert fsdp_convert.verify(dtypes_ckpt.checkpoint, out, nproc=1, options=options).equal
