@@ -112,14 +112,18 @@ def test_reshard_to_three_ranks_loads_with_fsdp2(meshes: Path, tmp_path: Path, m
 
 
 @pytest.mark.parametrize("mesh", MESHES)
-def test_rank_files_reshard_to_what_dcp_reshards_to(meshes: Path, tmp_path: Path, mesh: str) -> None:
-    """The rank files (``_StridedShard`` read from their placements) reshard to a checkpoint for 3
-    ranks whose model consolidates to the bytes the DCP checkpoint's does."""
-    for source in SOURCES:
-        fsdp_convert.reshard(meshes / mesh / source, tmp_path / source, world_size=3, nproc=1)
-        assert fsdp_convert.inspect_checkpoint(tmp_path / source).world_size == 3
-        fsdp_convert.consolidate(tmp_path / source, tmp_path / f"{source}.safetensors")
-    assert (tmp_path / "checkpoint.safetensors").read_bytes() == (tmp_path / "rank_files.safetensors").read_bytes()
+def test_rank_files_reshard_to_the_runs_state(meshes: Path, tmp_path: Path, mesh: str) -> None:
+    """The rank files (``_StridedShard`` read from their placements) reshard to a DCP checkpoint for
+    3 ranks, cut as ``torch.chunk(3)`` cuts dim 0, that holds the run's full state (optimizer by id)."""
+    out = tmp_path / "ws3"
+    fsdp_convert.reshard(meshes / mesh / "rank_files", out, world_size=3, nproc=1)
+    info = fsdp_convert.inspect_checkpoint(out)
+    assert info.world_size == 3
+    assert {e.chunks_per_dim for e in info.entries if e.shape and e.shape[0] >= 3} == {(3,), (3, 1)}
+    fsdp_convert.consolidate(out, tmp_path / "full.pt", nproc=1)
+    truth = _truth(meshes, mesh)
+    want = {"model": truth["model"], "optim": _by_id(truth["optim"], list(truth["model"]))}
+    assert_same_state(torch.load(tmp_path / "full.pt", weights_only=True), want)
 
 
 def _chunk_cells(doc: dict[str, Any]) -> dict[str, tuple[int, list[int] | None]]:
