@@ -104,6 +104,7 @@ def test_reshard_to_three_ranks_loads_with_fsdp2(meshes: Path, tmp_path: Path, m
     equal bit for bit to the run's full state dicts, and its next step matches one process's."""
     out = tmp_path / "ws3"
     fsdp_convert.reshard(meshes / mesh / "checkpoint", out, world_size=3)
+    assert fsdp_convert.verify(meshes / mesh / "checkpoint", out).equal  # 2-D chunks against 1-D ones
     work = tmp_path / "load"
     work.mkdir()
     run_ranks(_load_at_new_world_size, 3, out, meshes / mesh / TRUTH, work)
