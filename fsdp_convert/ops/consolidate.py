@@ -248,16 +248,20 @@ def consolidate(
         output: ``.pt``/``.pth``/``.bin`` for torch.save of the nested state dict
             (``{"model": {fqn: tensor}, "optim": {"state": {fqn: {...}}, "param_groups": [...]},
             ...}``, as ``get_model_state_dict``/``get_optimizer_state_dict`` with
-            ``full_state_dict=True`` give it); ``.safetensors`` for the model weights in one file;
-            a folder (no suffix) for the model weights as Hugging Face safetensors shards with
-            ``model.safetensors.index.json``, plus ``optimizer.pt`` (the optimizer state dict) and
-            ``extra_state.pt`` (other entries) when ``only`` is ``all``.
+            ``full_state_dict=True`` give it; with ``options.layout`` ``producer``, the default,
+            the optimizer keeps its saved key, ``optimizer`` for Lightning, accelerate and
+            torchtitan, and Lightning's ``meta.pt`` entries are merged at the top level, as
+            Lightning's own ``consolidate_checkpoint`` writes it, so ``fabric.load`` reads it);
+            ``.safetensors`` for the model weights in one file; a folder (no suffix) for the model
+            weights as Hugging Face safetensors shards with ``model.safetensors.index.json``, plus
+            ``optimizer.pt`` (the optimizer state dict) and ``extra_state.pt`` (other entries) when
+            ``only`` is ``all``.
         nproc: workers; 1 runs in this process, more start workers with torch's elastic
             launcher (gloo on CPU). ``None``: ``plan.default_nproc`` (one per CPU core, at most
             one per data file and 2 GiB).
         only: ``all``, ``model`` or ``optim``: which groups to write.
         options: key and dtype transforms (``TransformOptions``); default: wrapper names removed,
-            optimizer state keyed by FQN, dtypes kept.
+            optimizer state keyed by FQN, dtypes kept, the producer's layout.
         output_format: ``auto`` (by suffix), ``torch`` or ``safetensors`` (see ``plan.output_format``).
         overwrite: replace an existing ``output`` (at the final rename only).
         memory_budget_bytes: buffers each process may hold, in bytes: peak memory per process is
@@ -283,7 +287,8 @@ def consolidate(
         CheckpointNotFoundError, NotADcpCheckpointError, UnsafeContentError: unreadable index.
         InvalidOptionError: unknown suffix, optimizer state into a safetensors file, bad ``nproc``,
             two keys renamed to one.
-        UnsupportedTransformError: ``optim_keys="ids"`` without param groups listing the parameters.
+        UnsupportedTransformError: ``optim_keys="ids"`` without param groups listing the parameters,
+            or a Lightning ``meta.pt`` holding a tensor (``layout="nested"`` leaves it out).
         OutputExistsError: ``output`` exists and ``overwrite`` is false.
         MissingDataFileError, CorruptChunkError, CoverageError, ShapeMismatchError: bad data files.
         OutputWriteError: the output cannot be written.
