@@ -41,6 +41,7 @@ __all__ = [
     "ReadAt",
     "SizeOf",
     "is_raw_chunk",
+    "payload_formats",
     "place_raw_chunks",
     "decode_stream",
 ]
@@ -68,6 +69,26 @@ def is_raw_chunk(entry: TensorEntry, chunk: ChunkEntry) -> bool:
         and not chunk.transform_descriptors
         and chunk.length_bytes == chunk.numel * entry.dtype.itemsize
     )
+
+
+def payload_formats(index: CheckpointIndex) -> tuple[str, ...]:
+    """How the index's payloads are stored, sorted (for ``inspect``).
+
+    ``torch_save`` (a torch.save zip), ``safetensors`` (bare elements in a safetensors file,
+    ``serialization_format=SAFETENSORS``, which torch 2.13's ``dcp.load`` cannot read) and each
+    stream transform descriptor (``stream.zstd/1``).
+    """
+    found: set[str] = set()
+    for entry in index.entries:
+        if isinstance(entry, TensorEntry):
+            for chunk in entry.chunks:
+                if chunk.relative_path is not None:
+                    found.add("safetensors" if is_raw_chunk(entry, chunk) else "torch_save")
+                    found.update(chunk.transform_descriptors)
+        else:
+            found.add("torch_save")
+            found.update(entry.transform_descriptors)
+    return tuple(sorted(found))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

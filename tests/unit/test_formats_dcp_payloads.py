@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from fsdp_convert._zip import read_records
 from fsdp_convert.errors import CorruptChunkError, NotADcpCheckpointError, UnsupportedTransformError
 from fsdp_convert.formats import open_checkpoint, read_index
+from fsdp_convert.formats._dcp_payloads import payload_formats
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, TensorEntry
 from tests._compare import tensor_bytes
 
@@ -117,7 +118,7 @@ def _zstd_ckpt(path: Path) -> dict[str, Any]:
     return _save(path, _extensions=[ZStandard()])
 
 
-def _read_all(path: Path) -> dict[str, Any]:
+def _read_all(path: Path | str) -> dict[str, Any]:
     index, reader = open_checkpoint(path)
     with reader:
         return {
@@ -215,3 +216,29 @@ def test_broken_zstd_stream_is_corrupt(tmp_path: Path) -> None:
     _replace_payload(tmp_path, "model.w", (0, 0), b"not a zstd frame at all")
     with pytest.raises(CorruptChunkError, match=r"\(model\.w\): stream transform\(s\) \['stream\.zstd/1'\] do not decode"):
         _read_all(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("writer", "formats"),
+    [
+        ({}, ("torch_save",)),
+        ({"_extensions": [ZStandard()]}, ("stream.zstd/1", "torch_save")),
+        ({"serialization_format": SerializationFormat.SAFETENSORS}, ("safetensors", "torch_save")),
+    ],
+)
+def test_object_storage_checkpoints_of_each_payload_format_read(
+    tmp_path: Path, writer: dict[str, Any], formats: tuple[str, ...]
+) -> None:
+    """The same checkpoints through fsspec (memory://): safetensors headers by ranged reads, zstd
+    payloads decoded from the fetched range; payload_formats names what is stored."""
+    import fsspec
+
+    state = _save(tmp_path, **writer)
+    fs = fsspec.filesystem("memory")
+    url = f"memory://payloads-{tmp_path.name}"
+    for p in tmp_path.iterdir():
+        fs.pipe(f"{url}/{p.name}", p.read_bytes())
+    assert payload_formats(read_index(url)) == formats
+    got = _read_all(url)
+    assert torch.equal(got["model.w"], state["model"]["w"]) and torch.equal(got["model.b"], state["model"]["b"])
+    assert got["lr"] == 0.5
