@@ -39,9 +39,13 @@ def handle_errors() -> Iterator[None]:
     """Turn exceptions into one line on stderr and the exit code of their kind.
 
     ``CheckpointError`` exits with its ``exit_code``; any other exception exits 1 with a hint;
-    Ctrl-C exits 130. With ``--debug`` the traceback is printed too.
+    Ctrl-C exits 130. With ``--debug`` the traceback is printed too. First, a torch that lacks
+    an API this tool uses is a one-line error naming its version (``_torch.check_torch``).
     """
     try:
+        from fsdp_convert._torch import check_torch  # imports torch: only once a command runs, never for --help
+
+        check_torch()
         yield
     except typer.Exit:
         raise

@@ -14,8 +14,7 @@ import typer
 from rich.logging import RichHandler
 
 from fsdp_convert._signals import raise_or_defer
-from fsdp_convert._torch import check_torch
-from fsdp_convert.cli._errors import handle_errors, set_debug
+from fsdp_convert.cli._errors import set_debug
 from fsdp_convert.cli._output import console, err_console
 from fsdp_convert.cli.consolidate_cmd import consolidate_command
 from fsdp_convert.cli.inspect_cmd import inspect_command
@@ -72,8 +71,6 @@ def _global_options(
     root = logging.getLogger("fsdp_convert")
     root.handlers[:] = [RichHandler(console=err_console, show_path=False, show_time=False)]
     root.setLevel(level)
-    with handle_errors():  # a torch without an API this tool uses: one line naming its version, before any work
-        check_torch()
 
 
 app.command("inspect", epilog=EXIT_CODES)(inspect_command)

@@ -22,6 +22,7 @@ EXPECTED = {
     "OutputWriteError": 1,
     "WorkerFailedError": 1,
     "VerificationError": 1,
+    "TorchFeatureError": 1,
 }
 
 
