@@ -101,7 +101,11 @@ def loaded_at_3(writer_options: Path, tmp_path_factory: pytest.TempPathFactory) 
 def test_writer_option_resharded_to_3_loads_in_fsdp2(writer_options: Path, loaded_at_3: dict[str, Path], name: str) -> None:
     """FSDP2 at world size 3 loads the reshard (torch's ``dcp.load``, each rank from its own file) to
     the run's full state bitwise (checked on rank 0 by ``_load_at_new_world_size``), and its next
-    training step gives the loss one process gets from the truth."""
+    training step gives the loss one process gets from the truth. The output is compressed only
+    when asked: a zstd source reshards to plain torch.save payloads."""
+    meta = FileSystemReader(str(loaded_at_3[name].with_suffix(""))).read_metadata()
+    want = (ZSTD_DESCRIPTOR,) if name == ZSTD_OUTPUT else ()
+    assert {tuple(i.transform_descriptors or ()) for i in meta.storage_data.values()} == {want}
     losses = json.loads((loaded_at_3[name] / "losses.json").read_text())
     assert losses == pytest.approx(_reference_losses(_truth(writer_options)), rel=1e-6)
 
