@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 import fsdp_convert
 from fsdp_convert.formats import open_checkpoint
+from fsdp_convert.formats.dcp import DcpReader
 from fsdp_convert.formats.index import TensorEntry
 from fsdp_convert.ops.reshard import reshard
 from fsdp_convert.writers.dcp import ZSTD_DESCRIPTOR, StoredChunk, compress_data_files
@@ -125,6 +126,19 @@ def test_safetensors_payloads_move_undecoded(writer_options: Path) -> None:
                 ranges.add((chunk.relative_path, chunk.offset_bytes, chunk.length_bytes))
     spans = sorted(ranges)
     assert all(a[0] != b[0] or a[1] + a[2] <= b[1] for a, b in zip(spans, spans[1:]))
+
+
+def test_safetensors_consolidate_decodes_no_tensor(writer_options: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The move stage streams every safetensors-stored chunk by byte range: with chunk decoding
+    made to fail, consolidate still writes the run's full state dict."""
+
+    def no_decode(self: object, entry: TensorEntry, chunk: object) -> None:
+        raise AssertionError(f"{entry.fqn} was decoded")
+
+    monkeypatch.setattr(DcpReader, "_load_chunk", no_decode)
+    out = tmp_path / "full.pt"
+    fsdp_convert.consolidate(writer_options / "safetensors", out, nproc=1)
+    assert assert_same_state(torch.load(out, weights_only=True), _truth(writer_options)) > 0
 
 
 def _compressed_reshard(source: Path, out: Path) -> None:
