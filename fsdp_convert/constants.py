@@ -1,4 +1,4 @@
-"""Format constants shared by readers and writers: file names, suffixes, the safetensors dtype table.
+"""Format constants shared by readers and writers: file names, suffixes, the safetensors dtype table and shape rule.
 
 A leaf: it imports only torch. DCP's own names come from ``torch/distributed/checkpoint``
 (``filesystem.py`` writes ``.metadata``); Hugging Face's from transformers' ``save_pretrained``
