@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import inspect
 import io
+import pickle
 from collections.abc import Callable
 from typing import IO, Any
 
@@ -41,6 +42,7 @@ __all__ = [
     "storage_type_for",
     "storage_alignment",
     "reserve_record",
+    "torch_layout",
 ]
 
 TESTED_TORCH = ">=2.13,<2.15"  # pyproject.toml's range: the releases the whole suite passed on
@@ -213,6 +215,18 @@ def storage_type_for(dtype: torch.dtype) -> type | None:
     """
     name = FEATURES["storage_type_map"].get()().get(dtype)
     return None if name is None else getattr(torch, name)
+
+
+def torch_layout(name: str) -> torch.layout:
+    """The layout a pickle names, as ``torch.serialization._get_layout("torch.strided")`` answers, without importing it.
+
+    Raises:
+        pickle.UnpicklingError: ``name`` is not a torch layout.
+    """
+    value = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(value, torch.layout):
+        raise pickle.UnpicklingError(f"unknown torch layout {name!r}")
+    return value
 
 
 def stream_transform_from(descriptors: tuple[str, ...], stream: IO[bytes]) -> IO[bytes] | None:

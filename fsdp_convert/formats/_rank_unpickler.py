@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from fsdp_convert._signals import torch_call
+from fsdp_convert._torch import REBUILD_TENSOR_V2, torch_layout
 from fsdp_convert._zip import ZipFormatError, read_records
 from fsdp_convert.errors import CorruptChunkError, UnsafeContentError
 from fsdp_convert.formats.index import ObjPath
@@ -124,10 +125,10 @@ def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> An
         obj.wrapper = wrapper
         obj.__setstate__(state)
         return obj
-    if func is torch._utils._rebuild_tensor_v2 and new_type in (torch.Tensor, torch.nn.Parameter):
+    if func is REBUILD_TENSOR_V2 and new_type in (torch.Tensor, torch.nn.Parameter):
         if state not in (None, {}) and not (isinstance(state, tuple) and not any(state)):
             raise pickle.UnpicklingError("a tensor with Python attributes is not allowed")
-        return func(*args)  # type: ignore[no-untyped-call]
+        return func(*args)
     raise pickle.UnpicklingError(f"rebuilding {new_type!r} is not allowed")
 
 
@@ -145,11 +146,11 @@ def _rebuild_parameter(data: Any, requires_grad: Any, backward_hooks: Any) -> to
 
 
 _FUNCTIONS: dict[str, Any] = {
-    "torch._utils._rebuild_tensor_v2": torch._utils._rebuild_tensor_v2,
+    "torch._utils._rebuild_tensor_v2": REBUILD_TENSOR_V2,
     "torch._utils._rebuild_parameter": _rebuild_parameter,
     "torch._utils._rebuild_wrapper_subclass": _rebuild_wrapper_subclass,
     "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
-    "torch.serialization._get_layout": torch.serialization._get_layout,
+    "torch.serialization._get_layout": torch_layout,
     "torch.Size": torch.Size,
     "torch.device": torch.device,
     "collections.OrderedDict": collections.OrderedDict,

@@ -34,7 +34,14 @@ from typing import Any
 import torch
 
 from fsdp_convert._signals import torch_call
-from fsdp_convert._torch import open_torch_save_writer, reserve_record, storage_alignment, storage_type_for
+from fsdp_convert._torch import (
+    REBUILD_TENSOR_V2,
+    REBUILD_TENSOR_V3,
+    open_torch_save_writer,
+    reserve_record,
+    storage_alignment,
+    storage_type_for,
+)
 from fsdp_convert._zip import read_records
 from fsdp_convert.formats.index import ObjPath, unflatten
 from fsdp_convert.writers._zipcrc import patch_crcs
@@ -101,8 +108,8 @@ class _TensorRef:
         )
         if storage_type_for(self.storage.dtype) is None:
             # dtypes without a legacy storage class: untyped storage, dtype passed explicitly
-            return (torch._utils._rebuild_tensor_v3, (*args, self.storage.dtype))
-        return (torch._utils._rebuild_tensor_v2, args)
+            return (REBUILD_TENSOR_V3, (*args, self.storage.dtype))
+        return (REBUILD_TENSOR_V2, args)
 
 
 class _Pickler(pickle.Pickler):
