@@ -96,8 +96,9 @@ class _ReshardJob:
 # accelerate's save_state files that hold the same at any world size (written by the main process
 # only): LR schedulers, samplers, the grad scaler, register_for_checkpointing's objects
 _ACCELERATE_SHARED_RE = re.compile(r"^((scheduler|sampler)(_\d+)?\.bin|scaler\.pt|custom_checkpoint_\d+\.pkl)$")
-# accelerate's per-rank RNG states: pickles of the old ranks' generators
+# accelerate's per-rank RNG states: pickles of the old ranks' generators (and accelerator.step)
 _ACCELERATE_RNG_RE = re.compile(r"^random_states_\d+\.pkl$")
+_DATA_FILE_RE = re.compile(r"^__\d+_\d+\.distcp$")  # a data file, even one .metadata names no payload in
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -124,7 +125,7 @@ def _files_beside(index: CheckpointIndex, folders: tuple[str, ...]) -> _Beside:
     copied, rng, unknown = [], [], []
     for path in sorted(root.iterdir()):
         name = path.name
-        if name in known or name.startswith("."):
+        if name in known or name.startswith(".") or _DATA_FILE_RE.match(name):
             continue
         if path.is_file() and (
             (name == LIGHTNING_META_FILENAME and index.producer == "lightning")
@@ -139,7 +140,7 @@ def _files_beside(index: CheckpointIndex, folders: tuple[str, ...]) -> _Beside:
     if rng:
         notes.append(
             f"left out {', '.join(rng)}: accelerate's per-rank RNG states (pickles, never loaded) belong to the "
-            "old ranks; load_state then keeps each new rank's own RNG state and step counter"
+            "old ranks; load_state then keeps each rank's current RNG state and accelerator.step, which they also hold"
         )
     if unknown:
         notes.append(f"left out {', '.join(unknown)}: not part of the checkpoint as this tool knows it; copy them if they apply")
