@@ -54,6 +54,13 @@ _ACCELERATE_DIR_RE = re.compile(r"^(pytorch_model_fsdp|optimizer)_\d+$")
 LIGHTNING_META_FILENAME = "meta.pt"  # Lightning Fabric's FSDP strategy: user metadata beside .metadata
 _DECODE_PIECE_BYTES = 4 << 20  # a stream-transformed payload is decoded into its temporary file in pieces of this size
 _PAYLOAD_OVERHEAD_BYTES = 16 << 20  # a tensor's torch.save zip beyond its elements (pickle, headers): far less
+# A tensor's payload that is an empty zstd frame, its recorded length the tensor's elements: what
+# FileSystemWriter writes when given both options (the tensors then lie untransformed in a
+# safetensors file after a run of empty frames, and torch's own FileSystemReader fails too)
+_BOTH_OPTIONS_HINT = (
+    "; FileSystemWriter writes this with serialization_format=SAFETENSORS and _extensions together, "
+    "which torch's own reader cannot load either: save with one of the two"
+)
 
 
 def metadata_subfolders(root: Path) -> list[Path]:
@@ -277,10 +284,11 @@ class DcpReader(ChunkedReader):
             )
         limit = 2 * chunk.numel * entry.dtype.itemsize + _PAYLOAD_OVERHEAD_BYTES
         args = (chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, chunk.transform_descriptors)
-        return self._load(*args, entry.fqn, limit)
+        elements_long = chunk.length_bytes == chunk.numel * entry.dtype.itemsize
+        return self._load(*args, entry.fqn, limit, _BOTH_OPTIONS_HINT if elements_long else "")
 
     def _payload(
-        self, relative_path: str, offset: int, length: int, transforms: tuple[str, ...], where: str, limit: int
+        self, relative_path: str, offset: int, length: int, transforms: tuple[str, ...], where: str, limit: int, hint: str = ""
     ) -> tuple[int, int, int]:
         """The descriptor, offset and length (bytes) of a payload's torch.save zip.
 
@@ -294,35 +302,20 @@ class DcpReader(ChunkedReader):
         fd, at = self._range(relative_path, offset, length, where)
         if not transforms:
             return fd, at, length
-        source = ByteRangeFile(fd, at, length)
-        stream = decode_stream(transforms, cast(IO[bytes], source), where)
         self._drop_decoded()
         # on disk, not in memory: only the tensor torch.load makes of it is held (as for any decoded chunk)
         out = self._decoded = tempfile.TemporaryFile(prefix="fsdp-convert-decoded-")
-        total = 0
-        try:
-            while piece := stream.read(_DECODE_PIECE_BYTES):
-                total += len(piece)
-                if total > limit:
-                    raise CorruptChunkError(f"{where}: decodes to more than {limit} bytes; the payload is corrupt")
-                out.write(piece)
-        except CorruptChunkError:
-            raise
-        except Exception as e:  # the decoder's own errors (zstd: truncated or corrupt frame)
-            if source.error is not None:
-                raise source.error from None
-            raise CorruptChunkError(
-                f"{where}: stream transform(s) {list(transforms)} do not decode ({type(e).__name__}: {_first_line(e)})"
-            ) from e
-        if source.error is not None:
-            raise source.error
-        out.flush()
-        return out.fileno(), 0, total
+        return out.fileno(), 0, _decode_into(out, ByteRangeFile(fd, at, length), transforms, where, limit, hint)
 
-    def _load(self, relative_path: str, offset: int, length: int, transforms: tuple[str, ...], fqn: str, limit: int) -> Any:
-        """Decode the torch.save payload at a byte range (undoing any stream transform) with ``weights_only=True``."""
+    def _load(
+        self, relative_path: str, offset: int, length: int, transforms: tuple[str, ...], fqn: str, limit: int, hint: str = ""
+    ) -> Any:
+        """Decode the torch.save payload at a byte range (undoing any stream transform) with ``weights_only=True``.
+
+        ``hint`` ends the message when a stream-transformed payload decodes to nothing.
+        """
         where = self._where(relative_path, offset, length, fqn)
-        fd, at, length = self._payload(relative_path, offset, length, transforms, where, limit)
+        fd, at, length = self._payload(relative_path, offset, length, transforms, where, limit, hint)
         payload = ByteRangeFile(fd, at, length)
         if self.check_crc:
             try:
@@ -381,6 +374,37 @@ class DcpReader(ChunkedReader):
         """
         args = (entry.relative_path, entry.offset_bytes, entry.length_bytes, entry.transform_descriptors)
         return self._load(*args, entry.fqn, _bytes_entry_limit(entry))
+
+
+def _decode_into(out: IO[bytes], source: ByteRangeFile, transforms: tuple[str, ...], where: str, limit: int, hint: str) -> int:
+    """Write ``source`` decoded through its stream transforms to ``out``, in pieces; return the bytes written.
+
+    Raises:
+        UnsupportedTransformError: as ``_dcp_payloads.decode_stream``.
+        CorruptChunkError: the stream does not decode, decodes to nothing (then ``hint`` ends the
+            message) or to more than ``limit`` bytes.
+    """
+    stream = decode_stream(transforms, cast(IO[bytes], source), where)
+    total = 0
+    try:
+        while piece := stream.read(_DECODE_PIECE_BYTES):
+            total += len(piece)
+            if total > limit:
+                raise CorruptChunkError(f"{where}: decodes to more than {limit} bytes; the payload is corrupt")
+            out.write(piece)
+    except CorruptChunkError:
+        raise
+    except Exception as e:  # the decoder's own errors (zstd: truncated or corrupt frame)
+        if source.error is not None:
+            raise source.error from None
+        detail = f"{type(e).__name__}: {_first_line(e)}"
+        raise CorruptChunkError(f"{where}: stream transform(s) {list(transforms)} do not decode ({detail}){hint}") from e
+    if source.error is not None:
+        raise source.error
+    if total == 0:
+        raise CorruptChunkError(f"{where}: stream transform(s) {list(transforms)} decode to nothing{hint}")
+    out.flush()
+    return total
 
 
 def _read_bare(fd: int, at: int, entry: TensorEntry, chunk: ChunkEntry, where: str) -> torch.Tensor:

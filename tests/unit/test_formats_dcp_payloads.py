@@ -242,3 +242,11 @@ def test_object_storage_checkpoints_of_each_payload_format_read(
     got = _read_all(url)
     assert torch.equal(got["model.w"], state["model"]["w"]) and torch.equal(got["model.b"], state["model"]["b"])
     assert got["lr"] == 0.5
+
+
+def test_safetensors_with_zstd_together_is_refused_saying_why(tmp_path: Path) -> None:
+    """Both options at once: torch writes an empty zstd frame per tensor and the safetensors file
+    untransformed after them, which its own reader cannot load; the error says to save with one."""
+    _save(tmp_path, _extensions=[ZStandard()], serialization_format=SerializationFormat.SAFETENSORS)
+    with pytest.raises(CorruptChunkError, match="serialization_format=SAFETENSORS and _extensions together"):
+        _read_all(tmp_path)
