@@ -26,7 +26,7 @@ from fsdp_convert.errors import (
     NotADcpCheckpointError,
     UnsafeContentError,
 )
-from fsdp_convert.formats._dcp_payloads import ReadAt, SizeOf, is_raw_chunk, place_raw_chunks
+from fsdp_convert.formats._dcp_payloads import BOTH_OPTIONS_HINT, ReadAt, SizeOf, is_raw_chunk, place_raw_chunks
 from fsdp_convert.formats.index import (
     BytesEntry,
     CheckpointIndex,
@@ -213,6 +213,7 @@ def build_index(
 def _check_disjoint_payloads(index: CheckpointIndex) -> None:
     """Two entries whose payloads share bytes can only come from a corrupt ``.metadata``."""
     ranges: dict[str, list[tuple[int, int, str]]] = {}
+    both_options: set[tuple[str, int]] = set()  # transformed tensor payloads as long as their elements
     for e in index.entries:
         if isinstance(e, BytesEntry):
             ranges.setdefault(e.relative_path, []).append((e.offset_bytes, e.length_bytes, e.fqn))
@@ -220,13 +221,16 @@ def _check_disjoint_payloads(index: CheckpointIndex) -> None:
             for c in e.chunks:
                 if c.relative_path is not None:
                     ranges.setdefault(c.relative_path, []).append((c.offset_bytes, c.length_bytes, e.fqn))
+                    if c.transform_descriptors and c.length_bytes == c.numel * e.dtype.itemsize:
+                        both_options.add((c.relative_path, c.offset_bytes))
     for rel, spans in ranges.items():
         spans.sort()
         for (a_off, a_len, a_fqn), (b_off, _, b_fqn) in zip(spans, spans[1:]):
             if b_off < a_off + a_len:
+                hint = BOTH_OPTIONS_HINT if (rel, a_off) in both_options and (rel, b_off) in both_options else ""
                 raise _bad(
                     index.checkpoint_id / METADATA_FILENAME,
-                    f"payloads of {a_fqn} and {b_fqn} overlap in {rel} at byte {b_off}",
+                    f"payloads of {a_fqn} and {b_fqn} overlap in {rel} at byte {b_off}{hint}",
                 )
 
 

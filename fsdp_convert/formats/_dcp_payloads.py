@@ -38,6 +38,7 @@ from fsdp_convert.formats.index import CheckpointIndex, ChunkEntry, Entry, Tenso
 __all__ = [
     "ZSTD_DESCRIPTOR",
     "ZSTD_INSTALL_HINT",
+    "BOTH_OPTIONS_HINT",
     "ReadAt",
     "SizeOf",
     "is_raw_chunk",
@@ -50,6 +51,13 @@ ZSTD_DESCRIPTOR = "stream.zstd/1"  # torch's ZStandard.get_descriptor()
 ZSTD_INSTALL_HINT = "pip install 'fsdp-convert[zstd]'"
 SHARDING_INFO_KEY = "DCP_SHARDING_INFO"  # torch/distributed/checkpoint/_hf_utils.py CUSTOM_METADATA_KEY
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors refuses larger headers
+# Given both options, FileSystemWriter records each tensor with the descriptors and its elements'
+# length at an empty zstd frame of its own, then writes the safetensors file untransformed after
+# them (torch's own FileSystemReader cannot load that either): said where such a payload fails
+BOTH_OPTIONS_HINT = (
+    "; FileSystemWriter writes this with serialization_format=SAFETENSORS and _extensions together, "
+    "which torch's own reader cannot load either: save with one of the two"
+)
 
 # (data file relative to the checkpoint folder, offset in bytes, length in bytes) -> the bytes there
 # (fewer at the end of the file); and the data file's size in bytes

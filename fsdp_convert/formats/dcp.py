@@ -41,7 +41,7 @@ from fsdp_convert.errors import (
     UnsafeContentError,
 )
 from fsdp_convert.formats._dcp_metadata import build_index, load_metadata, metadata_from_bytes
-from fsdp_convert.formats._dcp_payloads import decode_stream, is_raw_chunk
+from fsdp_convert.formats._dcp_payloads import BOTH_OPTIONS_HINT, decode_stream, is_raw_chunk
 from fsdp_convert.formats._range import ByteRangeFile, RecordHash
 from fsdp_convert.formats._reader import ChunkedReader, StoredBytes, check_payload
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Entry, Location, TensorEntry, Url
@@ -54,13 +54,6 @@ _ACCELERATE_DIR_RE = re.compile(r"^(pytorch_model_fsdp|optimizer)_\d+$")
 LIGHTNING_META_FILENAME = "meta.pt"  # Lightning Fabric's FSDP strategy: user metadata beside .metadata
 _DECODE_PIECE_BYTES = 4 << 20  # a stream-transformed payload is decoded into its temporary file in pieces of this size
 _PAYLOAD_OVERHEAD_BYTES = 16 << 20  # a tensor's torch.save zip beyond its elements (pickle, headers): far less
-# A tensor's payload that is an empty zstd frame, its recorded length the tensor's elements: what
-# FileSystemWriter writes when given both options (the tensors then lie untransformed in a
-# safetensors file after a run of empty frames, and torch's own FileSystemReader fails too)
-_BOTH_OPTIONS_HINT = (
-    "; FileSystemWriter writes this with serialization_format=SAFETENSORS and _extensions together, "
-    "which torch's own reader cannot load either: save with one of the two"
-)
 
 
 def metadata_subfolders(root: Path) -> list[Path]:
@@ -285,7 +278,7 @@ class DcpReader(ChunkedReader):
         limit = 2 * chunk.numel * entry.dtype.itemsize + _PAYLOAD_OVERHEAD_BYTES
         args = (chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, chunk.transform_descriptors)
         elements_long = chunk.length_bytes == chunk.numel * entry.dtype.itemsize
-        return self._load(*args, entry.fqn, limit, _BOTH_OPTIONS_HINT if elements_long else "")
+        return self._load(*args, entry.fqn, limit, BOTH_OPTIONS_HINT if elements_long else "")
 
     def _payload(
         self, relative_path: str, offset: int, length: int, transforms: tuple[str, ...], where: str, limit: int, hint: str = ""

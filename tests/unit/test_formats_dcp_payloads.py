@@ -248,5 +248,16 @@ def test_safetensors_with_zstd_together_is_refused_saying_why(tmp_path: Path) ->
     """Both options at once: torch writes an empty zstd frame per tensor and the safetensors file
     untransformed after them, which its own reader cannot load; the error says to save with one."""
     _save(tmp_path, _extensions=[ZStandard()], serialization_format=SerializationFormat.SAFETENSORS)
-    with pytest.raises(CorruptChunkError, match="serialization_format=SAFETENSORS and _extensions together"):
-        _read_all(tmp_path)
+    with pytest.raises(NotADcpCheckpointError, match="overlap .* serialization_format=SAFETENSORS and _extensions together"):
+        read_index(tmp_path)  # several tensors: their recorded ranges overlap
+    one = tmp_path / "one"
+    state = {"w": torch.ones(3, 4), "lr": 0.5}
+    dcp.save(
+        state,
+        storage_writer=FileSystemWriter(one, _extensions=[ZStandard()], serialization_format=SerializationFormat.SAFETENSORS),
+        no_dist=True,
+    )
+    with pytest.raises(
+        CorruptChunkError, match=r"\(w\): stream transform.* serialization_format=SAFETENSORS and _extensions together"
+    ):
+        _read_all(one)  # one tensor: its payload does not decode
