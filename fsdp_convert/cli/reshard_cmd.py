@@ -40,6 +40,8 @@ Examples:
   fsdp-convert reshard ckpt/step-1000 ckpt/step-1000-ws4 --world-size 4
 
   fsdp-convert reshard ckpt/step-1000 ckpt/step-1000-ws1 --world-size 1 --overwrite
+
+  fsdp-convert reshard accelerate-ckpt/ accelerate-ckpt-ws8/ --world-size 8   # both DCP folders; RNG pickles left out
 """
 
 OutDirArg = Annotated[str, typer.Argument(metavar="OUT", help="Output DCP folder (or s3://... via fsspec).", show_default=False)]
