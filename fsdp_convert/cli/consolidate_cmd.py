@@ -64,7 +64,11 @@ Examples:
 """
 
 MaxShardSizeOpt = Annotated[
-    str, typer.Option("--max-shard-size", help="Largest shard of a folder output (decimal GB as in transformers, or GiB).")
+    str,
+    typer.Option(
+        "--max-shard-size",
+        help="Largest shard of a folder output (decimal GB as in transformers, or GiB); the default is transformers 5's.",
+    ),
 ]
 FormatOpt = Annotated[
     FormatChoice,
@@ -108,7 +112,7 @@ def consolidate_command(
     optim_dtype: OptimDtypeOpt = None,
     overwrite: OverwriteOpt = False,
     memory_budget: MemoryBudgetOpt = "256MiB",
-    max_shard_size: MaxShardSizeOpt = "5GB",
+    max_shard_size: MaxShardSizeOpt = "50GB",
     no_crc: NoCrcOpt = False,
     verify_output: Annotated[
         bool,
