@@ -77,7 +77,8 @@ class Choice(str, Enum):
             return cls(text)
         except ValueError:
             *rest, last = [m.value for m in cls]
-            raise InvalidOptionError(f"{flag} {text!r}: use {', '.join(rest)} or {last}") from None
+            use = f"{', '.join(rest)} or {last}" if rest else last
+            raise InvalidOptionError(f"{flag} {text!r}: use {use}") from None
 
 
 class OnlyChoice(Choice):

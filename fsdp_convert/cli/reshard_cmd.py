@@ -9,6 +9,7 @@ import typer
 from fsdp_convert.cli._errors import handle_errors, rank_prefix
 from fsdp_convert.cli._options import (
     CheckpointArg,
+    Choice,
     DtypeOpt,
     ExcludeOpt,
     IncludeOpt,
@@ -26,6 +27,7 @@ from fsdp_convert.cli._options import (
     RdzvEndpointOpt,
     RdzvIdOpt,
     RenameOpt,
+    choice_option,
     cluster_options,
     transform_options,
 )
@@ -41,6 +43,8 @@ Examples:
 
   fsdp-convert reshard ckpt/step-1000 ckpt/step-1000-ws1 --world-size 1 --overwrite
 
+  fsdp-convert reshard ckpt/step-1000 ckpt/step-1000-ws8 --world-size 8 --compress zstd
+
   fsdp-convert reshard accelerate-ckpt/ accelerate-ckpt-ws8/ --world-size 8   # both DCP folders; RNG pickles left out
 """
 
@@ -53,6 +57,24 @@ WritersOpt = Annotated[
         "--nproc-per-node",
         min=1,
         help="Workers writing rank files in parallel (torch's elastic launcher, gloo). \\[default: 1]",
+    ),
+]
+
+
+class CompressChoice(Choice):
+    """``reshard --compress``: the stream transform every payload is written through."""
+
+    zstd = "zstd"
+
+
+CompressOpt = Annotated[
+    CompressChoice | None,
+    choice_option(
+        CompressChoice,
+        "--compress",
+        help="Write every payload as a zstd stream, as FileSystemWriter(_extensions=[ZStandard()]) does "
+        "(needs the zstandard package: pip install 'fsdp-convert[zstd]'). Default: uncompressed, whatever the source.",
+        show_default=False,
     ),
 ]
 
@@ -76,6 +98,7 @@ def reshard_command(
     exclude: ExcludeOpt = None,
     dtype: DtypeOpt = None,
     optim_dtype: OptimDtypeOpt = None,
+    compress: CompressOpt = None,
     overwrite: OverwriteOpt = False,
     no_crc: NoCrcOpt = False,
     json_output: JsonOpt = False,
@@ -98,6 +121,7 @@ def reshard_command(
             overwrite=overwrite,
             check_crc=not no_crc,
             cluster=cluster,
+            compress=None if compress is None else compress.value,
         )
     print_result(
         result,

@@ -27,11 +27,12 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from fsdp_convert.constants import METADATA_FILENAME
+from fsdp_convert.errors import InvalidOptionError
 from fsdp_convert.formats import check_data_files, open_reader, read_index
 from fsdp_convert.formats.dcp import LIGHTNING_META_FILENAME
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, Location, TensorEntry, dcp_key
@@ -45,7 +46,7 @@ from fsdp_convert.reshard_plan import PayloadPlan, ReshardPlan, plan_reshard, sp
 from fsdp_convert.transform import TransformOptions
 from fsdp_convert.writers import atomic_output
 from fsdp_convert.writers._atomic import LeaveToOwner, check_output_free, writing
-from fsdp_convert.writers.dcp import MetadataEntry, StoredChunk, rank_filename, write_metadata
+from fsdp_convert.writers.dcp import MetadataEntry, StoredChunk, compress_data_files, rank_filename, require_zstd, write_metadata
 from fsdp_convert.writers.torch_save import TensorSlot, write_tensor_payload_headers
 
 __all__ = ["ReshardResult", "reshard"]
@@ -247,8 +248,8 @@ def _reshard_rank(
         return values if worker == 0 else None
 
 
-def _write_index(folder: Path, plan: ReshardPlan, values: list[StoredChunk], version: str | None) -> None:
-    """Rank 0's process, once every worker is done: write the folder's ``.metadata``."""
+def _write_index(folder: Path, plan: ReshardPlan, values: list[StoredChunk], version: str | None, compress: bool) -> None:
+    """Rank 0's process, once every worker is done: write the folder's ``.metadata`` (after compressing the rank files)."""
     stored = [
         StoredChunk(dcp_key(plan.items[p.item].path), p.chunk.offsets, rank_filename(p.chunk.rank), p.offset, p.layout.size)
         for p in plan.payloads
@@ -263,7 +264,10 @@ def _write_index(folder: Path, plan: ReshardPlan, values: list[StoredChunk], ver
         )
         for item, chunks in zip(plan.items, plan.chunks, strict=True)
     ]
-    write_metadata(folder, entries, stored + values, version)
+    rows = stored + values
+    if compress:  # compressed sizes are known only once compressed: a pass over the laid-out rank files
+        rows = compress_data_files(folder, rows, threads=len(os.sched_getaffinity(0)))
+    write_metadata(folder, entries, rows, version)
 
 
 def reshard(
@@ -276,6 +280,7 @@ def reshard(
     overwrite: bool = False,
     check_crc: bool = True,
     cluster: Cluster | None = None,
+    compress: Literal["zstd"] | None = None,
 ) -> ReshardResult:
     """Lay a checkpoint out for ``world_size`` ranks: a new DCP folder any DCP loader reads.
 
@@ -309,10 +314,20 @@ def reshard(
         overwrite: replace an existing ``output`` (at the final rename only).
         check_crc: check CRC-32s of the source payloads.
         cluster: torchrun's multi-node options, as for ``consolidate``; rank 0's node writes ``.metadata``.
+        compress: ``"zstd"``: every payload a zstd stream (``stream.zstd/1``), as
+            ``FileSystemWriter(_extensions=[ZStandard()])`` writes them; rank 0 rewrites the laid-out
+            rank files payload by payload before ``.metadata`` (``writers.dcp.compress_data_files``;
+            with several nodes the output's filesystem must be shared). None (default): uncompressed,
+            whatever the source.
 
     Raises:
-        As ``consolidate``, and InvalidOptionError for ``world_size < 1``.
+        As ``consolidate``; InvalidOptionError for ``world_size < 1``, or ``compress="zstd"`` without
+        the ``zstandard`` package (before anything is read).
     """
+    if compress is not None:
+        if compress != "zstd":
+            raise InvalidOptionError(f"--compress {compress}: only zstd is supported")
+        require_zstd()
     shared = shared_tag(cluster) is not None
     with local_output(output, overwrite=overwrite, shared=shared, last=(METADATA_FILENAME,)) as (output, shown):
         start = time.monotonic()
@@ -335,7 +350,7 @@ def reshard(
                 raise LeaveToOwner
             for sub, plan in plans:
                 stored = [StoredChunk.from_json(row) for row in values[sub]]
-                _write_index(tmp / sub, plan, stored, index.version)
+                _write_index(tmp / sub, plan, stored, index.version, compress == "zstd")
             if beside.copied:
                 assert isinstance(index.checkpoint_id, Path)
                 _copy_beside(index.checkpoint_id, tmp, beside.copied)

@@ -10,9 +10,7 @@ read back).
 
 from __future__ import annotations
 
-import inspect
 import json
-import pickle
 from pathlib import Path
 
 import pytest
@@ -20,13 +18,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex
+from typer.testing import CliRunner
 
 import fsdp_convert
+from fsdp_convert.cli import app
 from fsdp_convert.formats import open_checkpoint
 from fsdp_convert.formats.dcp import DcpReader
 from fsdp_convert.formats.index import TensorEntry
 from fsdp_convert.ops.reshard import reshard
-from fsdp_convert.writers.dcp import ZSTD_DESCRIPTOR, StoredChunk, compress_data_files
+from fsdp_convert.writers.dcp import ZSTD_DESCRIPTOR
 from tests._compare import assert_same_state
 from tests._dist import run_ranks
 from tests._writer_options import TRUTH, WRITER_OPTIONS, writer_options_run
@@ -142,22 +142,19 @@ def test_safetensors_consolidate_decodes_no_tensor(writer_options: Path, tmp_pat
 
 
 def _compressed_reshard(source: Path, out: Path) -> None:
-    """``reshard --compress zstd``, or, before the flag is wired, the same post-pass on a plain reshard:
-    ``compress_data_files`` over every payload of the rank files, then ``.metadata`` again with the rows it returns."""
-    if "compress" in inspect.signature(reshard).parameters:
-        reshard(source, out, world_size=3, nproc=1, compress="zstd")  # type: ignore[call-arg]
-        return
-    reshard(source, out, world_size=3, nproc=1)
-    meta = FileSystemReader(str(out)).read_metadata()
-    rows = [
-        StoredChunk(key.fqn, None if key.offset is None else tuple(key.offset), i.relative_path, i.offset, i.length)
-        for key, i in meta.storage_data.items()
-    ]
-    for key, row in zip(list(meta.storage_data), compress_data_files(out, rows), strict=True):
-        meta.storage_data[key] = type(meta.storage_data[key])(
-            row.relative_path, row.offset_bytes, row.length_bytes, list(row.transform_descriptors)
-        )
-    (out / ".metadata").write_bytes(pickle.dumps(meta))
+    """``fsdp-convert reshard SOURCE OUT --world-size 3 --compress zstd``, through the CLI."""
+    result = CliRunner().invoke(
+        app, ["reshard", str(source), str(out), "--world-size", "3", "--nproc", "1", "--compress", "zstd"]
+    )
+    assert result.exit_code == 0, result.output
+
+
+def test_compress_takes_zstd_only(writer_options: Path, tmp_path: Path) -> None:
+    out = tmp_path / "gz"
+    result = CliRunner().invoke(
+        app, ["reshard", str(writer_options / "zstd"), str(out), "--world-size", "3", "--compress", "gzip"]
+    )
+    assert result.exit_code == 2 and "--compress 'gzip': use zstd" in result.output and not out.exists()
 
 
 def test_zstd_reshard_is_read_by_torch_dcp_load(writer_options: Path, tmp_path: Path) -> None:
