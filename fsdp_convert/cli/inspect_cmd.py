@@ -84,6 +84,8 @@ def _render(result: InspectResult, out: Console = console) -> None:
         f"total: {human_bytes(result.total_bytes)} ({result.total_bytes} bytes) in {len(result.data_files)} data files",
         highlight=False,
     )
+    if result.payload_formats and result.payload_formats != ("torch_save",):  # FileSystemWriter options that change them
+        out.print(f"payloads: {', '.join(result.payload_formats)}", highlight=False)
     if any(r.kind == "tensor" for r in result.entries):
         for line in cuts_lines(result, out.width):
             out.print(line, highlight=False)

@@ -41,13 +41,13 @@ from fsdp_convert.errors import (
     UnsafeContentError,
 )
 from fsdp_convert.formats._dcp_metadata import build_index, load_metadata, metadata_from_bytes
-from fsdp_convert.formats._dcp_payloads import BOTH_OPTIONS_HINT, decode_stream, is_raw_chunk
+from fsdp_convert.formats._dcp_payloads import BOTH_OPTIONS_HINT, decode_stream, is_raw_chunk, payload_formats
 from fsdp_convert.formats._range import ByteRangeFile, RecordHash
 from fsdp_convert.formats._reader import ChunkedReader, StoredBytes, check_payload
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Entry, Location, TensorEntry, Url
 from fsdp_convert.remote import as_location, read_bytes, read_range, size_of
 
-__all__ = ["read_dcp_index", "load_metadata", "metadata_subfolders", "DcpReader", "LIGHTNING_META_FILENAME"]
+__all__ = ["read_dcp_index", "load_metadata", "metadata_subfolders", "DcpReader", "LIGHTNING_META_FILENAME", "payload_formats"]
 
 # accelerate's FSDP checkpoint folder: one DCP folder for the model, one per optimizer
 _ACCELERATE_DIR_RE = re.compile(r"^(pytorch_model_fsdp|optimizer)_\d+$")

@@ -7,7 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp_convert.formats import read_index
+from fsdp_convert.formats import detect_format, read_index
+from fsdp_convert.formats.dcp import payload_formats
 from fsdp_convert.formats.index import Location, TensorEntry, dtype_name
 from fsdp_convert.layout import GROUPS, Group, classify, detect_producer
 
@@ -44,7 +45,12 @@ class EntrySummary:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class InspectResult:
-    """What ``.metadata`` says about a checkpoint; see ``inspect_checkpoint``."""
+    """What ``.metadata`` says about a checkpoint; see ``inspect_checkpoint``.
+
+    ``payload_formats`` (DCP folders only): how the payloads are stored, as
+    ``formats.dcp.payload_formats`` names them: ``torch_save`` zips, bare ``safetensors`` elements
+    (``FileSystemWriter(serialization_format=SAFETENSORS)``) and stream transforms (``stream.zstd/1``).
+    """
 
     checkpoint_id: Location
     producer: str
@@ -53,6 +59,7 @@ class InspectResult:
     data_files: tuple[str, ...]
     version: str | None
     entries: tuple[EntrySummary, ...]
+    payload_formats: tuple[str, ...] = ()
 
     def to_json_dict(self) -> dict[str, Any]:
         """JSON-ready form: dtypes as strings, shapes as lists, ``schema_version`` 1."""
@@ -77,6 +84,7 @@ class InspectResult:
             "total_bytes": self.total_bytes,
             "data_files": list(self.data_files),
             "dcp_version": self.version,
+            "payload_formats": list(self.payload_formats),
             "groups": groups,
         }
 
@@ -152,4 +160,5 @@ def inspect_checkpoint(checkpoint_id: str | os.PathLike[str]) -> InspectResult:
         data_files=index.data_files,
         version=index.version,
         entries=tuple(rows),
+        payload_formats=payload_formats(index) if detect_format(checkpoint_id) == "dcp" else (),
     )

@@ -175,3 +175,19 @@ def test_zstd_reshard_is_read_by_torch_dcp_load(writer_options: Path, tmp_path: 
             assert isinstance(entry, TensorEntry)
     dcp.load(target, checkpoint_id=out, no_dist=True)
     assert_same_state(target["model"], truth["model"])  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("name", "line"),
+    [
+        ("zstd", "payloads: stream.zstd/1, torch_save"),
+        ("safetensors", "payloads: safetensors, torch_save"),
+        ("thread_count_3", None),
+    ],
+)
+def test_inspect_names_how_the_payloads_are_stored(writer_options: Path, name: str, line: str | None) -> None:
+    result = CliRunner().invoke(app, ["inspect", str(writer_options / name)])
+    assert result.exit_code == 0, result.output
+    assert (line in result.output.splitlines()) if line else "payloads:" not in result.output
+    shown = json.loads(CliRunner().invoke(app, ["inspect", str(writer_options / name), "--json"]).stdout)
+    assert shown["payload_formats"] == (line.removeprefix("payloads: ").split(", ") if line else ["torch_save"])
