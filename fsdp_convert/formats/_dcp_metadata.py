@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
 
-from fsdp_convert._torch import MEM_FORMAT_ENCODING, StorageInfo
+from fsdp_convert._torch import MEM_FORMAT_ENCODING, StorageInfo, torch_layout
 from fsdp_convert.constants import METADATA_FILENAME, SUPPORTED_DTYPES
 from fsdp_convert.errors import (
     NotADcpCheckpointError,
@@ -62,15 +62,6 @@ for _cls in (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, path
     _ALLOWED_CLASSES[("pathlib", _cls.__name__)] = _cls
 
 
-def _torch_layout(name: str) -> torch.layout:
-    # torch pickles a layout as torch.serialization._get_layout("torch.strided"); answer the same
-    # without importing anything the file names.
-    value = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(value, torch.layout):
-        raise pickle.UnpicklingError(f"unknown torch layout {name!r}")
-    return value
-
-
 class _RestrictedUnpickler(pickle.Unpickler):
     """Unpickler that resolves only allow-listed globals; anything else is UnsafeContentError."""
 
@@ -78,7 +69,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         if (module, name) in _ALLOWED_CLASSES:
             return _ALLOWED_CLASSES[(module, name)]
         if module == "torch.serialization" and name == "_get_layout":
-            return _torch_layout
+            return torch_layout  # torch pickles a layout as torch.serialization._get_layout("torch.strided")
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise UnsafeContentError(f"refusing global {module}.{name}")
