@@ -25,7 +25,6 @@ output's CRC-32 fields (``formats._crc.combine``) without reading the data back.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import zlib
@@ -36,6 +35,8 @@ from typing import Any
 import torch
 
 from fsdp_convert._pagecache import PageCache
+from fsdp_convert.blocks import ChunkSource, box, check_crc, move_derived, pwrite_all, rows_of
+from fsdp_convert.derive import Derived
 from fsdp_convert.errors import CorruptChunkError
 from fsdp_convert.formats import Reader
 from fsdp_convert.formats._crc import combine
@@ -76,6 +77,8 @@ class MoveJob:
         fd: descriptor of the output file, open for writing.
         offset: where the bytes start in the file, in bytes.
         rows: the dim-0 rows ``[begin, end)`` to move (a reshard's target chunk); None: the whole tensor.
+        derived: the tensor is computed from ``sources`` (``derive.Derived``), not ``entry``'s data.
+        sources: the entries of ``derived.inputs``, in order.
     """
 
     entry: TensorEntry
@@ -84,33 +87,27 @@ class MoveJob:
     fd: int
     offset: int
     rows: tuple[int, int] | None = None
+    derived: Derived | None = None
+    sources: tuple[TensorEntry, ...] = ()
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Global shape of the tensor written (a derived tensor's own), in elements."""
+        return self.derived.shape if self.derived is not None else self.entry.shape
 
     @property
     def row_range(self) -> tuple[int, int]:
         """The dim-0 rows moved, ``[begin, end)`` (a 0-dim tensor is one row)."""
-        return self.rows if self.rows is not None else (0, _rows(self.entry.shape)[0])
+        return self.rows if self.rows is not None else (0, _rows(self.shape)[0])
 
     @property
     def nbytes(self) -> int:
         """Bytes written, in bytes."""
         begin, end = self.row_range
-        return (end - begin) * _rows(self.entry.shape)[1] * self.dtype.itemsize
+        return (end - begin) * _rows(self.shape)[1] * self.dtype.itemsize
 
 
-def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    """``os.pwrite`` all of ``data`` at ``offset`` (a write may be short)."""
-    while data:
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
-
-
-def _rows(shape: tuple[int, ...]) -> tuple[int, int]:
-    """(dim-0 length, elements per dim-0 index); a 0-dim tensor is one row of one element."""
-    return (shape[0], math.prod(shape[1:])) if shape else (1, 1)
-
-
-def _box(chunk: ChunkEntry) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    return (chunk.offsets, chunk.sizes) if chunk.sizes else ((0,), (1,))
+_rows, _box = rows_of, box
 
 
 def _overlaps(chunk: ChunkEntry, begin: int, end: int) -> bool:
@@ -156,6 +153,9 @@ class Mover:
         entry = job.entry
         if job.nbytes == 0:
             return []
+        if job.derived is not None:
+            runs = move_derived(self, job.derived, job.sources, job.dtype, job.fd, job.offset, job.row_range)
+            return [Piece(job.file, offset, nbytes, crc) for offset, nbytes, crc in runs]
         r0, r1 = job.row_range
         chunks = sorted((c for c in entry.chunks if c.numel > 0 and _overlaps(c, r0, r1)), key=lambda c: c.offsets)
         dim0 = all(c.offsets[1:] == (0,) * (len(c.offsets) - 1) and c.sizes[1:] == entry.shape[1:] for c in chunks)
@@ -230,13 +230,7 @@ class Mover:
             )
         self.cache.read(stored.fd, stored.offset + at, len(view))
 
-    @staticmethod
-    def _check_crc(stored: StoredBytes, crc: int) -> None:
-        if stored.crc32 is not None and crc != stored.crc32:
-            raise CorruptChunkError(
-                f"{stored.where}: CRC-32 mismatch in the storage record (stored {stored.crc32:#010x}, "
-                f"computed {crc:#010x}); the data file is corrupt"
-            )
+    _check_crc = staticmethod(check_crc)
 
     def _move_row_blocks(self, job: MoveJob, chunks: list[ChunkEntry]) -> list[Piece]:
         entry = job.entry
@@ -245,7 +239,7 @@ class Mover:
         shape = entry.shape or (1,)
         widest = max(entry.dtype.itemsize, job.dtype.itemsize)
         block_rows = max(1, self.piece_bytes // (row_elems * widest))
-        sources = {id(c): _ChunkSource(self, entry, c, begin, end) for c in chunks}
+        sources = {id(c): ChunkSource(self, entry, c, begin, end) for c in chunks}
         pieces = []
         for r0 in range(begin, end, block_rows):
             self._check_stop()
@@ -266,41 +260,6 @@ class Mover:
             self.cache.wrote(job.fd, dst_offset, len(out))
             pieces.append(Piece(job.file, dst_offset, len(out), zlib.crc32(out)))
         return pieces
-
-
-class _ChunkSource:
-    """A chunk's rows, handed out in order: read from its located bytes, or sliced from the decoded chunk."""
-
-    def __init__(self, mover: Mover, entry: TensorEntry, chunk: ChunkEntry, begin: int, end: int) -> None:
-        self.mover, self.entry, self.chunk = mover, entry, chunk
-        self.stored: StoredBytes | None = mover.reader.locate(entry, chunk)
-        (c0, *_), (c_rows, *_) = _box(chunk)
-        self.last = min(end, c0 + c_rows) - c0  # the chunk's last row needed, plus one
-        if self.stored is not None and (begin > c0 or self.last < c_rows):
-            mover._verify(self.stored)  # read in part: its stored CRC-32 covers the whole chunk
-        self.decoded: torch.Tensor | None = None
-        self.crc = 0
-        self.done_to = 0  # rows read (and hashed) in order from the chunk's start
-
-    def rows(self, a: int, b: int) -> torch.Tensor:
-        """Rows ``[a, b)`` of the chunk (its own dim-0 indices), shape ``(b - a, *sizes[1:])``; called in row order."""
-        _, (c_rows, *rest) = _box(self.chunk)
-        if self.stored is None:
-            if self.decoded is None:
-                self.decoded = self.mover.reader.read_chunk(self.entry, self.chunk).reshape(c_rows, *rest)
-            part = self.decoded[a:b]
-            if b == self.last:
-                self.decoded = None  # its last rows needed: free it once copied
-            return part
-        row_bytes = math.prod(rest) * self.entry.dtype.itemsize
-        view = self.mover._buffer(1, (b - a) * row_bytes)
-        self.mover._read_exact(self.stored, view, a * row_bytes)
-        if a == self.done_to:
-            self.crc = zlib.crc32(view, self.crc)
-            self.done_to = b
-            if b == c_rows:
-                Mover._check_crc(self.stored, self.crc)
-        return torch.frombuffer(view, dtype=self.entry.dtype).view(b - a, *rest)
 
 
 def pieces_crc(pieces: Sequence[Piece]) -> int | None:

@@ -331,7 +331,8 @@ def plan_consolidate(
     for item in items:
         if item.is_tensor:
             assert isinstance(item.entry, TensorEntry)
-            check_coverage(item.entry)
+            for entry in item.sources or (item.entry,):  # a derived tensor's inputs
+                check_coverage(entry)
     total = sum(item.nbytes for item in items)
     if nproc is None:
         nproc = default_nproc(total, len(index.data_files) or 1, cpus)

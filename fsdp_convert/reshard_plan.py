@@ -8,6 +8,7 @@ planned folder by folder (``split_by_folder``), so the output has the same folde
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
@@ -172,13 +173,15 @@ def plan_reshard(
             chunks.append((TargetChunk(rank=0, offsets=(), sizes=()),))
             continue
         assert isinstance(e, TensorEntry)
-        check_coverage(e)
+        for source in item.sources or (e,):  # a derived tensor's inputs
+            check_coverage(source)
         full = [c for c in e.chunks if c.numel > 0]
-        replicated = index.world_size > 1 and len(full) == 1 and full[0].sizes == e.shape
-        if not e.shape or e.numel == 0 or replicated:
-            chunks.append((TargetChunk(rank=0, offsets=(0,) * len(e.shape), sizes=e.shape),))
+        replicated = item.derived is None and index.world_size > 1 and len(full) == 1 and full[0].sizes == e.shape
+        shape = item.shape
+        if not shape or math.prod(shape) == 0 or replicated:
+            chunks.append((TargetChunk(rank=0, offsets=(0,) * len(shape), sizes=shape),))
         else:
-            chunks.append(tuple(dim0_boxes(e.shape, target_world_size)))
+            chunks.append(tuple(dim0_boxes(shape, target_world_size)))
     workers = nproc or 1
     payloads, values_offset = _lay_out_rank_files(items, chunks, target_world_size, workers)
     return ReshardPlan(

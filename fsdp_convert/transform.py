@@ -11,6 +11,7 @@ used; ``<optimizer>`` is the producer's own name for it (``optim``, ``optimizer`
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from typing import Any, Literal
 import torch
 
 from fsdp_convert.constants import UNCASTABLE_DTYPES
+from fsdp_convert.derive import Adapter, Derived, Sourced, apply_adapter
 from fsdp_convert.errors import InvalidOptionError, UnsupportedTransformError
 from fsdp_convert.formats.index import CheckpointIndex, DictKey, Entry, ObjPath, TensorEntry, dcp_key
 from fsdp_convert.layout import Group, Slot
@@ -98,6 +100,8 @@ class TransformOptions:
             wrapper names are removed and before renames.
         dtype: cast floating-point model tensors to this dtype; None keeps them.
         optim_dtype: cast floating-point optimizer state (but never ``step``) to this dtype.
+        adapter: the model's tensors (wrapper names removed, ``include``/``exclude`` applied) to the
+            output's (``derive.Adapter``, ``adapters.load_adapter``); renames apply after. Model only.
         layout: top-level names of a consolidation: ``producer`` keeps the producer's name for the
             optimizer state (``optimizer`` for Lightning, accelerate and torchtitan) and merges
             Lightning's ``meta.pt`` (``items.prepare_items``), so that its own loader reads the
@@ -113,6 +117,7 @@ class TransformOptions:
     dtype: torch.dtype | None = None
     optim_dtype: torch.dtype | None = None
     layout: Layout = "producer"
+    adapter: Adapter | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -128,6 +133,8 @@ class OutputItem:
         constant: True when ``value`` is written instead of reading ``entry`` (a param group's
             ``params`` after renaming or re-keying, a regrouped param group field).
         value: the constant's value.
+        derived: how the tensor is computed from ``sources``, row block by row block (``derive``).
+        sources: the entries ``derived.inputs`` name, in their order (``entry`` is the first).
     """
 
     entry: Entry
@@ -136,6 +143,8 @@ class OutputItem:
     dtype: torch.dtype | None = None
     constant: bool = False
     value: Any = None
+    derived: Derived | None = None
+    sources: tuple[TensorEntry, ...] = ()
 
     @property
     def is_tensor(self) -> bool:
@@ -144,7 +153,9 @@ class OutputItem:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """Global shape of a tensor item, in elements."""
+        """Global shape of a tensor item, in elements (a derived tensor's own)."""
+        if self.derived is not None:
+            return self.derived.shape
         assert isinstance(self.entry, TensorEntry)
         return self.entry.shape
 
@@ -153,7 +164,7 @@ class OutputItem:
         """Output size of a tensor (elements x output item size), or the payload size of a value, in bytes."""
         if self.is_tensor:
             assert isinstance(self.entry, TensorEntry) and self.dtype is not None
-            return self.entry.numel * self.dtype.itemsize
+            return math.prod(self.shape) * self.dtype.itemsize
         return 0 if self.constant else self.entry.nbytes
 
     @property
@@ -207,11 +218,12 @@ def _selected(fqn: str, options: TransformOptions) -> bool:
     return not any(fnmatch.fnmatchcase(fqn, g) for g in options.exclude)
 
 
-def _cast(entry: Entry, dtype: torch.dtype | None, keep: bool = False) -> torch.dtype | None:
+def _cast(entry: Entry, dtype: torch.dtype | None, keep: bool = False, src: torch.dtype | None = None) -> torch.dtype | None:
     if not isinstance(entry, TensorEntry):
         return None
-    if dtype is None or keep or not entry.dtype.is_floating_point or entry.dtype in UNCASTABLE_DTYPES:
-        return entry.dtype  # complex, integer, bool and float4 (torch has no cast for it) are kept
+    src = src or entry.dtype  # a derived tensor's own dtype
+    if dtype is None or keep or not src.is_floating_point or src in UNCASTABLE_DTYPES:
+        return src  # complex, integer, bool and float4 (torch has no cast for it) are kept
     return dtype
 
 
@@ -303,21 +315,19 @@ def build_items(
     """
     name = _param_namer(options)
     items: list[OutputItem] = []
+    if options.adapter is not None:  # model weights only: optimizer and other state keep the old FQNs, left out
+        groups = tuple(g for g in groups if g == "model")
     if "model" in groups:
         seen: dict[str, str] = {}
-        for i, slot in enumerate(slots):
-            if slot.role != "model":
-                continue
-            entry = index.entries[i]
-            assert isinstance(slot.param, str)
-            if not _selected(clean_fqn(slot.param, keep_wrapper_names=options.keep_wrapper_names), options):
-                continue
-            out = name(slot.param)
+        for entry, out, derived, sources in _model_sources(index, slots, options):
+            out = name(out)
             if out in seen:
                 raise InvalidOptionError(f"{seen[out]} and {entry.fqn} would both be written as model key {out!r}")
             seen[out] = entry.fqn
             prefix = entry.path[:1] if keep_layout and entry.path[0] == "model" else () if keep_layout else ("model",)
-            items.append(OutputItem(entry=entry, path=(*prefix, out), group="model", dtype=_cast(entry, options.dtype)))
+            dtype = _cast(entry, options.dtype, src=derived.dtype if derived else None)
+            item = OutputItem(entry=entry, path=(*prefix, out), group="model", dtype=dtype, derived=derived, sources=sources)
+            items.append(item)
     if "optim" in groups:
         items += _optim_items(index, slots, options, values, name, keep_layout, params_in_model_order)
     if "other" in groups:
@@ -326,6 +336,20 @@ def build_items(
                 entry = index.entries[i]
                 items.append(OutputItem(entry=entry, path=entry.path, group="other", dtype=_cast(entry, None)))
     return tuple(items)
+
+
+def _model_sources(index: CheckpointIndex, slots: tuple[Slot, ...], options: TransformOptions) -> list[Sourced]:
+    """The selected model entries as ``(entry, output FQN before renames, derived, sources)`` (``derive.apply``)."""
+    selected: list[tuple[Entry, str]] = []
+    for i, slot in enumerate(slots):
+        if slot.role == "model":
+            assert isinstance(slot.param, str)
+            fqn = clean_fqn(slot.param, keep_wrapper_names=options.keep_wrapper_names)
+            if _selected(fqn, options):
+                selected.append((index.entries[i], fqn if options.adapter is not None else slot.param))
+    if options.adapter is None:
+        return [(entry, param, None, ()) for entry, param in selected]
+    return apply_adapter(options.adapter, selected)
 
 
 def _optim_top(entry: Entry, options: TransformOptions) -> str | int:

@@ -117,7 +117,17 @@ def _move_jobs(job: _ConsolidateJob, rank: int, fds: list[int]) -> list[MoveJob]
             item = plan.items[i]
             if item.is_tensor and plan.owners[i] == rank:
                 assert isinstance(item.entry, TensorEntry) and item.dtype is not None and offset is not None
-                jobs.append(MoveJob(entry=item.entry, dtype=item.dtype, file=f, fd=fds[f], offset=offset))
+                jobs.append(
+                    MoveJob(
+                        entry=item.entry,
+                        dtype=item.dtype,
+                        file=f,
+                        fd=fds[f],
+                        offset=offset,
+                        derived=item.derived,
+                        sources=item.sources,
+                    )
+                )
     return jobs
 
 

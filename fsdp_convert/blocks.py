@@ -1,0 +1,256 @@
+"""Move stage, its row-block half: a tensor's dim-0 rows read from its chunks, and derived tensors built block by block.
+
+``ChunkSource`` hands out a chunk's rows (read from its located bytes, CRC-32 checked as they pass
+in order, or sliced from the decoded chunk); ``read_rows`` assembles rows ``[lo, hi)`` of a tensor
+from whichever chunks hold them (any tiling: FSDP's dim-0 chunks, tensor-parallel boxes).
+``move_derived`` writes a ``derive.Derived`` output: per block of output rows, each input's rows
+(the span its row map covers, at most about a block plus, for a head permutation, one head), the
+``combine`` function, a cast, one ``pwrite``. Memory: the block's inputs and output, sized from
+the mover's buffers; inputs read whole (``rows=None``) are held for the tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zlib
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from fsdp_convert._pagecache import PageCache
+from fsdp_convert.derive import Derived, Input, concat
+from fsdp_convert.errors import CorruptChunkError, ShapeMismatchError
+from fsdp_convert.formats import Reader
+from fsdp_convert.formats._reader import StoredBytes
+from fsdp_convert.formats.index import ChunkEntry, TensorEntry
+
+__all__ = ["MoverLike", "ChunkSource", "pwrite_all", "rows_of", "box", "check_crc", "read_rows", "move_derived"]
+
+COMPUTE_ITEMSIZE = 4  # a combine function's intermediates, fp32, per element
+
+
+class MoverLike(Protocol):
+    """What a ``ChunkSource`` and ``move_derived`` use of ``move.Mover`` (its reader, buffers and checks)."""
+
+    reader: Reader
+    piece_bytes: int
+    cache: PageCache
+
+    def _buffer(self, which: int, nbytes: int) -> memoryview: ...
+    def _check_stop(self) -> None: ...
+    def _verify(self, stored: StoredBytes) -> None: ...
+    def _read_exact(self, stored: StoredBytes, view: memoryview, at: int) -> None: ...
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """``os.pwrite`` all of ``data`` at ``offset`` (a write may be short)."""
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def rows_of(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(dim-0 length, elements per dim-0 index); a 0-dim tensor is one row of one element."""
+    return (shape[0], math.prod(shape[1:])) if shape else (1, 1)
+
+
+def box(chunk: ChunkEntry) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A chunk's (offsets, sizes), a 0-dim tensor's as one row."""
+    return (chunk.offsets, chunk.sizes) if chunk.sizes else ((0,), (1,))
+
+
+def check_crc(stored: StoredBytes, crc: int) -> None:
+    """Raise ``CorruptChunkError`` when ``crc`` is not the chunk's stored CRC-32."""
+    if stored.crc32 is not None and crc != stored.crc32:
+        raise CorruptChunkError(
+            f"{stored.where}: CRC-32 mismatch in the storage record (stored {stored.crc32:#010x}, "
+            f"computed {crc:#010x}); the data file is corrupt"
+        )
+
+
+class ChunkSource:
+    """A chunk's rows, handed out in order: read from its located bytes, or sliced from the decoded chunk.
+
+    Args:
+        mover: the mover whose reader and second buffer are used.
+        entry: the tensor.
+        chunk: the chunk.
+        begin: first row of the tensor that will be asked for (dim-0 index of the tensor).
+        end: last row that will be asked for, plus one. A chunk read only in part is read through
+            once for its CRC-32 first.
+    """
+
+    def __init__(self, mover: MoverLike, entry: TensorEntry, chunk: ChunkEntry, begin: int, end: int) -> None:
+        self.mover, self.entry, self.chunk = mover, entry, chunk
+        self.stored: StoredBytes | None = mover.reader.locate(entry, chunk)
+        (c0, *_), (c_rows, *_) = box(chunk)
+        self.last = min(end, c0 + c_rows) - c0  # the chunk's last row needed, plus one
+        self.checked = self.stored is None or self.stored.crc32 is None
+        if self.stored is not None and (begin > c0 or self.last < c_rows):
+            mover._verify(self.stored)  # read in part: its stored CRC-32 covers the whole chunk
+            self.checked = True
+        self.decoded: torch.Tensor | None = None
+        self.crc = 0
+        self.done_to = 0  # rows read (and hashed) in order from the chunk's start
+
+    def rows(self, a: int, b: int) -> torch.Tensor:
+        """Rows ``[a, b)`` of the chunk (its own dim-0 indices), shape ``(b - a, *sizes[1:])``.
+
+        Called in row order (a later call may overlap an earlier one); valid until the next call.
+        """
+        _, (c_rows, *rest) = box(self.chunk)
+        if self.stored is None:
+            if self.decoded is None:
+                self.decoded = self.mover.reader.read_chunk(self.entry, self.chunk).reshape(c_rows, *rest)
+            part = self.decoded[a:b]
+            if b >= self.last:
+                self.decoded = None  # its last rows needed: free it once copied
+            return part
+        row_bytes = math.prod(rest) * self.entry.dtype.itemsize
+        view = self.mover._buffer(1, (b - a) * row_bytes)
+        self.mover._read_exact(self.stored, view, a * row_bytes)
+        if a <= self.done_to < b:
+            self.crc = zlib.crc32(view[(self.done_to - a) * row_bytes :], self.crc)
+            self.done_to = b
+            if b == c_rows and not self.checked:
+                check_crc(self.stored, self.crc)
+                self.checked = True
+        return torch.frombuffer(view, dtype=self.entry.dtype).view(b - a, *rest)
+
+    def finish(self) -> None:
+        """Check the stored CRC-32 if the rows asked for left it unchecked (a selection with gaps)."""
+        if not self.checked and self.stored is not None:
+            self.mover._verify(self.stored)
+            self.checked = True
+
+
+def read_rows(entry: TensorEntry, lo: int, hi: int, sources: dict[int, ChunkSource]) -> torch.Tensor:
+    """Rows ``[lo, hi)`` of ``entry`` (dim-0 indices), a new tensor of its dtype, from the chunks holding them.
+
+    Args:
+        entry: the tensor.
+        lo: first row, in elements of dim 0.
+        hi: last row plus one.
+        sources: a ``ChunkSource`` per chunk, by ``id(chunk)`` (those of the chunks overlapping
+            every row that will be asked for).
+    """
+    shape = entry.shape or (1,)
+    out = torch.empty((hi - lo, *shape[1:]), dtype=entry.dtype)
+    for chunk in entry.chunks:
+        (c0, *rest_offsets), (c_rows, *rest_sizes) = box(chunk)
+        a, b = max(lo, c0), min(hi, c0 + c_rows)
+        if a >= b or chunk.numel == 0:
+            continue
+        dst = out.narrow(0, a - lo, b - a)
+        for dim, (o, n) in enumerate(zip(rest_offsets, rest_sizes, strict=True), start=1):
+            dst = dst.narrow(dim, o, n)
+        dst.copy_(sources[id(chunk)].rows(a - c0, b - c0))
+    return out
+
+
+class _InputReader:
+    """One input of a derived tensor: its rows for each block, read over the span they cover."""
+
+    def __init__(self, mover: MoverLike, inp: Input, entry: TensorEntry, need: Sequence[int]) -> None:
+        self.inp, self.entry = inp, entry
+        self.view = inp.view or entry.shape or (1,)
+        self.per_row = self.view[0] // max(rows_of(entry.shape)[0], 1)  # view rows per tensor row
+        lo, hi = (min(need), max(need) + 1) if need else (0, 0)
+        if inp.rows is None:
+            lo, hi = 0, self.view[0]
+        t_lo, t_hi = lo // self.per_row, -(-hi // self.per_row)
+        self.sources = {
+            id(c): ChunkSource(mover, entry, c, t_lo, t_hi)
+            for c in entry.chunks
+            if c.numel > 0 and box(c)[0][0] < t_hi and t_lo < box(c)[0][0] + box(c)[1][0]
+        }
+        self.whole: torch.Tensor | None = None
+
+    def part(self, r0: int, r1: int) -> torch.Tensor:
+        """The input's part for output rows ``[r0, r1)``: its rows there, or all of it."""
+        if self.inp.rows is None:
+            if self.whole is None:
+                self.whole = self._span(0, self.view[0])
+            return self.whole
+        rows = self.inp.rows(r0, r1)
+        if not rows:
+            return torch.empty((0, *self.view[1:]), dtype=self.entry.dtype)
+        lo, hi = min(rows), max(rows) + 1
+        span = self._span(lo, hi)
+        if isinstance(rows, range) and rows.step == 1:
+            return span
+        return span.index_select(0, torch.tensor(rows, dtype=torch.long) - lo)
+
+    def _span(self, lo: int, hi: int) -> torch.Tensor:
+        """View rows ``[lo, hi)``: the tensor rows holding them, read and cut."""
+        t_lo, t_hi = lo // self.per_row, -(-hi // self.per_row)
+        data = read_rows(self.entry, t_lo, t_hi, self.sources).reshape(-1, *self.view[1:])
+        return data[lo - t_lo * self.per_row : hi - t_lo * self.per_row]
+
+    def finish(self) -> None:
+        for source in self.sources.values():
+            source.finish()
+
+
+def move_derived(
+    mover: MoverLike,
+    derived: Derived,
+    entries: tuple[TensorEntry, ...],
+    dtype: torch.dtype,
+    fd: int,
+    offset: int,
+    row_range: tuple[int, int],
+) -> list[tuple[int, int, int]]:
+    """Build rows ``row_range`` of a derived tensor block by block and write them at ``offset`` of ``fd``.
+
+    Args:
+        mover: the mover (reader, buffers, checks).
+        derived: how the tensor is made.
+        entries: the entries of ``derived.inputs``, in order.
+        dtype: the dtype written (``combine``'s result is cast to it).
+        fd: the output file.
+        offset: where row ``row_range[0]`` goes, in bytes.
+        row_range: the tensor's dim-0 rows ``[begin, end)`` to write (a reshard's target chunk).
+
+    Returns:
+        ``(offset, nbytes, crc32)`` of every run written, in file order.
+
+    Raises:
+        ShapeMismatchError: ``combine`` returned another shape than the block's (names the inputs).
+        As ``Mover.move`` for bad chunks.
+    """
+    view = derived.out_view
+    per_row = view[0] // max(rows_of(derived.shape)[0], 1)
+    begin, end = row_range[0] * per_row, row_range[1] * per_row
+    row_elems = math.prod(view[1:])
+    in_row_bytes = sum(
+        math.prod((i.view or e.shape or (1,))[1:]) * (e.dtype.itemsize + COMPUTE_ITEMSIZE)
+        for i, e in zip(derived.inputs, entries, strict=True)
+        if i.rows is not None
+    )
+    block = max(1, 2 * mover.piece_bytes // (row_elems * (dtype.itemsize + COMPUTE_ITEMSIZE) + in_row_bytes))
+    readers = [
+        _InputReader(mover, inp, entry, inp.rows(begin, end) if inp.rows is not None else ())
+        for inp, entry in zip(derived.inputs, entries, strict=True)
+    ]
+    combine = derived.combine or concat
+    runs = []
+    for r0 in range(begin, end, block):
+        mover._check_stop()
+        r1 = min(end, r0 + block)
+        result = combine([reader.part(r0, r1) for reader in readers])
+        want = (r1 - r0, *view[1:])
+        if tuple(result.shape) != want:
+            names = ", ".join(e.fqn for e in entries)
+            raise ShapeMismatchError(f"derived from {names}: rows [{r0}, {r1}) came out {tuple(result.shape)}, not {want}")
+        out = mover._buffer(0, (r1 - r0) * row_elems * dtype.itemsize)
+        torch.frombuffer(out, dtype=dtype).view(want).copy_(result)
+        at = offset + (r0 - begin) * row_elems * dtype.itemsize
+        pwrite_all(fd, out, at)
+        mover.cache.wrote(fd, at, len(out))
+        runs.append((at, len(out), zlib.crc32(out)))
+    for reader in readers:
+        reader.finish()
+    return runs
