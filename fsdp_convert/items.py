@@ -9,8 +9,11 @@ Lightning's own loader merges at the top level.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
+import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +25,10 @@ from fsdp_convert.formats.dcp import LIGHTNING_META_FILENAME
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, Url
 from fsdp_convert.layout import Group, classify, detect_producer
 from fsdp_convert.remote import read_bytes, size_of
-from fsdp_convert.transform import OutputItem, TransformOptions, build_items, needs_group_values
+from fsdp_convert.transform import OutputItem, TransformOptions, build_items, clean_fqn, needs_group_values
+from fsdp_convert.writers.safetensors import safetensors_name
 
-__all__ = ["prepare_items", "read_lightning_meta"]
+__all__ = ["prepare_items", "read_lightning_meta", "leave_out_model_keys"]
 
 
 def _value_reader(index: CheckpointIndex, check_crc: bool) -> Reader:
@@ -156,3 +160,29 @@ def _lightning_meta_items(index: CheckpointIndex, items: tuple[OutputItem, ...])
         )
         for key, value in meta.items()
     )
+
+
+def leave_out_model_keys(
+    index: CheckpointIndex, items: tuple[OutputItem, ...], options: TransformOptions, keys: Collection[str]
+) -> tuple[tuple[OutputItem, ...], TransformOptions]:
+    """Drop the model items written under ``keys`` (output names, after renames), as ``--exclude`` would.
+
+    Used for the tied output embedding of ``consolidate --hf-assets``: the returned options exclude
+    the same checkpoint FQNs (wrapper names removed, before renames; glob characters escaped), so
+    ``--verify`` reads the checkpoint through them and expects the same keys.
+
+    Returns:
+        The remaining items, and ``options`` with the extra ``exclude`` patterns.
+    """
+    if not keys:
+        return items, options
+    slots = classify(index)
+    fqns = {id(entry): slot.param for entry, slot in zip(index.entries, slots, strict=True) if slot.role == "model"}
+    patterns = []
+    for item in items:
+        param = fqns.get(id(item.entry))
+        if item.group == "model" and safetensors_name(item.path) in keys and isinstance(param, str):
+            fqn = clean_fqn(param, keep_wrapper_names=options.keep_wrapper_names)
+            patterns.append(re.sub(r"([*?[])", r"[\1]", fqn))
+    kept = tuple(item for item in items if not (item.group == "model" and safetensors_name(item.path) in keys))
+    return kept, dataclasses.replace(options, exclude=options.exclude + tuple(patterns))

@@ -61,6 +61,8 @@ Examples:
   fsdp-convert consolidate fabric-ckpt/ full.pt --layout nested
 
   fsdp-convert consolidate ckpt/step-1000 hf-model/ --rename '^=model.' --exclude 'lm_head.weight'
+
+  fsdp-convert consolidate ckpt/step-1000 hf-model/ --only model --hf-assets base-model/
 """
 
 MaxShardSizeOpt = Annotated[
@@ -85,6 +87,15 @@ OnlyOpt = Annotated[
         "--only",
         help="Which part to write (a .safetensors file holds the model only; "
         "a folder holds the model as shards, the optimizer state in optimizer.pt).",
+    ),
+]
+HfAssetsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--hf-assets",
+        metavar="DIR",
+        help="Copy config.json, generation_config.json and the tokenizer files of this model folder (local or URL) "
+        "beside a folder output's shards, so from_pretrained(OUT) loads it; a tied lm_head.weight is left out.",
     ),
 ]
 
@@ -118,6 +129,7 @@ def consolidate_command(
         bool,
         typer.Option("--verify", help="Read the output back and compare it with the checkpoint before moving it in place."),
     ] = False,
+    hf_assets: HfAssetsOpt = None,
     progress: ProgressOpt = None,
     json_output: JsonOpt = False,
     nnodes: NnodesOpt = 1,
@@ -145,6 +157,7 @@ def consolidate_command(
             verify_output=verify_output,
             progress=show_progress,
             cluster=cluster,
+            hf_assets=hf_assets,
         )
     print_result(
         result,

@@ -22,11 +22,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from fsdp_convert.constants import HF_INDEX_FILENAME
+from fsdp_convert.constants import HF_INDEX_FILENAME, HF_SINGLE_FILENAME
 from fsdp_convert.errors import VerificationError
 from fsdp_convert.formats import Reader, check_data_files, open_reader, read_index
 from fsdp_convert.formats.index import BytesEntry, Location, ObjPath, TensorEntry
-from fsdp_convert.items import prepare_items
+from fsdp_convert.items import leave_out_model_keys, prepare_items
 from fsdp_convert.launch import Cluster, WorkerGroup, job_world_size, run_ranks, shared_tag
 from fsdp_convert.move import MoveJob, Piece, move_all, pwrite_all, range_crc
 from fsdp_convert.ops.verify import verify
@@ -45,7 +45,8 @@ from fsdp_convert.remote import local_output
 from fsdp_convert.transform import OutputItem, TransformOptions
 from fsdp_convert.writers import atomic_output
 from fsdp_convert.writers._atomic import LeaveToOwner, check_output_free, writing
-from fsdp_convert.writers.safetensors import ShardFile, write_hf_index
+from fsdp_convert.writers.hf_assets import open_hf_assets, tied_output_keys, weights_dtype, write_hf_assets
+from fsdp_convert.writers.safetensors import ShardFile, safetensors_name, write_hf_index
 from fsdp_convert.writers.torch_save import TensorSlot, write_torch_save_headers
 
 __all__ = ["ConsolidateResult", "consolidate"]
@@ -243,6 +244,7 @@ def consolidate(
     verify_output: bool = False,
     progress: bool = False,
     cluster: Cluster | None = None,
+    hf_assets: str | os.PathLike[str] | None = None,
 ) -> ConsolidateResult:
     """Write a DCP checkpoint as one full (unsharded) state dict: a file, or a folder of shards.
 
@@ -289,6 +291,10 @@ def consolidate(
             arguments and ``nproc`` workers per node, and the output (on storage every node
             reaches) is written by rank 0's node. Under the user's own torchrun (``RANK`` and
             ``WORLD_SIZE`` set) this process is one worker and ``nproc`` is ignored.
+        hf_assets: a folder (local or an fsspec URL) whose ``config.json``, generation config and
+            tokenizer files are copied beside a folder output's shards (``writers.hf_assets``), so
+            ``from_pretrained`` loads it; ``lm_head.weight`` is left out when the config ties it,
+            and the config's dtype follows the weights written.
 
     Returns:
         What was written (``owner`` False on the processes that did not write).
@@ -296,7 +302,8 @@ def consolidate(
     Raises:
         CheckpointNotFoundError, NotADcpCheckpointError, UnsafeContentError: unreadable index.
         InvalidOptionError: unknown suffix, optimizer state into a safetensors file, bad ``nproc``,
-            two keys renamed to one.
+            two keys renamed to one; ``hf_assets`` for a file output, without a ``config.json``, or
+            whose config unties ``lm_head.weight`` which the output would not hold.
         UnsupportedTransformError: ``optim_keys="ids"`` without param groups listing the parameters,
             or a Lightning ``meta.pt`` holding a tensor (``layout="nested"`` leaves it out).
         OutputExistsError: ``output`` exists and ``overwrite`` is false.
@@ -306,15 +313,20 @@ def consolidate(
         VerificationError: ``verify_output`` found a difference (nothing is left at ``output``).
     """
     shared = shared_tag(cluster) is not None
-    with local_output(output, overwrite=overwrite, shared=shared, last=(HF_INDEX_FILENAME,)) as (output, shown):
+    last = (HF_SINGLE_FILENAME, HF_INDEX_FILENAME)
+    with local_output(output, overwrite=overwrite, shared=shared, last=last) as (output, shown):
         start = time.monotonic()
         options = options or TransformOptions()
         index = read_index(checkpoint_id)
         fmt = plan_output_format(output, output_format)
         groups = groups_for(fmt, only)
+        assets = open_hf_assets(hf_assets, folder_output=fmt == "hf_dir", model="model" in groups) if hf_assets else None
         check_output_free(output, overwrite=overwrite, directory=fmt == "hf_dir")
         check_data_files(index)
         items = prepare_items(index, options, groups, check_crc=check_crc)
+        if assets is not None:
+            tied = tied_output_keys(assets, [safetensors_name(i.path) for i in items if i.group == "model" and i.is_tensor])
+            items, options = leave_out_model_keys(index, items, options, tied)
         plan = plan_consolidate(
             index,
             items,
@@ -334,6 +346,10 @@ def consolidate(
             owner, file_bytes = run_ranks(_consolidate_rank, job, plan.nproc, cluster)
             if not owner:
                 raise LeaveToOwner
+            if assets is not None:
+                dtype = weights_dtype(options.dtype, (i.dtype for i in plan.items if i.group == "model" and i.is_tensor))
+                with writing(tmp):
+                    file_bytes += sum(p.stat().st_size for p in write_hf_assets(assets, tmp, dtype=dtype))
             if verify_output:
                 check = verify(index.checkpoint_id, tmp, only=only, check_crc=check_crc, options=options, in_process=True)
                 if not check.equal:

@@ -1,0 +1,353 @@
+"""Write stage for a Hugging Face folder's other files: config, generation config and tokenizer copied beside the shards.
+
+``consolidate --hf-assets DIR`` makes the output a model ``from_pretrained`` loads with no glue
+code. The files transformers' ``save_pretrained`` writes beside the weights (``PretrainedConfig``,
+``GenerationConfig``, a tokenizer's and a processor's ``save_pretrained``) are copied from DIR, a
+local folder or an fsspec URL (``remote``), as bytes and by a fixed allow-list of names
+(``ASSET_FILENAMES``): never weights, indexes or code. ``config.json`` is parsed as JSON only; its
+``dtype``/``torch_dtype`` is set to the dtype of the weights written (``rewrite_config``), and its
+``tie_word_embeddings`` says whether the tied output weight is left out of the shards, as
+``save_pretrained`` leaves it out (``tied_output_keys``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fsdp_convert.errors import CheckpointNotFoundError, InvalidOptionError
+from fsdp_convert.remote import Url, as_location, filesystem, read_bytes
+
+__all__ = [
+    "ASSET_FILENAMES",
+    "CHAT_TEMPLATE_DIR",
+    "CONFIG_FILENAME",
+    "TIED_OUTPUT_KEY",
+    "HfAssets",
+    "open_hf_assets",
+    "tie_word_embeddings",
+    "tied_output_keys",
+    "config_dtype_name",
+    "rewrite_config",
+    "weights_dtype",
+    "write_hf_assets",
+]
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILENAME = "config.json"  # transformers' CONFIG_NAME
+CHAT_TEMPLATE_DIR = "additional_chat_templates"  # transformers' CHAT_TEMPLATE_DIR: named templates, <name>.jinja
+TIED_OUTPUT_KEY = "lm_head.weight"  # the output embedding ``_tied_weights_keys`` names in transformers' LM heads
+
+# What transformers' save_pretrained writes beside the weights (4.45 to 5.23): the config and
+# generation config; a tokenizer's files (tokenization_utils_base: TOKENIZER_CONFIG_FILE,
+# SPECIAL_TOKENS_MAP_FILE, ADDED_TOKENS_FILE, FULL_TOKENIZER_FILE, CHAT_TEMPLATE_FILE, and every
+# value of a tokenizer class's VOCAB_FILES_NAMES in transformers/models/*/tokenization_*.py); a
+# processor's, image processor's, feature extractor's and video processor's configs.
+ASSET_FILENAMES: frozenset[str] = frozenset(
+    {
+        CONFIG_FILENAME,
+        "generation_config.json",
+        # tokenizer
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "tokenizer.json",
+        "chat_template.jinja",
+        "chat_template.json",
+        # vocabulary files (VOCAB_FILES_NAMES)
+        "tokenizer.model",
+        "vocab.json",
+        "vocab.txt",
+        "merges.txt",
+        "spiece.model",
+        "sentencepiece.model",
+        "sentencepiece.bpe.model",
+        "spm.model",
+        "spm_char.model",
+        "source.spm",
+        "target.spm",
+        "bpe.codes",
+        "dict.txt",
+        "emoji.json",
+        "entity_vocab.json",
+        "byte_maps.json",
+        "normalizer.json",
+        "prophetnet.tokenizer",
+        "target_vocab.json",
+        "vocab-src.json",
+        "vocab-tgt.json",
+        "word_pronunciation.json",
+        "word_shape.json",
+        # processors
+        "preprocessor_config.json",
+        "processor_config.json",
+        "video_preprocessor_config.json",
+        "audio_tokenizer_config.json",
+    }
+)
+_TEMPLATE_SUFFIX = ".jinja"
+_HEAD_ARCHITECTURES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+_DTYPE_KEYS = ("torch_dtype", "dtype")  # transformers < 4.56 writes torch_dtype, later versions dtype
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HfAssets:
+    """A model folder's files to copy beside the shards, found before anything is written.
+
+    Attributes:
+        source: the folder (a local path or an fsspec URL).
+        config: ``config.json``, parsed.
+        config_bytes: ``config.json`` as read.
+        files: the other allowed files found, as relative POSIX paths, sorted.
+    """
+
+    source: Path | Url
+    config: dict[str, Any]
+    config_bytes: bytes
+    files: tuple[str, ...]
+
+
+def _allowed(relative: str) -> bool:
+    parts = relative.split("/")
+    if len(parts) == 1:
+        return parts[0] in ASSET_FILENAMES
+    return len(parts) == 2 and parts[0] == CHAT_TEMPLATE_DIR and parts[1].endswith(_TEMPLATE_SUFFIX)
+
+
+def _list_local(folder: Path) -> list[str]:
+    names = [p.name for p in folder.iterdir() if p.is_file()]  # follows links (a hub cache snapshot's files are links)
+    templates = folder / CHAT_TEMPLATE_DIR
+    if templates.is_dir():
+        names += [f"{CHAT_TEMPLATE_DIR}/{p.name}" for p in templates.iterdir() if p.is_file()]
+    return names
+
+
+def _list_remote(url: Url) -> list[str]:
+    fs = filesystem(url.split("://", 1)[0])
+    try:
+        listing = fs.ls(str(url), detail=True)
+    except FileNotFoundError as e:
+        raise CheckpointNotFoundError(f"--hf-assets {url} does not exist") from e
+    names = [str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in listing if e.get("type") == "file"]
+    if any(str(e["name"]).rstrip("/").endswith("/" + CHAT_TEMPLATE_DIR) and e.get("type") == "directory" for e in listing):
+        inner = fs.ls(str(url / CHAT_TEMPLATE_DIR), detail=True)
+        names += [f"{CHAT_TEMPLATE_DIR}/{str(e['name']).rsplit('/', 1)[-1]}" for e in inner if e.get("type") == "file"]
+    return names
+
+
+def open_hf_assets(source: str | os.PathLike[str], *, folder_output: bool = True, model: bool = True) -> HfAssets:
+    """Find the files to copy in a model folder and read its ``config.json`` (nothing else is read yet).
+
+    Args:
+        source: a local folder or an fsspec URL (``s3://bucket/model``) holding what
+            ``save_pretrained`` wrote: ``config.json`` at least.
+        folder_output: the output is a Hugging Face folder (the only output assets go with).
+        model: the output holds the model weights (not ``--only optim``).
+
+    Returns:
+        The parsed config and the allowed files found (``ASSET_FILENAMES``, and ``*.jinja`` in
+        ``additional_chat_templates/``). Other files (weights, indexes, custom code) are skipped;
+        custom code a config's ``auto_map`` names is logged as left behind.
+
+    Raises:
+        CheckpointNotFoundError: ``source`` does not exist or is not a folder.
+        InvalidOptionError: a file output or no model weights; no ``config.json`` there, or it is
+            not a JSON object; fsspec or its backend is missing for a URL.
+    """
+    if not folder_output:
+        raise InvalidOptionError(
+            f"--hf-assets {source}: a model's config and tokenizer go beside the shards of a folder output; "
+            "give OUT without a .pt/.safetensors suffix"
+        )
+    if not model:
+        raise InvalidOptionError(f"--hf-assets {source}: the output holds no model weights (--only optim); drop one of them")
+    location = as_location(source)
+    if isinstance(location, Url):
+        names = _list_remote(location)
+    elif not location.is_dir():
+        raise CheckpointNotFoundError(f"--hf-assets {location} is not a folder (give the folder save_pretrained wrote)")
+    else:
+        names = _list_local(location)
+    if CONFIG_FILENAME not in names:
+        raise InvalidOptionError(f"--hf-assets {location}: no {CONFIG_FILENAME} there (give the folder save_pretrained wrote)")
+    config_path = location / CONFIG_FILENAME
+    raw = read_bytes(config_path) if isinstance(config_path, Url) else config_path.read_bytes()
+    try:
+        config = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise InvalidOptionError(f"{config_path}: not valid JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise InvalidOptionError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
+    code = sorted(n for n in names if n.endswith(".py"))
+    if code and config.get("auto_map"):
+        logger.warning(
+            "%s: custom model code (%s) is not copied; copy it yourself to load with trust_remote_code", location, ", ".join(code)
+        )
+    files = tuple(sorted(n for n in names if _allowed(n) and n != CONFIG_FILENAME))
+    return HfAssets(source=location, config=config, config_bytes=raw, files=files)
+
+
+def _default_tie(model_type: object) -> bool | None:
+    """The model type's default ``tie_word_embeddings`` in transformers, or None when unknown or not installed."""
+    if not isinstance(model_type, str):
+        return None
+    try:
+        transformers = importlib.import_module("transformers")
+        value = getattr(transformers.AutoConfig.for_model(model_type), "tie_word_embeddings", None)
+    except Exception:  # noqa: BLE001 (not installed, an unknown model type: say unknown)
+        return None
+    return value if isinstance(value, bool) else None
+
+
+def tie_word_embeddings(config: dict[str, Any]) -> bool | None:
+    """Whether ``from_pretrained`` ties the output embedding to the input one for this config.
+
+    ``save_pretrained`` writes ``tie_word_embeddings`` only when it differs from a default
+    (``to_diff_dict``), so an absent key means the model type's default: transformers'
+    ``AutoConfig.for_model(model_type)`` when transformers is installed (Llama: false, Gemma: true).
+
+    Returns:
+        True or False, or None when it cannot be told (no key, and transformers or the model type unknown).
+    """
+    value = config.get("tie_word_embeddings")
+    if isinstance(value, bool):
+        return value
+    return _default_tie(config.get("model_type"))
+
+
+def _has_head(config: dict[str, Any]) -> bool:
+    architectures = config.get("architectures")
+    if not isinstance(architectures, list) or not architectures:
+        return True  # a bare config (PretrainedConfig.save_pretrained of a causal LM's config)
+    return any(isinstance(a, str) and a.endswith(_HEAD_ARCHITECTURES) for a in architectures)
+
+
+def tied_output_keys(assets: HfAssets, model_keys: Collection[str]) -> tuple[str, ...]:
+    """The model keys to leave out of the shards because the config ties them, as ``save_pretrained`` does.
+
+    Args:
+        assets: the folder's config.
+        model_keys: the tensor names the shards would hold (safetensors names, after renames).
+
+    Returns:
+        ``("lm_head.weight",)`` when the config ties the embeddings and the shards would hold it;
+        otherwise nothing.
+
+    Raises:
+        InvalidOptionError: the config unties them (``tie_word_embeddings`` false) for a model with
+            an LM head, and ``lm_head.weight`` is not among ``model_keys``: ``from_pretrained`` would
+            initialize it at random.
+    """
+    tie = tie_word_embeddings(assets.config)
+    present = TIED_OUTPUT_KEY in model_keys
+    if tie is None:
+        logger.warning(
+            "%s: cannot tell whether embeddings are tied; %s is written as the checkpoint has it", assets.source, TIED_OUTPUT_KEY
+        )
+        return ()
+    if not tie and not present and _has_head(assets.config):
+        raise InvalidOptionError(
+            f"{assets.source / CONFIG_FILENAME}: tie_word_embeddings is false but the output holds no {TIED_OUTPUT_KEY} "
+            "(check --include/--exclude/--rename); from_pretrained would initialize it at random"
+        )
+    return (TIED_OUTPUT_KEY,) if tie and present else ()
+
+
+def config_dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as transformers writes it in ``config.json`` (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _version(text: object) -> tuple[int, ...]:
+    numbers = re.findall(r"\d+", text) if isinstance(text, str) else []
+    return tuple(int(n) for n in numbers[:2])
+
+
+def rewrite_config(config_bytes: bytes, dtype: torch.dtype | None) -> bytes:
+    """``config.json`` with its dtype set to the weights written; otherwise the user's.
+
+    The config keeps whichever of ``torch_dtype`` (transformers < 4.56) and ``dtype`` (4.56 and
+    5.x) it has; with neither, it gets the one its ``transformers_version`` reads (``torch_dtype``
+    when that is unknown; every version reads it). When the value changes the file is
+    re-serialized as ``PretrainedConfig.to_json_string`` writes it (``json.dumps(indent=2,
+    sort_keys=True)`` and a newline), so a file ``save_pretrained`` wrote differs only at those
+    keys; otherwise the bytes are returned as they are.
+
+    Args:
+        config_bytes: the source ``config.json``.
+        dtype: the dtype of the weights written, or None to leave the config as it is.
+    """
+    if dtype is None:
+        return config_bytes
+    config = json.loads(config_bytes)
+    name = config_dtype_name(dtype)
+    keys = [k for k in _DTYPE_KEYS if k in config]
+    if not keys:
+        keys = ["dtype" if _version(config.get("transformers_version")) >= (4, 56) else "torch_dtype"]
+    if all(config.get(k) == name for k in keys):
+        return config_bytes
+    for key in keys:
+        config[key] = name
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+
+
+def write_hf_assets(assets: HfAssets, folder: Path, *, dtype: torch.dtype | None) -> list[Path]:
+    """Copy the assets into an output folder (the hidden temporary, before its rename), config last.
+
+    Files are copied as bytes (a local link's target; an fsspec object read whole) and fsynced;
+    ``config.json`` is ``rewrite_config(..., dtype)``.
+
+    Args:
+        assets: from ``open_hf_assets``.
+        folder: the output folder being written.
+        dtype: the dtype of the weights written (``--dtype``, or theirs when uniform), or None.
+
+    Returns:
+        The paths written.
+
+    Raises:
+        CheckpointNotFoundError: a remote file went missing since it was listed.
+        OSError: a local read or write failed (``writers._atomic.writing`` names it).
+    """
+    written = []
+    for relative in (*assets.files, CONFIG_FILENAME):
+        target = folder / relative
+        target.parent.mkdir(exist_ok=True)
+        source = assets.source / relative
+        if relative == CONFIG_FILENAME:
+            target.write_bytes(rewrite_config(assets.config_bytes, dtype))
+        elif isinstance(source, Url):
+            target.write_bytes(read_bytes(source))
+        else:
+            shutil.copyfile(source, target)
+        with target.open("rb+") as f:
+            os.fsync(f.fileno())
+        written.append(target)
+    return written
+
+
+def weights_dtype(requested: torch.dtype | None, dtypes: Iterable[torch.dtype | None]) -> torch.dtype | None:
+    """The dtype ``config.json`` should name: ``--dtype``, else the floating-point weights' one when uniform.
+
+    Args:
+        requested: the ``--dtype`` cast, or None.
+        dtypes: the output dtype of every model tensor written.
+
+    Returns:
+        ``requested``; otherwise the one floating-point dtype among ``dtypes``, or None (mixed, or none).
+    """
+    if requested is not None:
+        return requested
+    floating = {d for d in dtypes if d is not None and d.is_floating_point}
+    return floating.pop() if len(floating) == 1 else None
