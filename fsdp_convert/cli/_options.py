@@ -43,6 +43,10 @@ __all__ = [
     "DtypeOpt",
     "OptimDtypeOpt",
     "transform_options",
+    "AdapterOpt",
+    "ModelConfigOpt",
+    "AdapterOptionOpt",
+    "with_adapter",
     "NnodesOpt",
     "NodeRankOpt",
     "RdzvBackendOpt",
@@ -329,6 +333,72 @@ def transform_options(
         optim_dtype=None if optim_dtype is None else parse_dtype(optim_dtype),
         layout=layout.value,
     )
+
+
+AdapterOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--adapter",
+        metavar="NAME",
+        help="Map the model weights to another framework's names and layouts, computed as they are copied: "
+        "torchtitan-llama3-to-hf, hf-to-torchtitan-llama3, torchtitan-qwen3-to-hf, hf-to-torchtitan-qwen3, "
+        "or module:function, your own (imports that module). Model weights only.",
+        show_default=False,
+        rich_help_panel="Model-family adapters",
+    ),
+]
+ModelConfigOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--model-config",
+        metavar="FILE",
+        help="The model's config.json (num_attention_heads, num_key_value_heads, tie_word_embeddings) for --adapter; "
+        "default: --hf-assets DIR's config.json.",
+        show_default=False,
+        rich_help_panel="Model-family adapters",
+    ),
+]
+AdapterOptionOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--adapter-option",
+        metavar="KEY=VALUE",
+        help="A config field for --adapter, over --model-config's (VALUE read as JSON when it parses); repeatable.",
+        show_default=False,
+        rich_help_panel="Model-family adapters",
+    ),
+]
+
+
+def with_adapter(
+    options: TransformOptions,
+    adapter: str | None,
+    model_config: str | None,
+    adapter_option: list[str] | None,
+    hf_assets: str | None = None,
+) -> TransformOptions:
+    """``options`` with the ``--adapter`` bound to its config (``--model-config``, else ``--hf-assets``'s ``config.json``).
+
+    Raises:
+        InvalidOptionError: an unknown adapter, a user module that does not import, an unreadable
+            config, a bad ``--adapter-option``, or ``--model-config``/``--adapter-option`` without ``--adapter``.
+    """
+    if adapter is None:
+        if model_config is not None or adapter_option:
+            raise InvalidOptionError("--model-config and --adapter-option go with --adapter")
+        return options
+    import dataclasses
+    from pathlib import Path
+
+    from fsdp_convert.adapters import load_adapter, parse_adapter_option, read_model_config
+
+    config: dict[str, Any] = {}
+    if model_config is not None:
+        config = read_model_config(model_config)
+    elif hf_assets is not None and (Path(hf_assets) / "config.json").is_file():
+        config = read_model_config(Path(hf_assets) / "config.json")
+    config.update(parse_adapter_option(text) for text in adapter_option or ())
+    return dataclasses.replace(options, adapter=load_adapter(adapter, config))
 
 
 NnodesOpt = Annotated[

@@ -9,6 +9,8 @@ import typer
 
 from fsdp_convert.cli._errors import handle_errors, rank_prefix
 from fsdp_convert.cli._options import (
+    AdapterOpt,
+    AdapterOptionOpt,
     CheckpointArg,
     DtypeOpt,
     ExcludeOpt,
@@ -19,6 +21,7 @@ from fsdp_convert.cli._options import (
     LayoutChoice,
     LayoutOpt,
     MemoryBudgetOpt,
+    ModelConfigOpt,
     NnodesOpt,
     NoCrcOpt,
     NodeRankOpt,
@@ -39,6 +42,7 @@ from fsdp_convert.cli._options import (
     cluster_options,
     parse_size,
     transform_options,
+    with_adapter,
 )
 from fsdp_convert.cli._output import human_bytes, print_result
 
@@ -121,6 +125,9 @@ def consolidate_command(
     exclude: ExcludeOpt = None,
     dtype: DtypeOpt = None,
     optim_dtype: OptimDtypeOpt = None,
+    adapter: AdapterOpt = None,
+    model_config: ModelConfigOpt = None,
+    adapter_option: AdapterOptionOpt = None,
     overwrite: OverwriteOpt = False,
     memory_budget: MemoryBudgetOpt = "256MiB",
     max_shard_size: MaxShardSizeOpt = "50GB",
@@ -142,6 +149,7 @@ def consolidate_command(
     show_progress = progress if progress is not None else (not json_output and sys.stderr.isatty())
     with handle_errors():
         options = transform_options(optim_keys, keep_wrapper_names, rename, include, exclude, dtype, optim_dtype, layout)
+        options = with_adapter(options, adapter, model_config, adapter_option, hf_assets)
         cluster = cluster_options(nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id)
         result = consolidate(
             checkpoint,

@@ -8,6 +8,8 @@ import typer
 
 from fsdp_convert.cli._errors import handle_errors, rank_prefix
 from fsdp_convert.cli._options import (
+    AdapterOpt,
+    AdapterOptionOpt,
     CheckpointArg,
     Choice,
     DtypeOpt,
@@ -15,6 +17,7 @@ from fsdp_convert.cli._options import (
     IncludeOpt,
     JsonOpt,
     KeepWrapperNamesOpt,
+    ModelConfigOpt,
     NnodesOpt,
     NoCrcOpt,
     NodeRankOpt,
@@ -30,6 +33,7 @@ from fsdp_convert.cli._options import (
     choice_option,
     cluster_options,
     transform_options,
+    with_adapter,
 )
 from fsdp_convert.cli._output import human_bytes, print_result
 
@@ -98,6 +102,9 @@ def reshard_command(
     exclude: ExcludeOpt = None,
     dtype: DtypeOpt = None,
     optim_dtype: OptimDtypeOpt = None,
+    adapter: AdapterOpt = None,
+    model_config: ModelConfigOpt = None,
+    adapter_option: AdapterOptionOpt = None,
     compress: CompressOpt = None,
     overwrite: OverwriteOpt = False,
     no_crc: NoCrcOpt = False,
@@ -111,6 +118,7 @@ def reshard_command(
     """Write CHECKPOINT_DIR as a DCP checkpoint for --world-size ranks, each rank's chunks in its own file."""
     with handle_errors():
         options = transform_options(optim_keys, keep_wrapper_names, rename, include, exclude, dtype, optim_dtype)
+        options = with_adapter(options, adapter, model_config, adapter_option)
         cluster = cluster_options(nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id)
         result = reshard(
             checkpoint,

@@ -1,0 +1,92 @@
+"""Model-family adapters: a model's tensors to another framework's names and layouts, as ``derive`` rules.
+
+Each built-in adapter follows the framework's own converter, named in its module, and returns
+``derive.Derived`` rules, so the mover computes every output row block by row block while it
+copies: key maps, the Q/K RoPE row permutation, fused-QKV splits, stacked-expert splits and joins.
+
+``load_adapter(name, config)`` binds one to the model's configuration (a Hugging Face
+``config.json``'s fields: ``num_attention_heads``, ``num_key_value_heads``, ``tie_word_embeddings``,
+``num_experts``...). ``NAME`` is a built-in (``ADAPTERS``) or ``module:function``, the user's own
+(``adapters.user``): the one place this tool imports code it was not shipped with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from fsdp_convert.adapters import llama3, qwen3
+from fsdp_convert.adapters.user import load_user_function
+from fsdp_convert.derive import Adapter, Derived, TensorInfo
+from fsdp_convert.errors import InvalidOptionError
+
+__all__ = ["ADAPTERS", "load_adapter", "read_model_config", "parse_adapter_option"]
+
+AdapterFunction = Callable[[Sequence[TensorInfo], Mapping[str, Any]], Mapping[str, Derived]]
+
+ADAPTERS: dict[str, AdapterFunction] = {
+    "torchtitan-llama3-to-hf": llama3.to_hf,
+    "hf-to-torchtitan-llama3": llama3.from_hf,
+    "torchtitan-qwen3-to-hf": qwen3.to_hf,
+    "hf-to-torchtitan-qwen3": qwen3.from_hf,
+}
+
+
+def read_model_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A model configuration file (a Hugging Face ``config.json``) as a dict.
+
+    Raises:
+        InvalidOptionError: it does not exist, is not JSON, or is not a JSON object.
+    """
+    try:
+        config = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise InvalidOptionError(f"--model-config {path}: cannot read it ({e.strerror or e})") from e
+    except ValueError as e:
+        raise InvalidOptionError(f"--model-config {path}: not JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise InvalidOptionError(f"--model-config {path}: expected a JSON object (a config.json), got {type(config).__name__}")
+    return config
+
+
+def parse_adapter_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` to a pair, the value read as JSON when it parses (``8``, ``true``), else as the string.
+
+    Raises:
+        InvalidOptionError: no ``=`` or an empty key.
+    """
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise InvalidOptionError(f"--adapter-option {text!r}: expected KEY=VALUE, e.g. num_key_value_heads=8")
+    try:
+        return key.strip(), json.loads(value)
+    except ValueError:
+        return key.strip(), value
+
+
+def load_adapter(name: str, config: Mapping[str, Any] | None = None) -> Adapter:
+    """The adapter ``name`` with ``config`` bound: a ``derive.Adapter`` for ``TransformOptions.adapter``.
+
+    Args:
+        name: a built-in (``ADAPTERS``: ``torchtitan-llama3-to-hf``, ``hf-to-torchtitan-llama3``,
+            ``torchtitan-qwen3-to-hf``, ``hf-to-torchtitan-qwen3``) or ``module:function``, which
+            imports ``module`` (from ``sys.path``, the current folder first) and takes its
+            ``function`` (see ``adapters.user`` for its interface).
+        config: the model's configuration (``read_model_config``, plus ``--adapter-option`` s).
+
+    Raises:
+        InvalidOptionError: an unknown name, or a user module that does not import or lacks the function.
+    """
+    if ":" in name:
+        function = load_user_function(name)
+    else:
+        found = ADAPTERS.get(name)
+        if found is None:
+            known = ", ".join(ADAPTERS)
+            raise InvalidOptionError(f"--adapter {name!r}: unknown; use one of {known}, or module:function for your own")
+        function = found
+    return partial(function, config=dict(config or {}))
