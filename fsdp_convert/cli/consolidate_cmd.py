@@ -45,9 +45,11 @@ from fsdp_convert.cli._options import (
     with_adapter,
 )
 from fsdp_convert.cli._output import human_bytes, print_result
+from fsdp_convert.errors import InvalidOptionError
 
 if TYPE_CHECKING:
     from fsdp_convert.ops.consolidate import ConsolidateResult
+    from fsdp_convert.transform import TransformOptions
 
 EXAMPLES = """
 Examples:
@@ -59,6 +61,10 @@ Examples:
   fsdp-convert consolidate ckpt/step-1000 hf-model/ --max-shard-size 2GB
 
   fsdp-convert consolidate ckpt/step-1000 optim.pt --only optim --overwrite
+
+  fsdp-convert consolidate peft-ckpt/ merged/ --merge-lora --lora-config adapter/adapter_config.json
+
+  fsdp-convert consolidate peft-ckpt/ adapter/ --lora-only --lora-alpha 16
 
   fsdp-convert consolidate ckpt/step-1000 plain.pt --optim-keys ids --dtype bf16
 
@@ -104,6 +110,75 @@ HfAssetsOpt = Annotated[
 ]
 
 
+MergeLoraOpt = Annotated[
+    bool,
+    typer.Option(
+        "--merge-lora",
+        help="Merge a PEFT LoRA adapter into its base weights (W + alpha/r * B @ A, in fp32) under the base names, "
+        "as PEFT's merge_and_unload: plain transformers loads OUT. Model weights only.",
+        rich_help_panel="LoRA (PEFT)",
+    ),
+]
+LoraOnlyOpt = Annotated[
+    bool,
+    typer.Option(
+        "--lora-only",
+        help="Write only the LoRA adapter, as a PEFT folder OUT (adapter_model.safetensors + adapter_config.json) "
+        "that PeftModel.from_pretrained(base, OUT) loads.",
+        rich_help_panel="LoRA (PEFT)",
+    ),
+]
+LoraConfigOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--lora-config",
+        metavar="FILE",
+        help="The adapter's adapter_config.json (r, lora_alpha, use_rslora); --lora-only writes it beside the weights.",
+        show_default=False,
+        rich_help_panel="LoRA (PEFT)",
+    ),
+]
+LoraAlphaOpt = Annotated[
+    float | None,
+    typer.Option("--lora-alpha", help="lora_alpha, without --lora-config.", show_default=False, rich_help_panel="LoRA (PEFT)"),
+]
+LoraROpt = Annotated[
+    int | None,
+    typer.Option(
+        "--lora-r",
+        min=1,
+        help="The LoRA rank r, without --lora-config (default: read from the lora_A shapes).",
+        show_default=False,
+        rich_help_panel="LoRA (PEFT)",
+    ),
+]
+
+
+def _with_lora(
+    options: TransformOptions, merge: bool, only: bool, config: str | None, alpha: float | None, r: int | None
+) -> TransformOptions:
+    """``options`` with the LoRA adapter ``--merge-lora`` or ``--lora-only`` asks for (``lora.LoraAdapter``), if either does.
+
+    Raises:
+        InvalidOptionError: both flags, a LoRA flag without either, beside ``--adapter``, or a bad
+            config (``lora.lora_options``).
+    """
+    if merge and only:
+        raise InvalidOptionError("--merge-lora and --lora-only exclude each other: merge the adapter, or write it alone")
+    if not (merge or only):
+        if config is not None or alpha is not None or r is not None:
+            raise InvalidOptionError("--lora-config, --lora-alpha and --lora-r go with --merge-lora or --lora-only")
+        return options
+    if options.adapter is not None:
+        raise InvalidOptionError("--merge-lora / --lora-only cannot be combined with --adapter")
+    import dataclasses
+
+    from fsdp_convert.lora import LoraAdapter, lora_options
+
+    lora = lora_options("merge" if merge else "only", config_path=config, alpha=alpha, r=r)
+    return dataclasses.replace(options, adapter=LoraAdapter(lora))
+
+
 def consolidate(*args: Any, **kwargs: Any) -> ConsolidateResult:
     """``ops.consolidate.consolidate``, imported on first call, so ``--help`` and ``--version`` start without torch."""
     from fsdp_convert.ops.consolidate import consolidate as operation
@@ -128,6 +203,11 @@ def consolidate_command(
     adapter: AdapterOpt = None,
     model_config: ModelConfigOpt = None,
     adapter_option: AdapterOptionOpt = None,
+    merge_lora: MergeLoraOpt = False,
+    lora_only: LoraOnlyOpt = False,
+    lora_config: LoraConfigOpt = None,
+    lora_alpha: LoraAlphaOpt = None,
+    lora_r: LoraROpt = None,
     overwrite: OverwriteOpt = False,
     memory_budget: MemoryBudgetOpt = "256MiB",
     max_shard_size: MaxShardSizeOpt = "50GB",
@@ -150,6 +230,7 @@ def consolidate_command(
     with handle_errors():
         options = transform_options(optim_keys, keep_wrapper_names, rename, include, exclude, dtype, optim_dtype, layout)
         options = with_adapter(options, adapter, model_config, adapter_option, hf_assets)
+        options = _with_lora(options, merge_lora, lora_only, lora_config, lora_alpha, lora_r)
         cluster = cluster_options(nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id)
         result = consolidate(
             checkpoint,

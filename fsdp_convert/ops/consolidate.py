@@ -23,11 +23,12 @@ from typing import Any
 from tqdm import tqdm
 
 from fsdp_convert.constants import HF_INDEX_FILENAME, HF_SINGLE_FILENAME
-from fsdp_convert.errors import VerificationError
+from fsdp_convert.errors import InvalidOptionError, VerificationError
 from fsdp_convert.formats import Reader, check_data_files, open_reader, read_index
 from fsdp_convert.formats.index import BytesEntry, Location, ObjPath, TensorEntry
 from fsdp_convert.items import leave_out_model_keys, prepare_items
 from fsdp_convert.launch import Cluster, WorkerGroup, job_world_size, run_ranks, shared_tag
+from fsdp_convert.lora import ADAPTER_WEIGHTS_NAME, lora_only, write_adapter_config
 from fsdp_convert.move import MoveJob, Piece, move_all, pwrite_all, range_crc
 from fsdp_convert.ops.verify import verify
 from fsdp_convert.plan import (
@@ -273,7 +274,10 @@ def consolidate(
             one per data file and 2 GiB).
         only: ``all``, ``model`` or ``optim``: which groups to write.
         options: key and dtype transforms (``TransformOptions``); default: wrapper names removed,
-            optimizer state keyed by FQN, dtypes kept, the producer's layout.
+            optimizer state keyed by FQN, dtypes kept, the producer's layout. A ``lora.LoraAdapter``
+            of mode ``only`` (``--lora-only``) makes ``output`` a PEFT adapter folder:
+            ``adapter_model.safetensors`` (one file) and ``adapter_config.json`` (rank 0, last);
+            it refuses a file ``output`` and ``verify_output`` (InvalidOptionError).
         output_format: ``auto`` (by suffix), ``torch`` or ``safetensors`` (see ``plan.output_format``).
         overwrite: replace an existing ``output`` (at the final rename only).
         memory_budget_bytes: buffers each process may hold, in bytes: peak memory per process is
@@ -319,6 +323,11 @@ def consolidate(
         options = options or TransformOptions()
         index = read_index(checkpoint_id)
         fmt = plan_output_format(output, output_format)
+        lora = lora_only(options)
+        if lora is not None and fmt != "hf_dir":
+            raise InvalidOptionError(f"{output}: --lora-only writes a PEFT adapter folder; name OUT without a suffix")
+        if lora is not None and verify_output:
+            raise InvalidOptionError("--verify does not read a PEFT adapter folder back; load it with PeftModel.from_pretrained")
         groups = groups_for(fmt, only)
         assets = open_hf_assets(hf_assets, folder_output=fmt == "hf_dir", model="model" in groups) if hf_assets else None
         check_output_free(output, overwrite=overwrite, directory=fmt == "hf_dir")
@@ -334,10 +343,13 @@ def consolidate(
             fmt=fmt,
             nproc=job_world_size(nproc, cluster),
             memory_budget_bytes=memory_budget_bytes,
-            max_shard_bytes=max_shard_bytes,
+            max_shard_bytes=max_shard_bytes if lora is None else sys.maxsize,  # PEFT reads one adapter file
             cpus=len(os.sched_getaffinity(0)),
             ram_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         )
+        if lora is not None:
+            files = tuple(dataclasses.replace(f, filename=ADAPTER_WEIGHTS_NAME) for f in plan.files)
+            plan = dataclasses.replace(plan, files=files)
         owner = True
         with atomic_output(output, overwrite=overwrite, directory=fmt == "hf_dir", tag=shared_tag(cluster)) as tmp:
             job = _ConsolidateJob(
@@ -346,6 +358,8 @@ def consolidate(
             owner, file_bytes = run_ranks(_consolidate_rank, job, plan.nproc, cluster)
             if not owner:
                 raise LeaveToOwner
+            if lora is not None:
+                write_adapter_config(tmp, lora, index, plan.items)
             if assets is not None:
                 dtype = weights_dtype(options.dtype, (i.dtype for i in plan.items if i.group == "model" and i.is_tensor))
                 with writing(tmp):
