@@ -14,13 +14,12 @@ from __future__ import annotations
 import math
 import os
 import zlib
-from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
 from fsdp_convert._pagecache import PageCache
-from fsdp_convert.derive import Derived, Input, concat
+from fsdp_convert.derive import Derived, Input, concat, row_span
 from fsdp_convert.errors import CorruptChunkError, ShapeMismatchError
 from fsdp_convert.formats import Reader
 from fsdp_convert.formats._reader import StoredBytes
@@ -126,8 +125,10 @@ class ChunkSource:
             self.checked = True
 
 
-def read_rows(entry: TensorEntry, lo: int, hi: int, sources: dict[int, ChunkSource]) -> torch.Tensor:
-    """Rows ``[lo, hi)`` of ``entry`` (dim-0 indices), a new tensor of its dtype, from the chunks holding them.
+def read_rows(
+    entry: TensorEntry, lo: int, hi: int, sources: dict[int, ChunkSource], into: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rows ``[lo, hi)`` of ``entry`` (dim-0 indices), in its dtype, from the chunks holding them.
 
     Args:
         entry: the tensor.
@@ -135,9 +136,11 @@ def read_rows(entry: TensorEntry, lo: int, hi: int, sources: dict[int, ChunkSour
         hi: last row plus one.
         sources: a ``ChunkSource`` per chunk, by ``id(chunk)`` (those of the chunks overlapping
             every row that will be asked for).
+        into: a flat tensor of ``entry``'s dtype to build them in (at least that long); None: a new one.
     """
     shape = entry.shape or (1,)
-    out = torch.empty((hi - lo, *shape[1:]), dtype=entry.dtype)
+    size = (hi - lo, *shape[1:])
+    out = torch.empty(size, dtype=entry.dtype) if into is None else into[: math.prod(size)].view(size)
     for chunk in entry.chunks:
         (c0, *rest_offsets), (c_rows, *rest_sizes) = box(chunk)
         a, b = max(lo, c0), min(hi, c0 + c_rows)
@@ -153,13 +156,12 @@ def read_rows(entry: TensorEntry, lo: int, hi: int, sources: dict[int, ChunkSour
 class _InputReader:
     """One input of a derived tensor: its rows for each block, read over the span they cover."""
 
-    def __init__(self, mover: MoverLike, inp: Input, entry: TensorEntry, need: Sequence[int]) -> None:
+    def __init__(self, mover: MoverLike, inp: Input, entry: TensorEntry, begin: int, end: int) -> None:
         self.inp, self.entry = inp, entry
         self.view = inp.view or entry.shape or (1,)
         self.per_row = self.view[0] // max(rows_of(entry.shape)[0], 1)  # view rows per tensor row
-        lo, hi = (min(need), max(need) + 1) if need else (0, 0)
-        if inp.rows is None:
-            lo, hi = 0, self.view[0]
+        need = (0, self.view[0]) if inp.rows is None else row_span(inp.rows, begin, end)
+        lo, hi = need or (0, 0)
         t_lo, t_hi = lo // self.per_row, -(-hi // self.per_row)
         self.sources = {
             id(c): ChunkSource(mover, entry, c, t_lo, t_hi)
@@ -167,6 +169,8 @@ class _InputReader:
             if c.numel > 0 and box(c)[0][0] < t_hi and t_lo < box(c)[0][0] + box(c)[1][0]
         }
         self.whole: torch.Tensor | None = None
+        self._spans = torch.empty(0, dtype=entry.dtype)  # reused block after block: fewer, larger allocations
+        self._picked = torch.empty(0, dtype=entry.dtype)
 
     def part(self, r0: int, r1: int) -> torch.Tensor:
         """The input's part for output rows ``[r0, r1)``: its rows there, or all of it."""
@@ -181,12 +185,23 @@ class _InputReader:
         span = self._span(lo, hi)
         if isinstance(rows, range) and rows.step == 1:
             return span
-        return span.index_select(0, torch.tensor(rows, dtype=torch.long) - lo)
+        numel = len(rows) * math.prod(self.view[1:])
+        if self._picked.numel() < numel:
+            self._picked = torch.empty(numel, dtype=self.entry.dtype)
+        picked = self._picked[:numel].view(len(rows), *self.view[1:])
+        return torch.index_select(span, 0, torch.tensor(rows, dtype=torch.long) - lo, out=picked)
 
     def _span(self, lo: int, hi: int) -> torch.Tensor:
         """View rows ``[lo, hi)``: the tensor rows holding them, read and cut."""
         t_lo, t_hi = lo // self.per_row, -(-hi // self.per_row)
-        data = read_rows(self.entry, t_lo, t_hi, self.sources).reshape(-1, *self.view[1:])
+        numel = (t_hi - t_lo) * rows_of(self.entry.shape)[1]
+        if self.inp.rows is None:  # whole: held for the tensor, its own
+            data = read_rows(self.entry, t_lo, t_hi, self.sources)
+        else:
+            if self._spans.numel() < numel:
+                self._spans = torch.empty(numel, dtype=self.entry.dtype)
+            data = read_rows(self.entry, t_lo, t_hi, self.sources, into=self._spans)
+        data = data.reshape(-1, *self.view[1:])
         return data[lo - t_lo * self.per_row : hi - t_lo * self.per_row]
 
     def finish(self) -> None:
@@ -225,16 +240,15 @@ def move_derived(
     per_row = view[0] // max(rows_of(derived.shape)[0], 1)
     begin, end = row_range[0] * per_row, row_range[1] * per_row
     row_elems = math.prod(view[1:])
+    # per row: the output (buffer 0) and combine's fp32 result; per input, the chunk rows read
+    # (buffer 1), the span assembled and the rows gathered from it
     in_row_bytes = sum(
-        math.prod((i.view or e.shape or (1,))[1:]) * (e.dtype.itemsize + COMPUTE_ITEMSIZE)
+        math.prod((i.view or e.shape or (1,))[1:]) * (3 * e.dtype.itemsize)
         for i, e in zip(derived.inputs, entries, strict=True)
         if i.rows is not None
     )
     block = max(1, 2 * mover.piece_bytes // (row_elems * (dtype.itemsize + COMPUTE_ITEMSIZE) + in_row_bytes))
-    readers = [
-        _InputReader(mover, inp, entry, inp.rows(begin, end) if inp.rows is not None else ())
-        for inp, entry in zip(derived.inputs, entries, strict=True)
-    ]
+    readers = [_InputReader(mover, inp, entry, begin, end) for inp, entry in zip(derived.inputs, entries, strict=True)]
     combine = derived.combine or concat
     runs = []
     for r0 in range(begin, end, block):

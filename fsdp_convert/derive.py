@@ -49,6 +49,7 @@ __all__ = [
     "Segment",
     "Gather",
     "HeadPermute",
+    "row_span",
     "Input",
     "Derived",
     "TensorInfo",
@@ -82,6 +83,10 @@ class Aligned:
         """Input rows ``[r0, r1)``."""
         return range(r0, r1)
 
+    def span(self, r0: int, r1: int) -> tuple[int, int] | None:
+        """``(r0, r1)`` (see ``row_span``)."""
+        return (r0, r1) if r0 < r1 else None
+
 
 ALIGNED = Aligned()
 
@@ -103,6 +108,11 @@ class Segment:
         lo, hi = max(r0, self.start), min(r1, self.start + self.length)
         shift = self.src_start - self.start
         return range(lo + shift, hi + shift) if lo < hi else range(0)
+
+    def span(self, r0: int, r1: int) -> tuple[int, int] | None:
+        """The input rows of the part inside the segment (see ``row_span``)."""
+        rows = self(r0, r1)
+        return (rows[0], rows[-1] + 1) if rows else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +154,25 @@ class HeadPermute:
                 rows.append(head * self.head_dim + p * half + i)
         return rows
 
+    def span(self, r0: int, r1: int) -> tuple[int, int] | None:
+        """The whole heads the rows fall in (see ``row_span``)."""
+        if r0 >= r1:
+            return None
+        return (r0 // self.head_dim * self.head_dim, ((r1 - 1) // self.head_dim + 1) * self.head_dim)
+
+
+def row_span(rows: RowMap, r0: int, r1: int) -> tuple[int, int] | None:
+    """The input rows ``[lo, hi)`` that cover every row ``rows(r0, r1)`` names (None: none).
+
+    A map may say it cheaply with a ``span(r0, r1)`` method (every map here does), so that a span
+    over a whole tensor is found without listing its rows; otherwise the rows are listed.
+    """
+    span = getattr(rows, "span", None)
+    if span is not None:
+        return span(r0, r1)  # type: ignore[no-any-return]
+    picked = rows(r0, r1)
+    return (min(picked), max(picked) + 1) if picked else None
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Input:
@@ -177,6 +206,10 @@ class Derived:
     the output dtype. ``combine`` must be row-wise: it is called once per block, with each part of
     shape ``(len(rows), *view[1:])`` (a whole input in its view or own shape), and returns shape
     ``(r1 - r0, *view[1:])`` in any dtype (compute in fp32 and return that: the mover casts).
+    The parts are valid during the call only (the mover reuses their memory for the next block).
+    Memory: each input is read over the span its rows cover (``row_span``), so a row map should
+    keep a block's rows near each other (a head permutation does; a shuffle of a whole tensor
+    would read all of it per block).
 
     Attributes:
         inputs: the tensors read.
@@ -242,10 +275,10 @@ class Derived:
             if inp.rows is None:
                 continue
             in_rows = (inp.view or info.shape or (1,))[0]
-            rows = inp.rows(0, out_rows)
-            if rows and (min(rows) < 0 or max(rows) >= in_rows):
+            span = row_span(inp.rows, 0, out_rows)
+            if span is not None and (span[0] < 0 or span[1] > in_rows):
                 raise UnsupportedTransformError(
-                    f"{fqn}: its row map reads rows up to {max(rows)} of {inp.fqn}, which has {in_rows}"
+                    f"{fqn}: its row map reads rows up to {span[1] - 1} of {inp.fqn}, which has {in_rows}"
                 )
         if self.is_copy and math.prod(self.shape) != math.prod(tensors[self.inputs[0].fqn].shape):
             raise UnsupportedTransformError(

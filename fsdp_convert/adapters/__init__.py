@@ -24,7 +24,7 @@ from fsdp_convert.adapters.user import load_user_function
 from fsdp_convert.derive import Adapter, Derived, TensorInfo
 from fsdp_convert.errors import InvalidOptionError
 
-__all__ = ["ADAPTERS", "load_adapter", "read_model_config", "parse_adapter_option"]
+__all__ = ["ADAPTERS", "load_adapter", "read_model_config", "parse_adapter_option", "configured_adapter"]
 
 AdapterFunction = Callable[[Sequence[TensorInfo], Mapping[str, Any]], Mapping[str, Derived]]
 
@@ -90,3 +90,33 @@ def load_adapter(name: str, config: Mapping[str, Any] | None = None) -> Adapter:
             raise InvalidOptionError(f"--adapter {name!r}: unknown; use one of {known}, or module:function for your own")
         function = found
     return partial(function, config=dict(config or {}))
+
+
+def configured_adapter(
+    name: str | None,
+    *,
+    model_config: str | os.PathLike[str] | None = None,
+    settings: Sequence[str] = (),
+    hf_assets: str | os.PathLike[str] | None = None,
+) -> Adapter | None:
+    """The adapter the command line asks for, bound to its config; None without ``--adapter``.
+
+    The config is ``model_config`` (``--model-config``), else ``hf_assets``'s ``config.json`` when
+    that is a local folder holding one (``--hf-assets``), else empty; each ``KEY=VALUE`` of
+    ``settings`` (``--adapter-option``) is set over it.
+
+    Raises:
+        InvalidOptionError: ``model_config`` or ``settings`` without ``name``, and as
+            ``load_adapter``, ``read_model_config`` and ``parse_adapter_option``.
+    """
+    if name is None:
+        if model_config is not None or settings:
+            raise InvalidOptionError("--model-config and --adapter-option go with --adapter")
+        return None
+    config: dict[str, Any] = {}
+    if model_config is not None:
+        config = read_model_config(model_config)
+    elif hf_assets is not None and (Path(hf_assets) / "config.json").is_file():
+        config = read_model_config(Path(hf_assets) / "config.json")
+    config.update(parse_adapter_option(text) for text in settings)
+    return load_adapter(name, config)

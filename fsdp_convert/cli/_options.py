@@ -377,28 +377,17 @@ def with_adapter(
     adapter_option: list[str] | None,
     hf_assets: str | None = None,
 ) -> TransformOptions:
-    """``options`` with the ``--adapter`` bound to its config (``--model-config``, else ``--hf-assets``'s ``config.json``).
+    """``options`` with ``--adapter`` bound to its config (``adapters.configured_adapter``).
 
     Raises:
-        InvalidOptionError: an unknown adapter, a user module that does not import, an unreadable
-            config, a bad ``--adapter-option``, or ``--model-config``/``--adapter-option`` without ``--adapter``.
+        InvalidOptionError: as ``adapters.configured_adapter``.
     """
-    if adapter is None:
-        if model_config is not None or adapter_option:
-            raise InvalidOptionError("--model-config and --adapter-option go with --adapter")
-        return options
     import dataclasses
-    from pathlib import Path
 
-    from fsdp_convert.adapters import load_adapter, parse_adapter_option, read_model_config
+    from fsdp_convert.adapters import configured_adapter
 
-    config: dict[str, Any] = {}
-    if model_config is not None:
-        config = read_model_config(model_config)
-    elif hf_assets is not None and (Path(hf_assets) / "config.json").is_file():
-        config = read_model_config(Path(hf_assets) / "config.json")
-    config.update(parse_adapter_option(text) for text in adapter_option or ())
-    return dataclasses.replace(options, adapter=load_adapter(adapter, config))
+    bound = configured_adapter(adapter, model_config=model_config, settings=adapter_option or (), hf_assets=hf_assets)
+    return options if bound is None else dataclasses.replace(options, adapter=bound)
 
 
 NnodesOpt = Annotated[

@@ -76,11 +76,39 @@ fsdp_convert.ops.consolidate._consolidate_rank = _consolidate_rank
 
 PROBE = """
 import sys, torch, fsdp_convert, sitecustomize
+from fsdp_convert.adapters import load_adapter
 from fsdp_convert.transform import TransformOptions
-options = TransformOptions(dtype=getattr(torch, sys.argv[5])) if sys.argv[5] != "keep" else None
+options = TransformOptions(dtype=getattr(torch, sys.argv[5])) if sys.argv[5] not in ("keep", "permute") else None
+if sys.argv[5] == "permute":
+    options = TransformOptions(adapter=load_adapter("memory_adapter:permute_heads"))
 fsdp_convert.consolidate(sys.argv[1], sys.argv[2], nproc=int(sys.argv[3]), memory_budget_bytes=int(sys.argv[4]), options=options)
 sitecustomize.record("parent")
 """
+
+
+# A user adapter (--adapter module:function) that applies the Q/K RoPE row permutation to every 2-d
+# tensor, as to_hf does to q_proj, in heads of HEAD_ROWS rows: the 64 MiB tensors are rebuilt block
+# by block from the rows each block needs, never whole.
+HEAD_ROWS = 64
+ADAPTER = f"""
+from fsdp_convert.derive import Derived, HeadPermute, Input
+
+def permute_heads(tensors, config):
+    out = {{}}
+    for t in tensors:
+        heads = len(t.shape) == 2 and t.shape[0] % {HEAD_ROWS} == 0
+        rows = HeadPermute(t.shape[0] // {HEAD_ROWS}, {HEAD_ROWS}) if heads else None
+        out[t.fqn] = Derived(inputs=(Input(fqn=t.fqn, rows=rows) if rows else Input(fqn=t.fqn),), shape=t.shape, dtype=t.dtype)
+    return out
+"""
+
+
+def _permuted(t: torch.Tensor) -> torch.Tensor:
+    """torchtitan 0.3.0's Llama3StateDictAdapter._permute with heads of ``HEAD_ROWS`` rows."""
+    if t.dim() != 2 or t.shape[0] % HEAD_ROWS:
+        return t
+    rows, cols = t.shape
+    return t.view(rows // HEAD_ROWS, HEAD_ROWS // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
 def _probe(ck: Path, out: Path, nproc: int, tmp_path: Path, dtype: str) -> list[dict[str, int | str]]:
@@ -88,6 +116,7 @@ def _probe(ck: Path, out: Path, nproc: int, tmp_path: Path, dtype: str) -> list[
     hooks.mkdir()
     log.mkdir()
     (hooks / "sitecustomize.py").write_text(HOOK)
+    (hooks / "memory_adapter.py").write_text(ADAPTER)
     path = os.pathsep.join(filter(None, [str(hooks), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "MEMORY_TEST_LOG": str(log)}
     proc = subprocess.run(
@@ -101,13 +130,14 @@ def _probe(ck: Path, out: Path, nproc: int, tmp_path: Path, dtype: str) -> list[
     return sorted((json.loads(p.read_text()) for p in log.iterdir()), key=lambda r: str(r["role"]))
 
 
-@pytest.mark.parametrize("dtype", ["keep", "bfloat16"], ids=["copy", "cast"])
+@pytest.mark.parametrize("dtype", ["keep", "bfloat16", "permute"], ids=["copy", "cast", "adapter-permutation"])
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_peak_memory_is_bounded_by_budget_whatever_the_largest_tensor(
     big_sample: Path, tmp_path: Path, nproc: int, dtype: str
 ) -> None:
     """Growth over the baseline stays within budget + slack: the bytes are moved in pieces, in place
-    (``copy``), or cast block by block (``cast``), never held as a whole tensor or chunk."""
+    (``copy``), or cast block by block (``cast``), or permuted block by block by an adapter
+    (``adapter-permutation``), never held as a whole tensor or chunk."""
     ck = big_sample / CHECKPOINT_DIRNAME
     index = read_index(ck)
     largest = max(e.nbytes for e in index.tensors())
@@ -135,6 +165,8 @@ def test_peak_memory_is_bounded_by_budget_whatever_the_largest_tensor(
             f"(largest tensor {largest / MiB:.0f} MiB, checkpoint {index.total_bytes / MiB:.0f} MiB)"
         )
     truth = torch.load(big_sample / TRUTH_FILENAME, weights_only=True)
-    if dtype != "keep":
+    if dtype == "permute":  # an adapter writes model weights only
+        truth = {"model": {k: _permuted(v) for k, v in truth["model"].items()}}
+    elif dtype != "keep":
         truth["model"] = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in truth["model"].items()}
     assert_same_state(torch.load(out, weights_only=True, mmap=True), truth)
