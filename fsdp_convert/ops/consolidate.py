@@ -315,6 +315,8 @@ def consolidate(
         OutputWriteError: the output cannot be written.
         WorkerFailedError: a worker died.
         VerificationError: ``verify_output`` found a difference (nothing is left at ``output``).
+            ``verify_output`` with a derived tensor (an adapter's permutation, a LoRA merge) is an
+            InvalidOptionError: ``verify`` reads one entry per key.
     """
     shared = shared_tag(cluster) is not None
     last = (HF_SINGLE_FILENAME, HF_INDEX_FILENAME)
@@ -333,6 +335,11 @@ def consolidate(
         check_output_free(output, overwrite=overwrite, directory=fmt == "hf_dir")
         check_data_files(index)
         items = prepare_items(index, options, groups, check_crc=check_crc)
+        derived = next((i for i in items if i.derived is not None), None)
+        if verify_output and derived is not None:  # verify reads each key's one entry; a derived tensor has several
+            raise InvalidOptionError(
+                f"--verify does not recompute derived tensors ({derived.path[-1]}: --adapter, --merge-lora); run without it"
+            )
         if assets is not None:
             tied = tied_output_keys(assets, [safetensors_name(i.path) for i in items if i.group == "model" and i.is_tensor])
             items, options = leave_out_model_keys(index, items, options, tied)

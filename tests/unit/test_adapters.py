@@ -179,6 +179,9 @@ def test_adapter_errors_name_what_to_pass(tmp_path: Path) -> None:
         load_adapter("llama")
     with pytest.raises(InvalidOptionError, match="module 'no_such_module' does not import"):
         load_adapter("no_such_module:fn")
+    options = TransformOptions(adapter=load_adapter("torchtitan-llama3-to-hf", CONFIG))
+    with pytest.raises(InvalidOptionError, match=r"--verify does not recompute derived tensors \(model\.layers\.0\.self_attn"):
+        fsdp_convert.consolidate(tmp_path / "ck", tmp_path / "v.safetensors", options=options, nproc=1, verify_output=True)
     assert parse_adapter_option("num_key_value_heads=8") == ("num_key_value_heads", 8)
     assert parse_adapter_option("name=x") == ("name", "x")
 
