@@ -315,8 +315,8 @@ def consolidate(
         OutputWriteError: the output cannot be written.
         WorkerFailedError: a worker died.
         VerificationError: ``verify_output`` found a difference (nothing is left at ``output``).
-            ``verify_output`` with a derived tensor (an adapter's permutation, a LoRA merge) is an
-            InvalidOptionError: ``verify`` reads one entry per key.
+            ``verify_output`` with a computed tensor (a LoRA merge, whose float rounding depends on
+            the row block size) is an InvalidOptionError; an adapter's row maps are recomputed and compared.
     """
     shared = shared_tag(cluster) is not None
     last = (HF_SINGLE_FILENAME, HF_INDEX_FILENAME)
@@ -335,10 +335,12 @@ def consolidate(
         check_output_free(output, overwrite=overwrite, directory=fmt == "hf_dir")
         check_data_files(index)
         items = prepare_items(index, options, groups, check_crc=check_crc)
-        derived = next((i for i in items if i.derived is not None), None)
-        if verify_output and derived is not None:  # verify reads each key's one entry; a derived tensor has several
+        # verify recomputes an adapter's row maps exactly (derive.Derived.compute); a combine's float
+        # arithmetic (a LoRA merge's B @ A) rounds by row block size, so its result is not compared
+        computed = next((i for i in items if i.derived is not None and i.derived.combine is not None), None)
+        if verify_output and computed is not None:
             raise InvalidOptionError(
-                f"--verify does not recompute derived tensors ({derived.path[-1]}: --adapter, --merge-lora); run without it"
+                f"--verify does not recompute computed tensors ({computed.path[-1]}: --merge-lora); run without it"
             )
         if assets is not None:
             tied = tied_output_keys(assets, [safetensors_name(i.path) for i in items if i.group == "model" and i.is_tensor])

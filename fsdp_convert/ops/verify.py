@@ -84,8 +84,13 @@ class _DcpSource:
         entry = item.entry
         if isinstance(entry, BytesEntry):
             return self._reader.read_value(entry)
-        check_coverage(entry)
-        tensor = self._reader.read_tensor(entry)
+        if item.derived is not None:  # an adapter's rows: recomputed from its whole inputs (derive.Derived.compute)
+            for source in item.sources:
+                check_coverage(source)
+            tensor = item.derived.compute([self._reader.read_tensor(source) for source in item.sources])
+        else:
+            check_coverage(entry)
+            tensor = self._reader.read_tensor(entry)
         if item.dtype in (None, tensor.dtype):
             return tensor
         # cast as consolidate's writers do, element by element (a 0-dim tensor would take torch's

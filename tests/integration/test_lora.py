@@ -96,6 +96,7 @@ def test_lora_only_loads_with_peft_from_pretrained(
         (["--merge-lora", "--lora-only", "--lora-alpha", "8"], 2, "exclude each other"),
         (["--lora-alpha", "8"], 2, "go with --merge-lora or --lora-only"),
         (["--merge-lora", "--lora-alpha", "8", "--lora-r", "8"], 1, "q_proj.lora_A.default.weight: rank 4, but"),
+        (["--merge-lora", "--lora-alpha", "8", "--verify"], 2, "--verify does not recompute computed tensors"),
     ],
 )
 def test_lora_usage_errors(lora_run: Path, runner: CliRunner, tmp_path: Path, args: list[str], code: int, message: str) -> None:

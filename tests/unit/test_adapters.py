@@ -180,8 +180,17 @@ def test_adapter_errors_name_what_to_pass(tmp_path: Path) -> None:
     with pytest.raises(InvalidOptionError, match="module 'no_such_module' does not import"):
         load_adapter("no_such_module:fn")
     options = TransformOptions(adapter=load_adapter("torchtitan-llama3-to-hf", CONFIG))
-    with pytest.raises(InvalidOptionError, match=r"--verify does not recompute derived tensors \(model\.layers\.0\.self_attn"):
-        fsdp_convert.consolidate(tmp_path / "ck", tmp_path / "v.safetensors", options=options, nproc=1, verify_output=True)
+    # --verify recomputes the permuted rows: equal as written, and a flipped byte in them is a difference
+    out = tmp_path / "v.safetensors"
+    fsdp_convert.consolidate(tmp_path / "ck", out, options=options, nproc=1, verify_output=True)
+    assert fsdp_convert.verify(tmp_path / "ck", out, options=options, in_process=True).equal
+    data = bytearray(out.read_bytes())
+    header = int.from_bytes(data[:8], "little")
+    begin, _ = json.loads(data[8 : 8 + header])["model.layers.0.self_attn.q_proj.weight"]["data_offsets"]
+    data[8 + header + begin + 3] ^= 0x40
+    out.write_bytes(bytes(data))
+    differences = fsdp_convert.verify(tmp_path / "ck", out, options=options, in_process=True).differences
+    assert [d.key for d in differences] == ["model.model.layers.0.self_attn.q_proj.weight"]
     assert parse_adapter_option("num_key_value_heads=8") == ("num_key_value_heads", 8)
     assert parse_adapter_option("name=x") == ("name", "x")
 
