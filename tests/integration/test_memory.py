@@ -78,9 +78,11 @@ PROBE = """
 import sys, torch, fsdp_convert, sitecustomize
 from fsdp_convert.adapters import load_adapter
 from fsdp_convert.transform import TransformOptions
-options = TransformOptions(dtype=getattr(torch, sys.argv[5])) if sys.argv[5] not in ("keep", "permute") else None
+options = TransformOptions(dtype=getattr(torch, sys.argv[5])) if sys.argv[5] not in ("keep", "permute", "merge") else None
 if sys.argv[5] == "permute":
     options = TransformOptions(adapter=load_adapter("memory_adapter:permute_heads"))
+if sys.argv[5] == "merge":
+    options = TransformOptions(adapter=load_adapter("memory_adapter:merge_like_lora"))
 fsdp_convert.consolidate(sys.argv[1], sys.argv[2], nproc=int(sys.argv[3]), memory_budget_bytes=int(sys.argv[4]), options=options)
 sitecustomize.record("parent")
 """
@@ -90,8 +92,10 @@ sitecustomize.record("parent")
 # tensor, as to_hf does to q_proj, in heads of HEAD_ROWS rows: the 64 MiB tensors are rebuilt block
 # by block from the rows each block needs, never whole.
 HEAD_ROWS = 64
+LORA_IN, LORA_A, LORA_SCALE = 128, "layers.0.attn.wq.weight", 0.5
 ADAPTER = f"""
 from fsdp_convert.derive import Derived, HeadPermute, Input
+from fsdp_convert.lora import LoraMerge
 
 def permute_heads(tensors, config):
     out = {{}}
@@ -99,6 +103,16 @@ def permute_heads(tensors, config):
         heads = len(t.shape) == 2 and t.shape[0] % {HEAD_ROWS} == 0
         rows = HeadPermute(t.shape[0] // {HEAD_ROWS}, {HEAD_ROWS}) if heads else None
         out[t.fqn] = Derived(inputs=(Input(fqn=t.fqn, rows=rows) if rows else Input(fqn=t.fqn),), shape=t.shape, dtype=t.dtype)
+    return out
+
+def merge_like_lora(tensors, config):
+    # --merge-lora's combine (W + (B @ A) * scale, fp32) on every (rows, {LORA_IN}) weight, with
+    # B = W itself and A = {LORA_A} read whole: W and B by row blocks, as a LoRA merge reads them
+    out = {{}}
+    for t in tensors:
+        merge = len(t.shape) == 2 and t.shape[1] == {LORA_IN}
+        inputs = (Input(fqn=t.fqn), Input(fqn=t.fqn), Input(fqn="{LORA_A}", rows=None)) if merge else (Input(fqn=t.fqn),)
+        out[t.fqn] = Derived(inputs=inputs, shape=t.shape, dtype=t.dtype, combine=LoraMerge({LORA_SCALE}) if merge else None)
     return out
 """
 
@@ -130,7 +144,9 @@ def _probe(ck: Path, out: Path, nproc: int, tmp_path: Path, dtype: str) -> list[
     return sorted((json.loads(p.read_text()) for p in log.iterdir()), key=lambda r: str(r["role"]))
 
 
-@pytest.mark.parametrize("dtype", ["keep", "bfloat16", "permute"], ids=["copy", "cast", "adapter-permutation"])
+@pytest.mark.parametrize(
+    "dtype", ["keep", "bfloat16", "permute", "merge"], ids=["copy", "cast", "adapter-permutation", "lora-merge"]
+)
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_peak_memory_is_bounded_by_budget_whatever_the_largest_tensor(
     big_sample: Path, tmp_path: Path, nproc: int, dtype: str
@@ -167,6 +183,13 @@ def test_peak_memory_is_bounded_by_budget_whatever_the_largest_tensor(
     truth = torch.load(big_sample / TRUTH_FILENAME, weights_only=True)
     if dtype == "permute":  # an adapter writes model weights only
         truth = {"model": {k: _permuted(v) for k, v in truth["model"].items()}}
+    elif dtype == "merge":  # float arithmetic by row blocks: within rounding of the whole-tensor merge
+        got = torch.load(out, weights_only=True, mmap=True)["model"]
+        a = truth["model"][LORA_A].float()
+        for k, w in truth["model"].items():
+            want = (w.float() + (w.float() @ a) * LORA_SCALE).to(w.dtype) if w.dim() == 2 and w.shape[1] == LORA_IN else w
+            torch.testing.assert_close(got[k], want, rtol=1e-5, atol=1e-5, equal_nan=True)  # the sample has a NaN row
+        return
     elif dtype != "keep":
         truth["model"] = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in truth["model"].items()}
     assert_same_state(torch.load(out, weights_only=True, mmap=True), truth)
