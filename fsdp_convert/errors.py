@@ -1,7 +1,8 @@
 """Errors: the one exception hierarchy, each class carrying the CLI exit code for its kind.
 
 Exit codes follow ``shared/STYLE.md``: 0 success, 1 conversion failed, 2 usage error, 3 input
-missing or not a DCP checkpoint, 4 output exists.
+missing or not a DCP checkpoint, 4 output exists (or is being
+written, or an earlier run's temporary of it is left).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ __all__ = [
     "InvalidOptionError",
     "OutputExistsError",
     "OutputWriteError",
+    "OutputLockedError",
+    "TemporaryExistsError",
     "WorkerFailedError",
     "VerificationError",
     "TorchFeatureError",
@@ -78,6 +81,18 @@ class InvalidOptionError(CheckpointError):
 
 class OutputExistsError(CheckpointError):
     """The output path exists and ``overwrite`` was not given."""
+
+    exit_code = 4
+
+
+class OutputLockedError(CheckpointError):
+    """Another run is writing the same output: its lock file ``.OUT.lock`` is held (the message names its host and pid)."""
+
+    exit_code = 4
+
+
+class TemporaryExistsError(CheckpointError):
+    """An earlier run's temporary of the output is still there (a SIGKILL, a lost node); resume it or remove it."""
 
     exit_code = 4
 

@@ -6,13 +6,26 @@ import contextlib
 import errno
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
-from fsdp_convert.errors import OutputExistsError, OutputWriteError
+from fsdp_convert.errors import OutputExistsError, OutputWriteError, TemporaryExistsError
+from fsdp_convert.writers._lock import acquire_lock
 
-__all__ = ["atomic_output", "check_output_free", "fsync_dir", "writing", "LeaveToOwner", "temporary_path"]
+__all__ = [
+    "atomic_output",
+    "check_output_free",
+    "check_no_temporary",
+    "fsync_dir",
+    "writing",
+    "LeaveToOwner",
+    "temporary_path",
+    "temporaries",
+    "LOCAL_TAG",
+]
 
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG}
 
@@ -76,16 +89,59 @@ class LeaveToOwner(Exception):  # noqa: N818 (a signal to atomic_output, not an 
     """
 
 
-def temporary_path(output: Path, tag: str, *, directory: bool) -> Path:
-    """The hidden temporary sibling of ``output`` for run ``tag``.
+LOCAL_TAG = "local"  # the temporary's tag in a run of one process, or of workers on one node
 
-    It keeps the suffix, so the temporary reads back as the same format (``consolidate --verify``).
+
+def temporary_path(output: Path, tag: str | None, *, directory: bool) -> Path:
+    """The hidden temporary sibling of ``output`` for run ``tag``: deterministic, so a later run finds it.
+
+    ``tag`` is the shared tag of a multi-process job (``launch.shared_tag``: ``rdzv-<rdzv id>``,
+    ``torchrun-<run id>``), None for a run on one node (``local``): ``.OUT.tmp-local`` for a
+    folder, ``.full.tmp-local.pt`` for ``full.pt``. It keeps the suffix, so the temporary reads
+    back as the same format (``consolidate --verify``).
     """
+    tag = tag or LOCAL_TAG
     return output.parent / (f".{output.name}.tmp-{tag}" if directory else f".{output.stem}.tmp-{tag}{output.suffix}")
 
 
+def temporaries(output: Path, *, directory: bool) -> list[Path]:
+    """Every temporary of ``output`` in its folder, whatever its run's tag (an earlier version's random tag too)."""
+    pattern = f".{output.name}.tmp-*" if directory else f".{output.stem}.tmp-*{output.suffix}"
+    return sorted(output.parent.glob(pattern)) if output.parent.is_dir() else []
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{max(seconds, 0):.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h" if seconds < 172800 else f"{seconds / 86400:.0f} days"
+
+
+def check_no_temporary(output: Path, tmp: Path, *, directory: bool, resume: bool) -> None:
+    """Refuse when an earlier run's temporary of ``output`` is left (a SIGKILL, a lost node).
+
+    Called by the process that takes the output's lock, so no live run owns it. With ``resume``
+    this run's own temporary (``tmp``) is kept for reuse; another run's is still refused.
+
+    Raises:
+        TemporaryExistsError: naming the temporary, its age, and ``--resume``.
+    """
+    for left in temporaries(output, directory=directory):
+        if resume and left == tmp:
+            continue
+        try:
+            age = _age(time.time() - left.lstat().st_mtime)
+        except FileNotFoundError:
+            continue
+        how = "pass --resume to continue it, or remove it" if left.name == tmp.name else "remove it (another job's)"
+        raise TemporaryExistsError(f"{left} is left from an earlier run writing {output.name} ({age} old); {how}")
+
+
 @contextlib.contextmanager
-def atomic_output(output: Path, *, overwrite: bool, directory: bool = False, tag: str | None = None) -> Iterator[Path]:
+def atomic_output(
+    output: Path, *, overwrite: bool, directory: bool = False, tag: str | None = None, resume: bool = False
+) -> Iterator[Path]:
     """Yield a temporary sibling path; move it onto ``output`` if the block completes.
 
     For a file output the block creates the file at the yielded path; for a folder output
@@ -95,26 +151,40 @@ def atomic_output(output: Path, *, overwrite: bool, directory: bool = False, tag
     (a file by one ``os.replace``; a folder by moving the old one aside, renaming the new one into
     place, then deleting the old one).
 
+    One writer per output: the lock file ``.OUT.lock`` beside it (``writers._lock``) is taken
+    first and held until the end (removed on success or failure). The temporary's name is
+    deterministic (``temporary_path``); one left by an earlier run is refused unless ``resume``,
+    which reuses this run's own (same tag) as it is.
+
     With ``tag`` (a run id every node of a multi-node run shares) the temporary's name is the same
-    in every process, a folder may already exist, and a block that raises ``LeaveToOwner`` leaves
-    without touching it (rank 0's process renames it).
+    in every process, a folder may already exist, the job's processes share the lock (the first
+    takes it, the others see its record), and a block that raises ``LeaveToOwner`` leaves without
+    touching the temporary (rank 0's process renames it and removes the lock file).
 
     Raises:
         OutputExistsError: ``output`` exists and ``overwrite`` is false.
+        OutputLockedError: another run holds the output's lock (naming its host and pid).
+        TemporaryExistsError: an earlier run's temporary is left and ``resume`` is false.
         OutputWriteError: the folder cannot be created or written (permission, space).
     """
     check_output_free(output, overwrite=overwrite, directory=directory)
-    tmp = temporary_path(output, tag or uuid.uuid4().hex[:12], directory=directory)
+    tmp = temporary_path(output, tag, directory=directory)
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
-        if directory:
-            tmp.mkdir(exist_ok=tag is not None)
     except OSError as e:
-        raise OutputWriteError(f"cannot create {tmp.parent}: {e.strerror}") from e
+        raise OutputWriteError(f"cannot create {output.parent}: {e.strerror}") from e
+    lock = acquire_lock(output, tag, before_record=partial(check_no_temporary, output, tmp, directory=directory, resume=resume))
+    remove_lock = True
     try:
+        if directory:
+            try:
+                tmp.mkdir(exist_ok=tag is not None or resume)
+            except OSError as e:
+                raise OutputWriteError(f"cannot create {tmp.parent}: {e.strerror}") from e
         try:
             yield tmp
         except LeaveToOwner:
+            remove_lock = False  # rank 0's process removes it once the output is in place
             return
         check_output_free(output, overwrite=overwrite, directory=directory)  # someone may have created it meanwhile
         if directory:
@@ -139,3 +209,5 @@ def atomic_output(output: Path, *, overwrite: bool, directory: bool = False, tag
     except BaseException:
         _remove(tmp)
         raise
+    finally:
+        lock.release(remove=remove_lock)

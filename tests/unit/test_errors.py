@@ -19,6 +19,8 @@ EXPECTED = {
     "UnsupportedTransformError": 1,
     "InvalidOptionError": 2,
     "OutputExistsError": 4,
+    "OutputLockedError": 4,
+    "TemporaryExistsError": 4,
     "OutputWriteError": 1,
     "WorkerFailedError": 1,
     "VerificationError": 1,

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
 
-from fsdp_convert.errors import OutputExistsError
+from fsdp_convert.errors import OutputExistsError, OutputLockedError, TemporaryExistsError
 from fsdp_convert.writers import atomic_output
+from fsdp_convert.writers._atomic import LeaveToOwner, temporary_path
 
 
 def test_atomic_output_leaves_nothing_on_error(tmp_path: Path) -> None:
@@ -28,3 +31,61 @@ def test_atomic_output_replaces_only_at_the_end(tmp_path: Path) -> None:
         assert out.read_bytes() == b"old"
     assert out.read_bytes() == b"new"
     assert [p.name for p in tmp_path.iterdir()] == ["out.pt"]
+
+
+def test_the_temporary_name_is_deterministic(tmp_path: Path) -> None:
+    assert temporary_path(tmp_path / "full.pt", None, directory=False) == tmp_path / ".full.tmp-local.pt"
+    assert temporary_path(tmp_path / "hf", "rdzv-job1", directory=True) == tmp_path / ".hf.tmp-rdzv-job1"
+    with atomic_output(tmp_path / "full.pt", overwrite=False) as tmp:
+        assert tmp == tmp_path / ".full.tmp-local.pt"
+        assert (tmp_path / ".full.pt.lock").exists()  # held for the whole run
+        tmp.write_bytes(b"x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full.pt"]  # lock removed
+
+
+def test_a_second_writer_is_refused_and_touches_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    with atomic_output(out, overwrite=False, directory=True) as tmp:
+        (tmp / "a").write_bytes(b"a")
+        before = sorted(p.name for p in tmp_path.iterdir())
+        with pytest.raises(OutputLockedError, match=f"pid {os.getpid()}"), atomic_output(out, overwrite=False, directory=True):
+            pass
+        assert sorted(p.name for p in tmp_path.iterdir()) == before and (tmp / "a").read_bytes() == b"a"
+    assert (out / "a").read_bytes() == b"a"
+
+
+def test_a_left_temporary_is_reported_and_kept(tmp_path: Path) -> None:
+    out = tmp_path / "full.pt"
+    left = tmp_path / ".full.tmp-local.pt"
+    left.write_bytes(b"partial")
+    os.utime(left, (time.time() - 600, time.time() - 600))
+    with pytest.raises(TemporaryExistsError) as e, atomic_output(out, overwrite=False):
+        pass
+    how = "pass --resume to continue it, or remove it"
+    assert str(e.value) == f"{left} is left from an earlier run writing full.pt (10 min old); {how}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [left.name]  # kept, and no lock left
+    other = tmp_path / ".full.tmp-0123456789ab.pt"  # an earlier version's random name, or another job's
+    other.write_bytes(b"")
+    with pytest.raises(TemporaryExistsError, match="another job's"), atomic_output(out, overwrite=False, resume=True):
+        pass
+    other.unlink()
+    with atomic_output(out, overwrite=False, resume=True) as tmp:  # resume reuses it as it is
+        assert tmp.read_bytes() == b"partial"
+        tmp.write_bytes(b"whole")
+    assert out.read_bytes() == b"whole" and sorted(p.name for p in tmp_path.iterdir()) == ["full.pt"]
+
+
+def test_the_lock_is_removed_on_failure_and_kept_by_a_peer_that_leaves(tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    with pytest.raises(KeyboardInterrupt), atomic_output(out, overwrite=False, directory=True):
+        raise KeyboardInterrupt
+    assert list(tmp_path.iterdir()) == []
+    holder = atomic_output(out, overwrite=False, directory=True, tag="rdzv-j")  # takes the lock, not rank 0's process
+    tmp = holder.__enter__()
+    owner = atomic_output(out, overwrite=False, directory=True, tag="rdzv-j")  # rank 0's process: joins its job's lock
+    assert owner.__enter__() == tmp
+    (tmp / "a").write_bytes(b"a")
+    assert holder.__exit__(LeaveToOwner, LeaveToOwner(), None)  # leaves the temporary and the lock file to rank 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hf.lock", ".hf.tmp-rdzv-j"]
+    owner.__exit__(None, None, None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"] and (out / "a").exists()

@@ -1,0 +1,251 @@
+"""One writer per output: an exclusive lock file beside it, ``.OUT.lock``.
+
+The lock is ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``.OUT.lock`` in the output's folder, a text
+file holding ``host pid since job`` (``since``: Unix seconds the lock was taken; ``job``: the
+shared tag of a multi-process job, ``-`` for a single-node run). The first process of a job takes
+it and holds it for its whole run; the lock file is removed at the end, on success or failure.
+
+What each process can see decides the rules:
+
+- A process that finds the flock held reads the record. The same job (its shared tag, derived from
+  ``--rdzv-id`` or torchrun's run id) means another node or worker of its own job took it first:
+  it goes on without the lock. Anything else is another job: refused (``OutputLockedError``).
+- The flock free but the file there: on the same host the holder is gone (its kernel would
+  hold the flock), so the lock is taken over silently. A holder on another host cannot be
+  checked from here: flock across nodes works on NFSv4 and on Lustre mounted with ``flock``, but
+  is node-local with ``localflock`` and fails with ``noflock``. The file's existence is what every
+  node sees (created with ``O_EXCL``, which NFS honours), so such a lock is refused, naming its
+  holder, until the user removes it.
+- flock unsupported (ENOLCK, ENOSYS, EOPNOTSUPP): the ``O_EXCL`` create is the lock, and a
+  same-host holder whose pid is gone is taken over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from fsdp_convert.errors import OutputLockedError, OutputWriteError
+
+__all__ = ["LockRecord", "OutputLock", "acquire_lock", "lock_path"]
+
+_NO_FLOCK = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
+_SINGLE = "-"
+_RECORD_WAIT_S = 2.0  # how long a lock file may stay empty after its holder created it, in seconds
+
+
+def lock_path(output: Path) -> Path:
+    """The lock file of ``output``: ``.<name>.lock`` beside it."""
+    return output.parent / f".{output.name}.lock"
+
+
+@dataclass(frozen=True, slots=True)
+class LockRecord:
+    """What a lock file says: who holds it.
+
+    Attributes:
+        host: the holder's host name.
+        pid: the holder's process id on that host.
+        since: when it took the lock, in Unix seconds.
+        job: the shared tag of its job (``-``: a single-node run, which has no peers).
+    """
+
+    host: str
+    pid: int
+    since: float
+    job: str
+
+    def text(self) -> str:
+        """The record as the lock file holds it: one line."""
+        return f"{self.host} {self.pid} {self.since:.3f} {self.job}\n"
+
+    @staticmethod
+    def parse(text: str) -> LockRecord | None:
+        """Read a record back; None for an empty or unreadable one (a holder that died before writing it)."""
+        fields = text.split()
+        if len(fields) != 4:
+            return None
+        try:
+            return LockRecord(fields[0], int(fields[1]), float(fields[2]), fields[3])
+        except ValueError:
+            return None
+
+
+@dataclass(slots=True)
+class OutputLock:
+    """A lock taken (``fd`` set: this process holds it) or joined (``fd`` None: a peer of the holder's job).
+
+    Attributes:
+        path: the lock file.
+        record: this process's record.
+        fd: the open lock file while this process holds the flock, else None.
+    """
+
+    path: Path
+    record: LockRecord
+    fd: int | None
+
+    @property
+    def taken(self) -> bool:
+        """True in the process that took the lock (the first of its job); False in a peer."""
+        return self.fd is not None
+
+    def release(self, *, remove: bool) -> None:
+        """Let the lock go; with ``remove``, delete the file too if it is still this job's.
+
+        A holder that leaves the output to another process of its job (``LeaveToOwner``) releases
+        the flock without removing the file; the owner removes it once the output is in place.
+        """
+        fd, self.fd = self.fd, None
+        try:
+            if remove:
+                if fd is not None and _same_file(fd, self.path):
+                    self.path.unlink()
+                elif fd is None and self.record.job != _SINGLE:
+                    holder = _read_record(self.path)
+                    if holder is not None and holder.job == self.record.job:
+                        self.path.unlink()
+        except FileNotFoundError:
+            pass
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _read_record(path: Path) -> LockRecord | None:
+    try:
+        return LockRecord.parse(path.read_text(errors="replace"))
+    except OSError:
+        return None
+
+
+def _write_record(fd: int, record: LockRecord, path: Path) -> None:
+    data = record.text().encode()
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data, 0)
+        os.fsync(fd)
+    except OSError as e:
+        raise OutputWriteError(f"cannot write {path}: {e.strerror}") from e
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _flock(fd: int) -> bool | None:
+    """Try the exclusive flock: True taken, False held by another, None unsupported here."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        if e.errno in _NO_FLOCK:
+            return None
+        raise
+    return True
+
+
+def _open(path: Path) -> tuple[int, bool] | None:
+    """Open the lock file, creating it if absent: (fd, created), or None if it vanished meanwhile."""
+    flags = os.O_RDWR | os.O_CLOEXEC
+    try:
+        try:
+            return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
+        except FileExistsError:
+            return os.open(path, flags), False
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise OutputWriteError(f"cannot create {path.parent}: {e.strerror}") from e
+
+
+def acquire_lock(output: Path, job: str | None, *, before_record: Callable[[], None] | None = None) -> OutputLock:
+    """Take ``output``'s lock, or join it as a peer of the job holding it.
+
+    Args:
+        output: the final output path (its folder must exist).
+        job: the shared tag every process of this job agrees on (``launch.shared_tag``); None for
+            a single-node run, which never joins another's lock.
+        before_record: called once the lock is taken, before the record that lets the job's
+            peers in is written (``atomic_output`` checks for a left temporary there); if it
+            raises, the lock file is removed and the exception goes on.
+
+    Returns:
+        The lock: ``taken`` in the process that holds it, not in a peer of its job.
+
+    Raises:
+        OutputLockedError: another job holds it (exit 4), naming the holder's host and pid.
+        OutputWriteError: the lock file cannot be created or written (permission, space).
+    """
+    path = lock_path(output)
+    me = LockRecord(socket.gethostname(), os.getpid(), round(time.time(), 3), job or _SINGLE)
+    deadline = time.monotonic() + _RECORD_WAIT_S
+    while True:
+        opened = _open(path)
+        if opened is None:
+            continue  # removed by its holder between our two opens
+        fd, created = opened
+        try:
+            got = _flock(fd)
+            if got is not False and not _same_file(fd, path):
+                os.close(fd)  # its holder removed it meanwhile: start again on the new file
+                continue
+            holder = None if created else _read_record(path)
+            if got is False and holder is None and time.monotonic() < deadline:
+                os.close(fd)  # its holder has not written its record yet
+                time.sleep(0.02)
+                continue
+            same_host = holder is None or holder.host == me.host
+            alive_here = got is False or (got is None and holder is not None and _pid_alive(holder.pid))
+            if holder is not None and job is not None and holder.job == job and (alive_here or not same_host):
+                os.close(fd)  # another process of this job holds it (a dead one on this host is taken over)
+                return OutputLock(path, me, None)
+            unverified = got is True and not created and not same_host
+            if got is None:  # no flock here: the O_EXCL create is the lock
+                got = created or (same_host and not alive_here)
+            elif unverified:
+                got = False  # a holder on another node whose flock we may not see: refuse
+            if not got:
+                raise OutputLockedError(_locked_message(output, path, holder, unverified=unverified))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+        lock = OutputLock(path, me, fd)
+        try:
+            if before_record is not None:
+                before_record()
+            _write_record(fd, me, path)
+        except BaseException:
+            lock.release(remove=True)
+            raise
+        return lock
+
+
+def _locked_message(output: Path, path: Path, holder: LockRecord | None, *, unverified: bool) -> str:
+    who = "another process" if holder is None else f"pid {holder.pid} on {holder.host}"
+    seen = "; its flock is not held from here, so that node's process may be gone" if unverified else ""
+    return f"{output} is being written by {who} (lock {path.name}){seen}; wait for it, or remove the lock if that process is gone"

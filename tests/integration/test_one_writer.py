@@ -1,0 +1,208 @@
+"""One writer per output, through real processes: a second run on the same OUT is refused (exit 4,
+naming the holder) and touches nothing; a multi-node job is not blocked by its own lock; a
+SIGKILLed run's temporary is reported, its lock taken over; the space check fails before any read.
+
+A run is paused mid-write by a ``sitecustomize`` hook on its ``PYTHONPATH`` (as test_memory does):
+once its output files are open (the lock taken, the temporary created) it writes ``paused-<pid>``
+and waits for a ``go`` file. The package itself has no test hook.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import fsdp_convert
+from tests._dist import free_port
+from tests._samples import Sample
+
+pytestmark = pytest.mark.slow
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+WAIT_S = 120  # a run that has not paused (or exited) this long after its start has hung
+
+HOOK = '''
+"""Test hook (tests/integration/test_one_writer.py): pause a run once its output files are open."""
+import functools, os, time
+import fsdp_convert.ops.consolidate as consolidate
+
+_open_files = consolidate._open_files
+FOLDER = os.environ["ONE_WRITER_PAUSE"]
+
+
+@functools.wraps(_open_files)
+def _paused(job, rank, stack):
+    fds = _open_files(job, rank, stack)
+    open(os.path.join(FOLDER, f"paused-{os.getpid()}"), "w").close()
+    while not os.path.exists(os.path.join(FOLDER, "go")):
+        time.sleep(0.01)
+    return fds
+
+
+consolidate._open_files = _paused
+'''
+
+
+@pytest.fixture
+def pause(tmp_path: Path) -> Iterator[tuple[dict[str, str], Path]]:
+    """An environment whose runs pause mid-write, and the folder where they say so (touch ``go`` to let them on)."""
+    hook, folder = tmp_path / "hook", tmp_path / "pause"
+    hook.mkdir()
+    folder.mkdir()
+    (hook / "sitecustomize.py").write_text(HOOK)
+    path = os.pathsep.join(p for p in (str(hook), os.getcwd(), ENV.get("PYTHONPATH", "")) if p)
+    yield {**ENV, "PYTHONPATH": path, "ONE_WRITER_PAUSE": str(folder)}, folder
+    (folder / "go").touch()  # never leave a paused run behind
+
+
+def _start(args: list[str], env: dict[str, str] = ENV) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "fsdp_convert", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, killed whole
+    )
+
+
+def _run(args: list[str], env: dict[str, str] = ENV) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fsdp_convert", *args], env=env, capture_output=True, text=True, timeout=WAIT_S)
+
+
+def _wait_paused(folder: Path, procs: list[subprocess.Popen[str]], count: int) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while len(list(folder.glob("paused-*"))) < count:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise AssertionError(f"exited {proc.returncode} before pausing: {proc.communicate()[1][-2000:]}")
+        assert time.monotonic() < deadline, "the run did not pause"
+        time.sleep(0.02)
+
+
+def _kill(procs: list[subprocess.Popen[str]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+
+def _listing(folder: Path) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()}
+
+
+def test_a_second_run_on_the_same_output_is_refused(ws3_ckpt: Sample, tmp_path: Path, pause: tuple[dict[str, str], Path]) -> None:
+    env, folder = pause
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    out = outdir / "full.pt"
+    args = ["consolidate", str(ws3_ckpt.checkpoint), str(out)]
+    first = _start(args, env)
+    try:
+        _wait_paused(folder, [first], 1)
+        before, lock_text = _listing(outdir), (outdir / ".full.pt.lock").read_text()
+        assert {".full.pt.lock", ".full.tmp-local.pt"} <= set(before)
+        second = _run(args)
+        assert second.returncode == 4, second.stderr
+        assert second.stdout == ""
+        assert second.stderr.splitlines() == [
+            f"error: {out} is being written by pid {first.pid} on {socket.gethostname()} (lock .full.pt.lock); "
+            "wait for it, or remove the lock if that process is gone"
+        ]
+        assert _listing(outdir) == before and (outdir / ".full.pt.lock").read_text() == lock_text  # touched nothing
+        (folder / "go").touch()
+        stdout, stderr = first.communicate(timeout=WAIT_S)
+    finally:
+        _kill([first])
+    assert first.returncode == 0, stderr
+    single = tmp_path / "single.pt"
+    fsdp_convert.consolidate(ws3_ckpt.checkpoint, single, nproc=1)
+    assert out.read_bytes() == single.read_bytes()
+    assert sorted(p.name for p in outdir.iterdir()) == ["full.pt"]  # no lock, no temporary left
+
+
+def _node(node_rank: int, port: int, run_id: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    cluster = ["--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", "1"]
+    return _start([*args, *cluster, "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id], env)
+
+
+def test_a_multi_node_job_shares_its_lock_and_refuses_another_job(
+    ws3_ckpt: Sample, tmp_path: Path, pause: tuple[dict[str, str], Path]
+) -> None:
+    """Two agents of job-a both get past the lock (each pauses in its worker, output files open);
+    a node of job-b on the same OUT is refused at once, before its rendezvous."""
+    env, folder = pause
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    out = outdir / "full.pt"
+    args = ["consolidate", str(ws3_ckpt.checkpoint), str(out)]
+    port = free_port()
+    nodes = [_node(rank, port, "job-a", args, env) for rank in (0, 1)]
+    try:
+        _wait_paused(folder, nodes, 2)
+        assert {".full.pt.lock", ".full.tmp-rdzv-job-a.pt"} <= set(_listing(outdir))
+        holder = (outdir / ".full.pt.lock").read_text().split()
+        assert holder[3] == "rdzv-job-a" and int(holder[1]) in {n.pid for n in nodes}
+        other = _node(0, free_port(), "job-b", args, ENV)
+        _, stderr = other.communicate(timeout=WAIT_S)
+        assert other.returncode == 4, stderr
+        assert stderr.splitlines() == [
+            f"error: {out} is being written by pid {holder[1]} on {socket.gethostname()} (lock .full.pt.lock); "
+            "wait for it, or remove the lock if that process is gone"
+        ]
+        (folder / "go").touch()
+        results = [node.communicate(timeout=WAIT_S) for node in nodes]
+    finally:
+        _kill(nodes)
+    for node, (_, stderr) in zip(nodes, results, strict=True):
+        assert node.returncode == 0, stderr
+    single = tmp_path / "single.pt"
+    fsdp_convert.consolidate(ws3_ckpt.checkpoint, single, nproc=1)
+    assert out.read_bytes() == single.read_bytes()
+    assert sorted(p.name for p in outdir.iterdir()) == ["full.pt"]
+
+
+def test_a_killed_runs_temporary_is_reported_and_its_lock_taken_over(
+    ws3_ckpt: Sample, tmp_path: Path, pause: tuple[dict[str, str], Path]
+) -> None:
+    env, folder = pause
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    out, tmp, lock = outdir / "full.pt", outdir / ".full.tmp-local.pt", outdir / ".full.pt.lock"
+    args = ["consolidate", str(ws3_ckpt.checkpoint), str(out)]
+    killed = _start(args, env)
+    try:
+        _wait_paused(folder, [killed], 1)
+    finally:
+        _kill([killed])  # SIGKILL mid-write: its flock goes with it, its files stay
+    before = _listing(outdir)
+    assert {lock.name, tmp.name} <= set(before)
+    stale_lock = lock.read_text()
+
+    again = _run(args)
+    assert again.returncode == 4, again.stderr
+    lines = again.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {tmp} is left from an earlier run writing full.pt ("), lines
+    assert lines[0].endswith(" s old); pass --resume to continue it, or remove it"), lines
+    after = _listing(outdir)
+    assert lock.name not in after  # the dead run's lock taken over silently, then let go
+    assert after == {name: seen for name, seen in before.items() if name != lock.name}  # the rest left alone
+
+    for left in outdir.iterdir():
+        shutil.rmtree(left) if left.is_dir() else left.unlink()
+    lock.write_text(stale_lock)  # the killed run's lock alone: its holder is gone, so it is taken over silently
+    done = _run(args)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    single = tmp_path / "single.pt"
+    fsdp_convert.consolidate(ws3_ckpt.checkpoint, single, nproc=1)
+    assert out.read_bytes() == single.read_bytes()
+    assert sorted(p.name for p in outdir.iterdir()) == ["full.pt"]
