@@ -40,6 +40,7 @@ __all__ = [
     "default_nproc",
     "mover_buffers",
     "plan_consolidate",
+    "output_bytes",
 ]
 
 OutputFormat = Literal["torch_save", "safetensors", "hf_dir"]
@@ -51,6 +52,7 @@ MIN_BYTES_PER_WORKER = 2 << 30  # below this a worker's start-up (forkserver, la
 THREADS_PER_WORKER = 2  # mover threads per process: one's read overlaps the other's write
 MAX_PIECE_BYTES = 32 << 20  # larger buffers than this gain nothing per read or write
 MIN_PIECE_BYTES = 64 << 10
+RECORD_TAIL_BYTES = 256  # per torch.save item, past its storage: its data.pkl share, zip headers, central directory
 STRIPE_BYTES = 64 << 20  # workers take turns at stripes of the output this long
 
 
@@ -356,3 +358,21 @@ def plan_consolidate(
         piece_bytes=piece_bytes,
         drop_cache=ram_bytes is not None and total > ram_bytes // 2,
     )
+
+
+def output_bytes(plan: WorkPlan) -> int:
+    """The consolidated output's size, in bytes, from its layout (known before any data is read).
+
+    A safetensors file ends with its last tensor; a torch.save file's storages are followed by
+    ``data.pkl`` (the values, each at most its payload size) and the zip's central directory,
+    counted as ``RECORD_TAIL_BYTES`` per item, so the estimate is a few bytes per item high, never low.
+    A folder's ``model.safetensors.index.json`` and copied HF assets are not counted (small).
+    """
+    total = 0
+    for file in plan.files:
+        ends = [o + plan.items[i].nbytes for i, o in zip(file.item_ids, file.data_offsets, strict=True) if o is not None]
+        size = max(ends, default=len(file.header))
+        if file.output_format == "torch_save":
+            size += sum(RECORD_TAIL_BYTES + (0 if plan.items[i].is_tensor else plan.items[i].nbytes) for i in file.item_ids)
+        total += size
+    return total

@@ -154,6 +154,16 @@ LoraROpt = Annotated[
 ]
 
 
+NoSpaceCheckOpt = Annotated[
+    bool,
+    typer.Option(
+        "--no-space-check",
+        help="Skip checking, before anything is read, that OUT fits in the free space where its temporary is written "
+        "(for an fsspec URL: the local staging folder, under TMPDIR).",
+    ),
+]
+
+
 def _with_lora(
     options: TransformOptions, merge: bool, only: bool, config: str | None, alpha: float | None, r: int | None
 ) -> TransformOptions:
@@ -212,6 +222,7 @@ def consolidate_command(
     memory_budget: MemoryBudgetOpt = "256MiB",
     max_shard_size: MaxShardSizeOpt = "50GB",
     no_crc: NoCrcOpt = False,
+    no_space_check: NoSpaceCheckOpt = False,
     verify_output: Annotated[
         bool,
         typer.Option("--verify", help="Read the output back and compare it with the checkpoint before moving it in place."),
@@ -243,6 +254,7 @@ def consolidate_command(
             memory_budget_bytes=parse_size(memory_budget),
             max_shard_bytes=parse_size(max_shard_size),
             check_crc=not no_crc,
+            space_check=not no_space_check,
             verify_output=verify_output,
             progress=show_progress,
             cluster=cluster,

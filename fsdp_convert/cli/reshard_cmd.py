@@ -83,6 +83,16 @@ CompressOpt = Annotated[
 ]
 
 
+NoSpaceCheckOpt = Annotated[
+    bool,
+    typer.Option(
+        "--no-space-check",
+        help="Skip checking, before anything is read, that OUT fits in the free space where its temporary is written "
+        "(for an fsspec URL: the local staging folder, under TMPDIR).",
+    ),
+]
+
+
 def reshard(*args: Any, **kwargs: Any) -> ReshardResult:
     """``ops.reshard.reshard``, imported on first call, so ``--help`` and ``--version`` start without torch."""
     from fsdp_convert.ops.reshard import reshard as operation
@@ -108,6 +118,7 @@ def reshard_command(
     compress: CompressOpt = None,
     overwrite: OverwriteOpt = False,
     no_crc: NoCrcOpt = False,
+    no_space_check: NoSpaceCheckOpt = False,
     json_output: JsonOpt = False,
     nnodes: NnodesOpt = 1,
     node_rank: NodeRankOpt = 0,
@@ -128,6 +139,7 @@ def reshard_command(
             options=options,
             overwrite=overwrite,
             check_crc=not no_crc,
+            space_check=not no_space_check,
             cluster=cluster,
             compress=None if compress is None else compress.value,
         )

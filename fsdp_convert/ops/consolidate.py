@@ -39,6 +39,7 @@ from fsdp_convert.plan import (
     RequestedFormat,
     WorkPlan,
     groups_for,
+    output_bytes,
     plan_consolidate,
 )
 from fsdp_convert.plan import output_format as plan_output_format
@@ -46,6 +47,7 @@ from fsdp_convert.remote import local_output
 from fsdp_convert.transform import OutputItem, TransformOptions
 from fsdp_convert.writers import atomic_output
 from fsdp_convert.writers._atomic import LeaveToOwner, check_output_free, writing
+from fsdp_convert.writers._space import check_space
 from fsdp_convert.writers.hf_assets import open_hf_assets, tied_output_keys, weights_dtype, write_hf_assets
 from fsdp_convert.writers.safetensors import ShardFile, safetensors_name, write_hf_index
 from fsdp_convert.writers.torch_save import TensorSlot, write_torch_save_headers
@@ -243,6 +245,7 @@ def consolidate(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     check_crc: bool = True,
     verify_output: bool = False,
+    space_check: bool = True,
     progress: bool = False,
     cluster: Cluster | None = None,
     hf_assets: str | os.PathLike[str] | None = None,
@@ -290,6 +293,9 @@ def consolidate(
             their storage records) are read as they are.
         verify_output: read the written output back and compare it with the checkpoint (through
             the same transforms), key by key, before moving it into place.
+        space_check: before anything is read or created, check that the output's size from the plan
+            (``plan.output_bytes``) fits in the free space where its temporary is written (a URL's:
+            the local staging folder); ``--no-space-check`` turns it off.
         progress: show tqdm bars (bytes, rate, ETA) on stderr.
         cluster: torchrun's multi-node options; every node calls ``consolidate`` with the same
             arguments and ``nproc`` workers per node, and the output (on storage every node
@@ -312,7 +318,7 @@ def consolidate(
             or a Lightning ``meta.pt`` holding a tensor (``layout="nested"`` leaves it out).
         OutputExistsError: ``output`` exists and ``overwrite`` is false.
         MissingDataFileError, CorruptChunkError, CoverageError, ShapeMismatchError: bad data files.
-        OutputWriteError: the output cannot be written.
+        OutputWriteError: the output cannot be written, or (``space_check``) does not fit in the free space.
         WorkerFailedError: a worker died.
         VerificationError: ``verify_output`` found a difference (nothing is left at ``output``).
             ``verify_output`` with a computed tensor (a LoRA merge, whose float rounding depends on
@@ -356,6 +362,8 @@ def consolidate(
             cpus=len(os.sched_getaffinity(0)),
             ram_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         )
+        if space_check:
+            check_space(output, output_bytes(plan), directory=fmt == "hf_dir", tag=shared_tag(cluster), shown=shown)
         if lora is not None:
             files = tuple(dataclasses.replace(f, filename=ADAPTER_WEIGHTS_NAME) for f in plan.files)
             plan = dataclasses.replace(plan, files=files)

@@ -40,12 +40,13 @@ from fsdp_convert.items import prepare_items
 from fsdp_convert.launch import Cluster, WorkerGroup, job_world_size, run_ranks, shared_tag
 from fsdp_convert.layout import GROUPS
 from fsdp_convert.move import MoveJob, Piece, move_all, pwrite_all, range_crc
-from fsdp_convert.plan import DEFAULT_MEMORY_BUDGET_BYTES, default_nproc, mover_buffers
+from fsdp_convert.plan import DEFAULT_MEMORY_BUDGET_BYTES, RECORD_TAIL_BYTES, default_nproc, mover_buffers
 from fsdp_convert.remote import as_location, local_output
 from fsdp_convert.reshard_plan import PayloadPlan, ReshardPlan, plan_reshard, split_by_folder
 from fsdp_convert.transform import TransformOptions
 from fsdp_convert.writers import atomic_output
 from fsdp_convert.writers._atomic import LeaveToOwner, check_output_free, writing
+from fsdp_convert.writers._space import check_space
 from fsdp_convert.writers.dcp import MetadataEntry, StoredChunk, compress_data_files, rank_filename, require_zstd, write_metadata
 from fsdp_convert.writers.torch_save import TensorSlot, write_tensor_payload_headers
 
@@ -100,6 +101,7 @@ _ACCELERATE_SHARED_RE = re.compile(r"^((scheduler|sampler)(_\d+)?\.bin|scaler\.p
 # accelerate's per-rank RNG states: pickles of the old ranks' generators (and accelerator.step)
 _ACCELERATE_RNG_RE = re.compile(r"^random_states_\d+\.pkl$")
 _DATA_FILE_RE = re.compile(r"^__\d+_\d+\.distcp$")  # a data file, even one .metadata names no payload in
+_METADATA_BYTES_PER_CHUNK = 512  # .metadata per chunk (its FQN, offsets, sizes, where it lies): about 250 bytes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -278,6 +280,26 @@ def _write_index(folder: Path, plan: ReshardPlan, values: list[StoredChunk], ver
     write_metadata(folder, entries, rows, version)
 
 
+def _output_bytes(plans: tuple[tuple[str, ReshardPlan], ...], root: Location, copied: tuple[str, ...]) -> int:
+    """The resharded output's size, in bytes, from its plans (known before any data is read).
+
+    Every rank file as laid out, the values rank 0 appends, ``.metadata`` (``_METADATA_BYTES_PER_CHUNK``
+    per chunk, an estimate on the high side) and the files copied beside.
+    """
+    total = 0
+    for _, plan in plans:
+        ends = dict.fromkeys(plan.data_ranks, 0)
+        for p in plan.payloads:
+            ends[p.chunk.rank] = max(ends[p.chunk.rank], p.offset + p.layout.size)
+        values = [item for item in plan.items if not item.is_tensor]
+        if values:
+            ends[0] = plan.values_offset + sum(item.nbytes + RECORD_TAIL_BYTES for item in values)
+        total += sum(ends.values()) + _METADATA_BYTES_PER_CHUNK * (sum(len(c) for c in plan.chunks) + 1)
+    if isinstance(root, Path):
+        total += sum((root / name).stat().st_size for name in copied)
+    return total
+
+
 def reshard(
     checkpoint_id: str | os.PathLike[str],
     output: str | os.PathLike[str],
@@ -286,6 +308,7 @@ def reshard(
     nproc: int | None = None,
     options: TransformOptions | None = None,
     overwrite: bool = False,
+    space_check: bool = True,
     check_crc: bool = True,
     cluster: Cluster | None = None,
     compress: Literal["zstd"] | None = None,
@@ -320,6 +343,9 @@ def reshard(
             nesting (``{"model": ..., "optim": ...}``, torchtitan's top-level weights...), so the
             producer's own loader reads it.
         overwrite: replace an existing ``output`` (at the final rename only).
+        space_check: check the output's size from the plan (every rank file, ``.metadata``, the files
+            copied beside) against the free space where its temporary is written, before anything
+            is read or created; an output compressed with ``compress`` is counted uncompressed (as it is laid out).
         check_crc: check CRC-32s of the source payloads.
         cluster: torchrun's multi-node options, as for ``consolidate``; rank 0's node writes ``.metadata``.
         compress: ``"zstd"``: every payload a zstd stream (``stream.zstd/1``), as
@@ -350,6 +376,9 @@ def reshard(
         parts = split_by_folder(items)
         plans = tuple((sub, plan_reshard(index, part, world_size, nproc=workers)) for sub, part in parts)
         beside = _files_beside(index, tuple(sub for sub, _ in parts if sub))
+        if space_check:
+            needed = _output_bytes(plans, index.checkpoint_id, beside.copied)
+            check_space(output, needed, directory=True, tag=shared_tag(cluster), shown=shown)
         owner, file_bytes = False, 0
         with atomic_output(output, overwrite=overwrite, directory=True, tag=shared_tag(cluster)) as tmp:
             job = _ReshardJob(checkpoint_id=index.checkpoint_id, plans=plans, tmp_output=tmp, check_crc=check_crc)

@@ -10,18 +10,22 @@ and waits for a ``go`` file. The package itself has no test hook.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 import fsdp_convert
+from fsdp_convert.cli import app
 from tests._dist import free_port
 from tests._samples import Sample
 
@@ -206,3 +210,99 @@ def test_a_killed_runs_temporary_is_reported_and_its_lock_taken_over(
     fsdp_convert.consolidate(ws3_ckpt.checkpoint, single, nproc=1)
     assert out.read_bytes() == single.read_bytes()
     assert sorted(p.name for p in outdir.iterdir()) == ["full.pt"]
+
+
+class _Statvfs:
+    """What ``os.statvfs`` returns, as far as the space check reads it."""
+
+    def __init__(self, free_bytes: int) -> None:
+        self.f_frsize = 4096
+        self.f_bavail = free_bytes // self.f_frsize
+
+
+FREE_BYTES = 40960  # "41.0 kB"; every output of the sample is larger
+SPACE_CASES = {  # command, output name, temporary name, extra options
+    "consolidate-pt": ("consolidate", "full.pt", ".full.tmp-local.pt", []),
+    "consolidate-hf": ("consolidate", "hf", ".hf.tmp-local", ["--only", "model"]),
+    "reshard": ("reshard", "resharded", ".resharded.tmp-local", ["--world-size", "2"]),
+}
+
+
+def _no_space_line(shown: str, where: str, why: str) -> str:
+    return (
+        rf"error: cannot write {re.escape(shown)}: No space left on device: it needs [\d.]+ [kMG]?B but "
+        rf"{re.escape(where)} has [\d.]+ [kMG]?B free \({re.escape(why)}\); free space or pass --no-space-check"
+    )
+
+
+def _reads(logs: Path) -> list[str]:
+    return [line for log in logs.iterdir() for line in log.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("case", sorted(SPACE_CASES))
+def test_the_space_check_fails_before_any_read(
+    case: str, runner: CliRunner, ws3_ckpt: Sample, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    command, name, tmp_name, extra = SPACE_CASES[case]
+    logs, outdir = tmp_path / "reads", tmp_path / "out"
+    logs.mkdir()
+    outdir.mkdir()
+    out = outdir / name
+    monkeypatch.setenv("FSDP_CONVERT_READ_LOG", str(logs))
+    monkeypatch.setattr(os, "statvfs", lambda path: _Statvfs(FREE_BYTES))
+    result = runner.invoke(app, [command, str(ws3_ckpt.checkpoint), str(out), *extra])
+    assert result.exit_code == 1, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and re.fullmatch(
+        _no_space_line(str(out), str(outdir), f"its temporary {tmp_name} is written there"), lines[0]
+    )
+    assert "41.0 kB free" in lines[0]
+    assert list(outdir.iterdir()) == [] and _reads(logs) == []  # nothing created, nothing read
+
+    result = runner.invoke(app, [command, str(ws3_ckpt.checkpoint), str(out), *extra, "--no-space-check"])
+    assert result.exit_code == 0, result.stderr
+    assert [p.name for p in outdir.iterdir()] == [name] and _reads(logs)
+
+
+def test_the_space_check_counts_a_remote_outputs_staging_folder(
+    runner: CliRunner, ws3_ckpt: Sample, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(staging))
+    monkeypatch.setattr(os, "statvfs", lambda path: _Statvfs(FREE_BYTES))
+    url = f"memory://one-writer-{os.getpid()}/full.pt"
+    result = runner.invoke(app, ["consolidate", str(ws3_ckpt.checkpoint), url])
+    assert result.exit_code == 1, result.stderr
+    lines = result.stderr.splitlines()
+    why = "its local copy is written there, then uploaded; set TMPDIR to a larger folder"
+    assert len(lines) == 1 and re.fullmatch(
+        _no_space_line(url, str(staging), why).replace(
+            re.escape(str(staging)), re.escape(str(staging)) + r"/fsdp-convert-upload-\w+"
+        ),
+        lines[0],
+    ), lines
+    assert list(staging.iterdir()) == []  # the staging folder removed
+
+
+def test_the_space_check_on_a_full_tmpfs(ws3_ckpt: Sample, tmp_path: Path) -> None:
+    """A real 64 KiB tmpfs (root only): the run fails at once, reads nothing and leaves the filesystem empty."""
+    mount, logs = tmp_path / "tiny", tmp_path / "reads"
+    mount.mkdir()
+    logs.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a 64 KiB tmpfs needs root; the monkeypatched statvfs variant ran instead")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}); the monkeypatched statvfs variant ran instead")
+    try:
+        out = mount / "full.pt"
+        run = _run(["consolidate", str(ws3_ckpt.checkpoint), str(out)], {**ENV, "FSDP_CONVERT_READ_LOG": str(logs)})
+        assert run.returncode == 1, run.stderr
+        lines = run.stderr.splitlines()
+        assert len(lines) == 1 and re.fullmatch(
+            _no_space_line(str(out), str(mount), "its temporary .full.tmp-local.pt is written there"), lines[0]
+        )
+        assert list(mount.iterdir()) == [] and _reads(logs) == []
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
