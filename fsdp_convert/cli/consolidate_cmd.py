@@ -154,6 +154,16 @@ LoraROpt = Annotated[
 ]
 
 
+ResumeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--resume",
+        help="Finish the interrupted run's temporary of OUT (.OUT.tmp-local after a crash, SIGKILL or preemption): "
+        "run with the same arguments; what it wrote and fsynced is checked by CRC-32 and kept, the rest written.",
+    ),
+]
+
+
 NoSpaceCheckOpt = Annotated[
     bool,
     typer.Option(
@@ -219,6 +229,7 @@ def consolidate_command(
     lora_alpha: LoraAlphaOpt = None,
     lora_r: LoraROpt = None,
     overwrite: OverwriteOpt = False,
+    resume: ResumeOpt = False,
     memory_budget: MemoryBudgetOpt = "256MiB",
     max_shard_size: MaxShardSizeOpt = "50GB",
     no_crc: NoCrcOpt = False,
@@ -251,6 +262,7 @@ def consolidate_command(
             options=options,
             output_format=output_format.value,
             overwrite=overwrite,
+            resume=resume,
             memory_budget_bytes=parse_size(memory_budget),
             max_shard_bytes=parse_size(max_shard_size),
             check_crc=not no_crc,

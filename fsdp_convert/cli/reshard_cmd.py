@@ -83,6 +83,16 @@ CompressOpt = Annotated[
 ]
 
 
+ResumeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--resume",
+        help="Finish the interrupted run's temporary of OUT (.OUT.tmp-local after a crash, SIGKILL or preemption): "
+        "run with the same arguments; what it wrote and fsynced is checked by CRC-32 and kept, the rest written.",
+    ),
+]
+
+
 NoSpaceCheckOpt = Annotated[
     bool,
     typer.Option(
@@ -117,6 +127,7 @@ def reshard_command(
     adapter_option: AdapterOptionOpt = None,
     compress: CompressOpt = None,
     overwrite: OverwriteOpt = False,
+    resume: ResumeOpt = False,
     no_crc: NoCrcOpt = False,
     no_space_check: NoSpaceCheckOpt = False,
     json_output: JsonOpt = False,
@@ -138,6 +149,7 @@ def reshard_command(
             nproc=nproc,
             options=options,
             overwrite=overwrite,
+            resume=resume,
             check_crc=not no_crc,
             space_check=not no_space_check,
             cluster=cluster,

@@ -44,9 +44,11 @@ from fsdp_convert.plan import (
 )
 from fsdp_convert.plan import output_format as plan_output_format
 from fsdp_convert.remote import local_output
+from fsdp_convert.resume import Kept, consolidate_fingerprint, follow_temporary, record_logger, resumable, skip_kept
+from fsdp_convert.resume import start as start_manifest
 from fsdp_convert.transform import OutputItem, TransformOptions
 from fsdp_convert.writers import atomic_output
-from fsdp_convert.writers._atomic import LeaveToOwner, check_output_free, writing
+from fsdp_convert.writers._atomic import LeaveToOwner, check_output_free, temporary_path, writing
 from fsdp_convert.writers._space import check_space
 from fsdp_convert.writers.hf_assets import open_hf_assets, tied_output_keys, weights_dtype, write_hf_assets
 from fsdp_convert.writers.safetensors import ShardFile, safetensors_name, write_hf_index
@@ -93,6 +95,7 @@ class _ConsolidateJob:
     tmp_output: Path
     progress: bool
     check_crc: bool
+    kept: Kept | None = None  # records kept from an interrupted run; None: no manifest (multi-node)
 
 
 def _bar(desc: str, total: int, enabled: bool, position: int) -> tqdm:
@@ -191,11 +194,18 @@ def _consolidate_rank(job: _ConsolidateJob, rank: int, world_size: int, group: W
     with writing(job.tmp_output), ExitStack() as stack:
         fds = _open_files(job, rank, stack)
         jobs = _move_jobs(job, rank, fds)
+        skipped: list[tuple[MoveJob, Piece]] = []
+        log: Any = None
+        if job.kept is not None:  # a resumable output: skip the records kept, log the others once fsynced
+            jobs, skipped = skip_kept(jobs, job.kept)
+            log = record_logger(job.tmp_output, rank, {f: x.filename or "" for f, x in enumerate(plan.files)}, stack)
         desc = "write" if plan.nproc == 1 else f"write (rank 0's share; {plan.nproc} workers)"
         bar = stack.enter_context(_bar(desc, sum(j.nbytes for j in jobs), job.progress and rank == 0, 0))
         lock = threading.Lock()
 
-        def done(moved: MoveJob, _: list[Piece]) -> None:
+        def done(moved: MoveJob, written: list[Piece]) -> None:
+            if log is not None:
+                log(moved, written)
             with lock:
                 bar.update(moved.nbytes)
 
@@ -207,6 +217,7 @@ def _consolidate_rank(job: _ConsolidateJob, rank: int, world_size: int, group: W
             drop_cache=plan.drop_cache,
             on_done=done,
         )
+        pieces += [piece for _, piece in skipped]
         for fd in fds:
             os.fsync(fd)
         rows = [[p.file, p.offset, p.nbytes, p.crc32] for p in pieces]
@@ -249,6 +260,7 @@ def consolidate(
     progress: bool = False,
     cluster: Cluster | None = None,
     hf_assets: str | os.PathLike[str] | None = None,
+    resume: bool = False,
 ) -> ConsolidateResult:
     """Write a DCP checkpoint as one full (unsharded) state dict: a file, or a folder of shards.
 
@@ -305,6 +317,8 @@ def consolidate(
             tokenizer files are copied beside a folder output's shards (``writers.hf_assets``), so
             ``from_pretrained`` loads it; ``lm_head.weight`` is left out when the config ties it,
             and the config's dtype follows the weights written.
+        resume: finish the interrupted run's temporary output (``resume``): its manifest must match
+            this plan; records whose bytes read back with their CRC-32 are kept, the rest written.
 
     Returns:
         What was written (``owner`` False on the processes that did not write).
@@ -368,9 +382,16 @@ def consolidate(
             files = tuple(dataclasses.replace(f, filename=ADAPTER_WEIGHTS_NAME) for f in plan.files)
             plan = dataclasses.replace(plan, files=files)
         owner = True
-        with atomic_output(output, overwrite=overwrite, directory=fmt == "hf_dir", tag=shared_tag(cluster)) as tmp:
+        if resume and shared:
+            raise InvalidOptionError("--resume works on one node; a multi-node or torchrun job writes no manifest")
+        fingerprint = None if shared else consolidate_fingerprint(index, plan)
+        if fingerprint is not None and resume:  # checked before anything is touched
+            resume = resumable(temporary_path(output, None, directory=fmt == "hf_dir"), fingerprint)
+        temporary = atomic_output(output, overwrite=overwrite, directory=fmt == "hf_dir", tag=shared_tag(cluster), resume=resume)
+        with follow_temporary(temporary) as tmp:
+            kept = None if fingerprint is None else start_manifest(tmp, fingerprint, resume=resume)
             job = _ConsolidateJob(
-                checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, progress=progress, check_crc=check_crc
+                checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, progress=progress, check_crc=check_crc, kept=kept
             )
             owner, file_bytes = run_ranks(_consolidate_rank, job, plan.nproc, cluster)
             if not owner:

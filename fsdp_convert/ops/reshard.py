@@ -43,9 +43,19 @@ from fsdp_convert.move import MoveJob, Piece, move_all, pwrite_all, range_crc
 from fsdp_convert.plan import DEFAULT_MEMORY_BUDGET_BYTES, RECORD_TAIL_BYTES, default_nproc, mover_buffers
 from fsdp_convert.remote import as_location, local_output
 from fsdp_convert.reshard_plan import PayloadPlan, ReshardPlan, plan_reshard, split_by_folder
+from fsdp_convert.resume import (
+    Kept,
+    follow_temporary,
+    record_logger,
+    reshard_fingerprint,
+    reshard_layout,
+    resumable,
+    skip_kept,
+)
+from fsdp_convert.resume import start as start_manifest
 from fsdp_convert.transform import TransformOptions
 from fsdp_convert.writers import atomic_output
-from fsdp_convert.writers._atomic import LeaveToOwner, check_output_free, writing
+from fsdp_convert.writers._atomic import LeaveToOwner, check_output_free, temporary_path, writing
 from fsdp_convert.writers._space import check_space
 from fsdp_convert.writers.dcp import MetadataEntry, StoredChunk, compress_data_files, rank_filename, require_zstd, write_metadata
 from fsdp_convert.writers.torch_save import TensorSlot, write_tensor_payload_headers
@@ -93,6 +103,7 @@ class _ReshardJob:
     plans: tuple[tuple[str, ReshardPlan], ...]  # (folder relative to the output, its plan)
     tmp_output: Path
     check_crc: bool
+    kept: Kept | None = None  # records kept from an interrupted run; None: no manifest (multi-node)
 
 
 # accelerate's save_state files that hold the same at any world size (written by the main process
@@ -232,16 +243,27 @@ def _reshard_rank(
                     move = _move_job(plan, payload, fds[p, rank], file=p * plan.target_world_size + rank)
                     mine[(move.file, move.offset)] = (move, payload)
 
-        def write_headers(moved: MoveJob, pieces: list[Piece]) -> None:
+        def headers(moved: MoveJob, pieces: list[Piece]) -> None:
             payload = mine[(moved.file, moved.offset)][1]
             crc = range_crc(moved.fd, {p.offset: p for p in pieces}, moved.offset, moved.nbytes)
             slot = TensorSlot(moved.dtype, payload.chunk.sizes)
             write_tensor_payload_headers(moved.fd, payload.offset, slot, crc)
 
+        todo, write_headers = [move for move, _ in mine.values()], headers
+        if job.kept is not None:  # a resumable output: skip the records kept (their headers rewritten), log the others
+            todo, skipped = skip_kept(todo, job.kept)
+            for moved, piece in skipped:
+                headers(moved, [piece])
+            log = record_logger(job.tmp_output, worker, reshard_layout(job.plans).names, stack)
+
+            def write_headers(moved: MoveJob, pieces: list[Piece]) -> None:
+                headers(moved, pieces)
+                log(moved, pieces)
+
         threads, piece_bytes = mover_buffers(DEFAULT_MEMORY_BUDGET_BYTES)
         move_all(
             partial(open_reader, job.checkpoint_id, check_crc=job.check_crc, full_files=True),
-            [move for move, _ in mine.values()],
+            todo,
             threads=threads,
             piece_bytes=piece_bytes,
             on_done=write_headers,
@@ -312,6 +334,7 @@ def reshard(
     check_crc: bool = True,
     cluster: Cluster | None = None,
     compress: Literal["zstd"] | None = None,
+    resume: bool = False,
 ) -> ReshardResult:
     """Lay a checkpoint out for ``world_size`` ranks: a new DCP folder any DCP loader reads.
 
@@ -353,6 +376,7 @@ def reshard(
             rank files payload by payload before ``.metadata`` (``writers.dcp.compress_data_files``;
             with several nodes the output's filesystem must be shared). None (default): uncompressed,
             whatever the source.
+        resume: finish the interrupted run's temporary output, as for ``consolidate`` (one node only).
 
     Raises:
         As ``consolidate``; InvalidOptionError for ``world_size < 1``, or ``compress="zstd"`` without
@@ -380,8 +404,16 @@ def reshard(
             needed = _output_bytes(plans, index.checkpoint_id, beside.copied)
             check_space(output, needed, directory=True, tag=shared_tag(cluster), shown=shown)
         owner, file_bytes = False, 0
-        with atomic_output(output, overwrite=overwrite, directory=True, tag=shared_tag(cluster)) as tmp:
-            job = _ReshardJob(checkpoint_id=index.checkpoint_id, plans=plans, tmp_output=tmp, check_crc=check_crc)
+        if resume and shared:
+            raise InvalidOptionError("--resume works on one node; a multi-node or torchrun job writes no manifest")
+        fingerprint = None if shared else reshard_fingerprint(index, plans, compress)
+        if fingerprint is not None and resume:  # checked before anything is touched
+            resume = resumable(temporary_path(output, None, directory=True), fingerprint)
+        with follow_temporary(
+            atomic_output(output, overwrite=overwrite, directory=True, tag=shared_tag(cluster), resume=resume)
+        ) as tmp:
+            kept = None if fingerprint is None else start_manifest(tmp, fingerprint, resume=resume)
+            job = _ReshardJob(checkpoint_id=index.checkpoint_id, plans=plans, tmp_output=tmp, check_crc=check_crc, kept=kept)
             owner, values = run_ranks(_reshard_rank, job, workers, cluster)
             if not owner:
                 raise LeaveToOwner

@@ -1,0 +1,260 @@
+"""Resume stage: a plan's records and fingerprint, the manifest's life beside the temporary, and the jobs a resume skips.
+
+The output is laid out before any read (``plan``, ``reshard_plan``), so a record (a tensor's data
+in a consolidation, a payload's tensor bytes in a reshard) has the same byte range in every run
+of the same plan. Rank 0's process writes the manifest before any data (``start``); each worker
+logs a record once its bytes are written and fsynced (``record_logger``). ``--resume`` checks the
+manifest against the new plan, reads every logged record back and keeps those whose CRC-32
+matches (``resumable``, before the output is locked; then ``start``) and removes every other file of the temporary (index,
+``.metadata``, configs); the workers then skip the records kept (``skip_kept``) and rank 0
+rewrites every header, pickle, index and ``.metadata`` from the CRC-32s. The manifest format is
+in ``writers._manifest``.
+
+Single-node runs only: a multi-node or user-torchrun job (``launch.shared_tag``) writes no manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import math
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+
+from fsdp_convert.constants import METADATA_FILENAME
+from fsdp_convert.formats.index import CheckpointIndex
+from fsdp_convert.move import MoveJob, Piece, range_crc
+from fsdp_convert.plan import WorkPlan
+from fsdp_convert.reshard_plan import ReshardPlan
+from fsdp_convert.transform import OutputItem
+from fsdp_convert.writers._manifest import (
+    Record,
+    RecordLog,
+    check_manifest,
+    digest,
+    has_manifest,
+    kept_records,
+    remove_manifest,
+    start_manifest,
+)
+from fsdp_convert.writers.dcp import rank_filename
+
+__all__ = [
+    "Layout",
+    "Kept",
+    "consolidate_layout",
+    "reshard_layout",
+    "source_digest",
+    "start",
+    "follow_temporary",
+    "skip_kept",
+    "record_logger",
+    "options_of",
+    "Fingerprint",
+    "consolidate_fingerprint",
+    "reshard_fingerprint",
+    "resumable",
+]
+
+logger = logging.getLogger(__name__)
+
+Kept = dict[tuple[int, int], int]  # (file index, offset in bytes) -> CRC-32 of a record kept from an interrupted run
+
+
+class Layout:
+    """A plan's output files and records, by file index as the movers number them.
+
+    Attributes:
+        names: per file index, its name relative to the output (``""``: a file output itself).
+        sizes: per file name, the end of its laid-out data, in bytes.
+        records: per record, its file index and ``Record``.
+    """
+
+    def __init__(self, names: dict[int, str], sizes: dict[str, int], records: list[tuple[int, Record]]) -> None:
+        self.names, self.sizes, self.records = names, sizes, records
+
+
+def consolidate_layout(plan: WorkPlan) -> Layout:
+    """Every tensor of a consolidation plan as a record: ``(file, data offset, nbytes)``."""
+    names, sizes, records = {}, {}, []
+    for f, file in enumerate(plan.files):
+        names[f] = name = file.filename or ""
+        sizes[name] = 0
+        for i, offset in zip(file.item_ids, file.data_offsets, strict=True):
+            nbytes = plan.items[i].nbytes
+            if offset is not None and plan.items[i].is_tensor:
+                sizes[name] = max(sizes[name], offset + nbytes)
+                if nbytes:
+                    records.append((f, Record(name, offset, nbytes)))
+    return Layout(names, sizes, records)
+
+
+def reshard_layout(plans: tuple[tuple[str, ReshardPlan], ...]) -> Layout:
+    """Every payload of a reshard plan as a record: its tensor bytes in its rank file (numbered as ``ops.reshard``)."""
+    names, sizes, records = {}, {}, []
+    for p, (sub, plan) in enumerate(plans):
+        for rank in plan.data_ranks:
+            f = p * plan.target_world_size + rank
+            names[f] = f"{sub}/{rank_filename(rank)}" if sub else rank_filename(rank)
+            sizes[names[f]] = plan.values_offset if rank == 0 else 0
+        for payload in plan.payloads:
+            f = p * plan.target_world_size + payload.chunk.rank
+            item = plan.items[payload.item]
+            assert item.dtype is not None
+            nbytes = math.prod(payload.chunk.sizes) * item.dtype.itemsize
+            sizes[names[f]] = max(sizes[names[f]], payload.offset + payload.layout.size)
+            if nbytes:
+                records.append((f, Record(names[f], payload.offset + payload.layout.data_offset, nbytes)))
+    return Layout(names, sizes, records)
+
+
+def source_digest(index: CheckpointIndex, items: tuple[OutputItem, ...]) -> str:
+    """Digest of the checkpoint as read: its ``.metadata`` bytes (a local DCP folder) and every entry the items read."""
+    meta = b""
+    root = index.checkpoint_id
+    if isinstance(root, Path) and (root / METADATA_FILENAME).is_file():
+        meta = hashlib.sha256((root / METADATA_FILENAME).read_bytes()).digest()
+    return digest(meta, [(item.entry, item.sources) for item in items])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fingerprint:
+    """What a manifest says of its plan.
+
+    Attributes:
+        layout: the output files and records.
+        source: ``source_digest`` of the checkpoint.
+        options: digest of everything that changes the output's bytes.
+    """
+
+    layout: Layout
+    source: str
+    options: str
+
+    def check(self, tmp: Path) -> None:
+        """Raise unless ``tmp``'s manifest was written for this plan (``writers._manifest.check_manifest``)."""
+        records = [r for _, r in self.layout.records]
+        check_manifest(tmp, source=self.source, options=self.options, files=self.layout.sizes, records=records)
+
+
+def resumable(tmp: Path, fingerprint: Fingerprint) -> bool:
+    """Whether there is an interrupted run's temporary ``tmp`` to resume; read only, before the output is locked.
+
+    Returns:
+        False when there is nothing to resume (no temporary and no manifest): the run starts afresh.
+
+    Raises:
+        OutputWriteError: a temporary whose manifest is missing or differs from this plan (the
+            message names what differs); nothing is touched.
+    """
+    if not has_manifest(tmp) and not (tmp.is_file() or (tmp.is_dir() and any(tmp.iterdir()))):
+        logger.info("--resume: no interrupted run's output at %s; starting afresh", tmp)
+        return False
+    fingerprint.check(tmp)
+    return True
+
+
+def start(tmp: Path, fingerprint: Fingerprint, *, resume: bool) -> Kept:
+    """Rank 0's process, the output locked, before any worker starts: write a fresh manifest, or find the records kept.
+
+    Resuming (``resumable`` said so), the manifest is checked again, every other file of a folder
+    temporary (what rank 0 writes last) is removed, and every logged record is read back.
+
+    Returns:
+        The records kept (their bytes read back match their CRC-32), by (file index, offset); empty unless resuming.
+
+    Raises:
+        OutputWriteError: the manifest cannot be written, or (resuming) differs.
+    """
+    layout = fingerprint.layout
+    records = [r for _, r in layout.records]
+    if not resume:
+        start_manifest(tmp, source=fingerprint.source, options=fingerprint.options, files=layout.sizes, records=records)
+        return {}
+    fingerprint.check(tmp)
+    _remove_last_files(tmp, set(layout.sizes))
+    kept = kept_records(tmp, records, lambda name: tmp / name if name else tmp)
+    return {(f, r.offset): kept[r] for f, r in layout.records if r in kept}
+
+
+def _remove_last_files(tmp: Path, data_files: set[str]) -> None:
+    """Remove what rank 0 writes last in a folder output (index, ``.metadata``, configs, copies): it is all written again."""
+    if not tmp.is_dir():
+        return
+    for path in sorted(tmp.rglob("*"), reverse=True):  # files before their folders
+        if path.is_file() and path.relative_to(tmp).as_posix() not in data_files:
+            path.unlink()
+
+
+@contextlib.contextmanager
+def follow_temporary(temporary: AbstractContextManager[Path]) -> Iterator[Path]:
+    """Enter ``temporary`` (``writers.atomic_output``) and remove the manifest beside it once it is gone (renamed or removed).
+
+    A temporary left in place (a SIGKILL, a process leaving it to rank 0's) keeps its manifest; a
+    complete one loses it just before its rename (a crash between the two leaves a temporary that
+    ``--resume`` refuses, naming it).
+    """
+    tmp: Path | None = None
+    try:
+        with temporary as tmp:
+            yield tmp
+            remove_manifest(tmp)  # complete: the temporary is renamed next
+    finally:
+        if tmp is not None and not tmp.exists():
+            remove_manifest(tmp)
+
+
+def skip_kept(jobs: list[MoveJob], kept: Kept) -> tuple[list[MoveJob], list[tuple[MoveJob, Piece]]]:
+    """Split a worker's jobs into those to move and those kept, each kept job with one piece carrying its CRC-32."""
+    todo, done = [], []
+    for job in jobs:
+        crc = kept.get((job.file, job.offset))
+        if crc is None or job.nbytes == 0:
+            todo.append(job)
+        else:
+            done.append((job, Piece(job.file, job.offset, job.nbytes, crc)))
+    return todo, done
+
+
+def record_logger(
+    tmp: Path, writer: int, names: dict[int, str], stack: contextlib.ExitStack
+) -> Callable[[MoveJob, list[Piece]], None]:
+    """An ``on_done`` for ``move.move_all`` that logs each job as a record once its bytes are fsynced. Called on every worker.
+
+    The log is ``records-<writer>.jsonl`` in the manifest folder, closed with ``stack``.
+    """
+    log = RecordLog(tmp, str(writer))
+    stack.callback(log.close)
+    lock = threading.Lock()
+
+    def done(job: MoveJob, pieces: list[Piece]) -> None:
+        if job.nbytes == 0:
+            return
+        crc = range_crc(job.fd, {p.offset: p for p in pieces}, job.offset, job.nbytes)
+        with lock:
+            log.append(Record(names[job.file], job.offset, job.nbytes), crc, job.fd, job.entry.fqn)
+
+    return done
+
+
+def options_of(items: tuple[OutputItem, ...], *extra: object) -> object:
+    """What of the items changes the output's bytes (paths, dtypes, shapes, values, derivations), and ``extra``."""
+    return (extra, [(i.path, i.group, i.dtype, i.is_tensor and i.shape, i.constant, i.value, i.derived) for i in items])
+
+
+def consolidate_fingerprint(index: CheckpointIndex, plan: WorkPlan) -> Fingerprint:
+    """A consolidation's fingerprint: its layout, and its options (a LoRA merge's rounding depends on the buffer size)."""
+    combine = any(i.derived is not None and i.derived.combine is not None for i in plan.items)
+    options = options_of(plan.items, plan.output_format, plan.piece_bytes if combine else None)
+    return Fingerprint(layout=consolidate_layout(plan), source=source_digest(index, plan.items), options=digest(options))
+
+
+def reshard_fingerprint(index: CheckpointIndex, plans: tuple[tuple[str, ReshardPlan], ...], compress: str | None) -> Fingerprint:
+    """A reshard's fingerprint: its rank files' payloads, and its options (items, target world size, compression)."""
+    items = tuple(item for _, plan in plans for item in plan.items)
+    options = options_of(items, [(sub, plan.target_world_size) for sub, plan in plans], compress)
+    return Fingerprint(layout=reshard_layout(plans), source=source_digest(index, items), options=digest(options))

@@ -1,0 +1,268 @@
+"""Write stage, resumable outputs: the manifest beside a temporary output, saying what is safely written.
+
+A run whose output is laid out ahead (``plan``, ``reshard_plan``) writes, beside its temporary
+output (``.OUT.tmp-local``, ``.full.tmp-local.pt``), a folder named like it with ``manifest-`` for
+``tmp-`` (``.OUT.manifest-local``, ``.full.manifest-local.pt``; ``manifest_dir``) holding:
+
+- ``manifest.json``, written once before any data (write, fsync, rename, fsync the folder)::
+
+      {"version": 1,
+       "fingerprint": {"source": "<sha256>", "options": "<sha256>", "layout": "<sha256>"},
+       "files": {"<file name, '' for a file output>": <size in bytes>, ...},
+       "records": <number of records>}
+
+  ``source`` hashes the checkpoint's index (its ``.metadata`` or index file, and the entries
+  read), ``options`` what changes the output's bytes (transforms, dtypes, adapters, buffer size),
+  ``layout`` every output file's name and size and every record's ``(file, offset, length)``.
+- ``records-<writer>.jsonl``: one JSON line per record once its bytes are written *and fsynced*,
+  ``[file, offset, nbytes, crc32, fqn]`` (bytes, CRC-32 of the bytes, the source key it holds). Append-only, one file per
+  writing process (a worker rank), each line fsynced after its data: a SIGKILL of any process
+  loses at most the line being written, and a torn last line is ignored.
+
+A record is a byte range of an output file that one worker writes whole: a tensor's data in a
+consolidation, a payload's tensor bytes in a reshard. Headers, pickles, indexes and ``.metadata``
+(rank 0, last) are always rewritten on resume: they are small and derive from the records' CRC-32s.
+
+On resume, ``check_manifest`` compares the fingerprint with the new plan's and ``kept_records``
+reads every logged record back from the temporary and keeps only those whose CRC-32 matches, so
+a torn or corrupted write is redone, never trusted. JSON only: nothing here is unpickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import threading
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from fsdp_convert.errors import OutputWriteError
+
+__all__ = [
+    "MANIFEST_VERSION",
+    "Record",
+    "RecordLog",
+    "manifest_dir",
+    "has_manifest",
+    "digest",
+    "start_manifest",
+    "check_manifest",
+    "kept_records",
+    "remove_manifest",
+]
+
+MANIFEST_VERSION = 1
+_MANIFEST_FILENAME = "manifest.json"
+_READ_BYTES = 16 << 20  # records are read back in pieces of this size
+_ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+")  # object addresses in reprs differ between runs
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Record:
+    """A byte range of one output file that one writer writes whole.
+
+    Attributes:
+        file: the file's name relative to the output (``""``: a file output itself).
+        offset: where the range starts, in bytes.
+        nbytes: its length, in bytes.
+    """
+
+    file: str
+    offset: int
+    nbytes: int
+
+
+def manifest_dir(tmp: Path) -> Path:
+    """The manifest folder of temporary output ``tmp``: its sibling named with ``.manifest-`` for the last ``.tmp-``.
+
+    Not a temporary's name (``writers._atomic.temporaries``), so it is never taken for another run's temporary.
+    """
+    head, sep, tail = tmp.name.rpartition(".tmp-")
+    return tmp.parent / (f"{head}.manifest-{tail}" if sep else f"{tmp.name}.manifest")
+
+
+def has_manifest(tmp: Path) -> bool:
+    """Whether temporary output ``tmp`` has a manifest (its ``manifest.json``)."""
+    return (manifest_dir(tmp) / _MANIFEST_FILENAME).is_file()
+
+
+def digest(*parts: object) -> str:
+    """SHA-256 (hex) of the parts' reprs, object addresses removed (so it is the same in every run)."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(_ADDRESS_RE.sub("", repr(part)).encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _layout_digest(files: dict[str, int], records: Sequence[Record]) -> str:
+    return digest(sorted(files.items()), sorted(records))
+
+
+def _write_json(path: Path, obj: object) -> None:
+    """Write ``path`` whole or not at all: a sibling, fsynced, renamed over it, the folder fsynced."""
+    part = path.with_name(path.name + ".part")
+    with open(part, "w", encoding="utf-8") as f:
+        json.dump(obj, f, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def start_manifest(tmp: Path, *, source: str, options: str, files: dict[str, int], records: Sequence[Record]) -> None:
+    """Write a fresh manifest for temporary output ``tmp`` (any old one is removed first). Rank 0's process, before any data.
+
+    Args:
+        tmp: the temporary output (file or folder).
+        source: digest of the checkpoint's index (``digest``).
+        options: digest of what changes the output's bytes.
+        files: every output file's name (``""`` for a file output) and size, in bytes.
+        records: every record of the plan.
+
+    Raises:
+        OutputWriteError: the manifest cannot be written.
+    """
+    folder = manifest_dir(tmp)
+    try:
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        fingerprint = {"source": source, "options": options, "layout": _layout_digest(files, records)}
+        _write_json(
+            folder / _MANIFEST_FILENAME,
+            {"version": MANIFEST_VERSION, "fingerprint": fingerprint, "files": files, "records": len(records)},
+        )
+    except OSError as e:
+        raise OutputWriteError(f"cannot write {folder}: {e.strerror}") from e
+
+
+def check_manifest(tmp: Path, *, source: str, options: str, files: dict[str, int], records: Sequence[Record]) -> None:
+    """Check that ``tmp``'s manifest describes the same plan; touches nothing.
+
+    Args:
+        tmp: the interrupted run's temporary output.
+        source: the new plan's checkpoint digest (as for ``start_manifest``).
+        options: the new plan's options digest.
+        files: the new plan's files and sizes, in bytes.
+        records: the new plan's records.
+
+    Raises:
+        OutputWriteError: no readable manifest, or one that differs (the message names what:
+            the checkpoint, the options, or the output layout, with the first differing file).
+    """
+    path = manifest_dir(tmp) / _MANIFEST_FILENAME
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+        fingerprint, old_files = old["fingerprint"], old["files"]
+        if old["version"] != MANIFEST_VERSION:
+            raise ValueError(f"version {old['version']}")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise OutputWriteError(f"cannot resume {tmp}: no usable manifest at {path} ({e}); remove {tmp} and run again") from e
+    hint = f"rerun with the interrupted run's arguments, or remove {tmp} and run without --resume"
+    if fingerprint.get("source") != source:
+        raise OutputWriteError(f"cannot resume {tmp}: the checkpoint differs from the interrupted run's; {hint}")
+    if fingerprint.get("options") != options:
+        raise OutputWriteError(
+            f"cannot resume {tmp}: the options that change the output differ from the interrupted run's; {hint}"
+        )
+    if fingerprint.get("layout") != _layout_digest(files, records):
+        name = next((n for n in sorted(set(files) | set(old_files)) if files.get(n) != old_files.get(n)), None)
+        shown = name or "(the output file)"
+        what = f"{shown}: {old_files.get(name)} bytes then, {files.get(name)} now" if name is not None else "record offsets"
+        raise OutputWriteError(f"cannot resume {tmp}: the output layout differs ({what}); {hint}")
+
+
+def _logged(folder: Path) -> Iterable[tuple[Record, int]]:
+    """Every complete line of every records file (a torn last line, a SIGKILL mid-append, is skipped)."""
+    for log in sorted(folder.glob("records-*.jsonl")):
+        for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                file, offset, nbytes, crc, *_ = json.loads(line)
+                yield Record(str(file), int(offset), int(nbytes)), int(crc)
+            except (ValueError, TypeError):
+                continue
+
+
+def _crc_of(path: Path, offset: int, nbytes: int) -> int | None:
+    """CRC-32 of ``[offset, offset + nbytes)`` of ``path``, or None if the file is shorter or missing."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        crc, at = 0, offset
+        while at < offset + nbytes:
+            data = os.pread(fd, min(_READ_BYTES, offset + nbytes - at), at)
+            if not data:
+                return None
+            crc = zlib.crc32(data, crc)
+            at += len(data)
+        return crc
+    finally:
+        os.close(fd)
+
+
+def kept_records(tmp: Path, records: Sequence[Record], path_of: Callable[[str], Path]) -> dict[Record, int]:
+    """The records of ``records`` that ``tmp``'s logs list and whose bytes, read back, match their CRC-32.
+
+    Reads every logged record back once (``kept bytes`` of I/O).
+
+    Args:
+        tmp: the interrupted run's temporary output.
+        records: the new plan's records (logged ones not among them are ignored).
+        path_of: the file a record's ``file`` names inside ``tmp``.
+
+    Returns:
+        Each kept record's CRC-32.
+    """
+    wanted = set(records)
+    kept: dict[Record, int] = {}
+    for record, crc in _logged(manifest_dir(tmp)):
+        if record in wanted and record not in kept and _crc_of(path_of(record.file), record.offset, record.nbytes) == crc:
+            kept[record] = crc
+    return kept
+
+
+class RecordLog:
+    """One writer's append-only records file, ``records-<writer>.jsonl``; thread-safe.
+
+    Args:
+        tmp: the temporary output.
+        writer: the writing process's name in the file name (its worker rank).
+    """
+
+    def __init__(self, tmp: Path, writer: str) -> None:
+        self._lock = threading.Lock()
+        self._fd = os.open(manifest_dir(tmp) / f"records-{writer}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def append(self, record: Record, crc32: int, data_fd: int, fqn: str) -> None:
+        """Log ``record`` (``fqn``'s bytes) as written: fsync its file (``data_fd``), then append its line, fsynced.
+
+        Raises:
+            OSError: a write or fsync failed.
+        """
+        os.fdatasync(data_fd)
+        line = json.dumps([record.file, record.offset, record.nbytes, crc32, fqn]) + "\n"
+        with self._lock:
+            os.write(self._fd, line.encode())
+            os.fdatasync(self._fd)
+
+    def close(self) -> None:
+        """Close the log."""
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+
+def remove_manifest(tmp: Path) -> None:
+    """Remove ``tmp``'s manifest folder, if any (the output is complete, or its temporary is gone)."""
+    shutil.rmtree(manifest_dir(tmp), ignore_errors=True)
