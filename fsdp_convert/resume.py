@@ -19,7 +19,6 @@ import contextlib
 import hashlib
 import logging
 import math
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -229,14 +228,12 @@ def record_logger(
     """
     log = RecordLog(tmp, str(writer))
     stack.callback(log.close)
-    lock = threading.Lock()
 
     def done(job: MoveJob, pieces: list[Piece]) -> None:
         if job.nbytes == 0:
             return
         crc = range_crc(job.fd, {p.offset: p for p in pieces}, job.offset, job.nbytes)
-        with lock:
-            log.append(Record(names[job.file], job.offset, job.nbytes), crc, job.fd, job.entry.fqn)
+        log.append(Record(names[job.file], job.offset, job.nbytes), crc, job.fd, job.entry.fqn)  # thread-safe
 
     return done
 
