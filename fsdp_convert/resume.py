@@ -11,6 +11,11 @@ rewrites every header, pickle, index and ``.metadata`` from the CRC-32s. The man
 in ``writers._manifest``.
 
 Single-node runs only: a multi-node or user-torchrun job (``launch.shared_tag``) writes no manifest.
+
+A resumable run (one node, a local output) keeps its temporary and manifest when Ctrl-C,
+SIGTERM/SIGHUP or a failed or dead worker stops it once the manifest is written (``keeper``,
+``writers._atomic.KEPT_ON``), so a preemption that sends SIGTERM before SIGKILL leaves it to
+``--resume``; any other error removes it, as for every other run.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ from fsdp_convert.writers._manifest import (
     kept_records,
     remove_manifest,
     start_manifest,
+    written_bytes,
 )
+from fsdp_convert.writers._space import human_bytes
 from fsdp_convert.writers.dcp import rank_filename
 
 __all__ = [
@@ -57,6 +64,8 @@ __all__ = [
     "consolidate_fingerprint",
     "reshard_fingerprint",
     "resumable",
+    "keeper",
+    "keep_note",
 ]
 
 logger = logging.getLogger(__name__)
@@ -205,6 +214,27 @@ def follow_temporary(temporary: AbstractContextManager[Path]) -> Iterator[Path]:
     finally:
         if tmp is not None and not tmp.exists():
             remove_manifest(tmp)
+
+
+def keep_note(tmp: Path) -> str | None:
+    """A ``writers.atomic_output`` ``keep``: a temporary with a manifest is worth keeping; say so, with how much is written.
+
+    Returns:
+        ``the temporary PATH (1.2 GB of 3.4 GB written) is kept: ...``, or None without a manifest
+        (stopped before it was written: nothing to resume; the temporary is removed).
+    """
+    if not has_manifest(tmp):
+        return None
+    written, total = written_bytes(tmp)
+    return (
+        f"the temporary {tmp} ({human_bytes(written)} of {human_bytes(total)} written) is kept: "
+        "run again with --resume to finish it, or remove it"
+    )
+
+
+def keeper(fingerprint: Fingerprint | None, shown: object) -> Callable[[Path], str | None] | None:
+    """``keep_note`` for a resumable run (a manifest, a local output), else None (a staged upload's folder is removed anyway)."""
+    return keep_note if fingerprint is not None and isinstance(shown, Path) else None
 
 
 def skip_kept(jobs: list[MoveJob], kept: Kept) -> tuple[list[MoveJob], list[tuple[MoveJob, Piece]]]:

@@ -44,7 +44,7 @@ from fsdp_convert.plan import (
 )
 from fsdp_convert.plan import output_format as plan_output_format
 from fsdp_convert.remote import local_output
-from fsdp_convert.resume import Kept, consolidate_fingerprint, follow_temporary, record_logger, resumable, skip_kept
+from fsdp_convert.resume import Kept, consolidate_fingerprint, follow_temporary, keeper, record_logger, resumable, skip_kept
 from fsdp_convert.resume import start as start_manifest
 from fsdp_convert.transform import OutputItem, TransformOptions
 from fsdp_convert.writers import atomic_output
@@ -387,7 +387,9 @@ def consolidate(
         fingerprint = None if shared else consolidate_fingerprint(index, plan)
         if fingerprint is not None and resume:  # checked before anything is touched
             resume = resumable(temporary_path(output, None, directory=fmt == "hf_dir"), fingerprint)
-        temporary = atomic_output(output, overwrite=overwrite, directory=fmt == "hf_dir", tag=shared_tag(cluster), resume=resume)
+        keep = keeper(fingerprint, shown)  # a resumable run's temporary outlives a signal or a failed worker
+        tag = shared_tag(cluster)
+        temporary = atomic_output(output, overwrite=overwrite, directory=fmt == "hf_dir", tag=tag, resume=resume, keep=keep)
         with follow_temporary(temporary) as tmp:
             kept = None if fingerprint is None else start_manifest(tmp, fingerprint, resume=resume)
             job = _ConsolidateJob(

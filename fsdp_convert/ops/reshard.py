@@ -46,6 +46,7 @@ from fsdp_convert.reshard_plan import PayloadPlan, ReshardPlan, plan_reshard, sp
 from fsdp_convert.resume import (
     Kept,
     follow_temporary,
+    keeper,
     record_logger,
     reshard_fingerprint,
     reshard_layout,
@@ -409,8 +410,9 @@ def reshard(
         fingerprint = None if shared else reshard_fingerprint(index, plans, compress)
         if fingerprint is not None and resume:  # checked before anything is touched
             resume = resumable(temporary_path(output, None, directory=True), fingerprint)
+        keep = keeper(fingerprint, shown)  # a resumable run's temporary outlives a signal or a failed worker
         with follow_temporary(
-            atomic_output(output, overwrite=overwrite, directory=True, tag=shared_tag(cluster), resume=resume)
+            atomic_output(output, overwrite=overwrite, directory=True, tag=shared_tag(cluster), resume=resume, keep=keep)
         ) as tmp:
             kept = None if fingerprint is None else start_manifest(tmp, fingerprint, resume=resume)
             job = _ReshardJob(checkpoint_id=index.checkpoint_id, plans=plans, tmp_output=tmp, check_crc=check_crc, kept=kept)

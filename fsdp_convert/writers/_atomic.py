@@ -8,11 +8,17 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
-from fsdp_convert.errors import OutputExistsError, OutputWriteError, TemporaryExistsError
+from fsdp_convert.errors import (
+    OutputExistsError,
+    OutputWriteError,
+    TemporaryExistsError,
+    TerminatedError,
+    WorkerFailedError,
+)
 from fsdp_convert.writers._lock import acquire_lock
 
 __all__ = [
@@ -25,6 +31,8 @@ __all__ = [
     "temporary_path",
     "temporaries",
     "LOCAL_TAG",
+    "KEPT_ON",
+    "kept_note",
 ]
 
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG}
@@ -138,16 +146,49 @@ def check_no_temporary(output: Path, tmp: Path, *, directory: bool, resume: bool
         raise TemporaryExistsError(f"{left} is left from an earlier run writing {output.name} ({age} old); {how}")
 
 
+KEPT_ON = (KeyboardInterrupt, TerminatedError, WorkerFailedError)
+"""What may stop a run whose temporary is worth finishing: Ctrl-C, SIGTERM/SIGHUP, a failed or dead worker.
+
+Any other error (bad input, a failed verification, a failed write: no space, permission) removes it.
+"""
+
+
+def kept_note(exc: BaseException) -> str | None:
+    """What ``atomic_output`` said of the temporary it kept when ``exc`` stopped its block (for the error line), or None."""
+    note = getattr(exc, "kept_temporary", None)
+    return note if isinstance(note, str) else None
+
+
+def _keep(tmp: Path, exc: BaseException, keep: Callable[[Path], str | None] | None) -> bool:
+    """Whether to keep ``tmp`` after ``exc``: one of ``KEPT_ON``, and ``keep`` says why (the note set on ``exc``)."""
+    if keep is None or not isinstance(exc, KEPT_ON) or not tmp.exists():
+        return False
+    note = keep(tmp)
+    if note is None:
+        return False
+    setattr(exc, "kept_temporary", note)  # noqa: B010 (read back by kept_note)
+    return True
+
+
 @contextlib.contextmanager
 def atomic_output(
-    output: Path, *, overwrite: bool, directory: bool = False, tag: str | None = None, resume: bool = False
+    output: Path,
+    *,
+    overwrite: bool,
+    directory: bool = False,
+    tag: str | None = None,
+    resume: bool = False,
+    keep: Callable[[Path], str | None] | None = None,
 ) -> Iterator[Path]:
     """Yield a temporary sibling path; move it onto ``output`` if the block completes.
 
     For a file output the block creates the file at the yielded path; for a folder output
     (``directory=True``) the folder is created here and the block fills it. The block must flush
     and fsync what it writes. On any exception (KeyboardInterrupt included) the temporary is
-    removed and ``output`` is left untouched; an existing ``output`` is replaced only at the end
+    removed and ``output`` is left untouched, except that with ``keep`` (a resumable run) an
+    exception of ``KEPT_ON`` (Ctrl-C, SIGTERM/SIGHUP, a failed worker) keeps the temporary when
+    ``keep(tmp)`` returns a note (its manifest is written): the note is set on the exception
+    (``kept_note``) and the lock released. An existing ``output`` is replaced only at the end
     (a file by one ``os.replace``; a folder by moving the old one aside, renaming the new one into
     place, then deleting the old one).
 
@@ -206,8 +247,9 @@ def atomic_output(
         _remove(tmp)
         # name the output the user asked for, not its temporary sibling
         raise OutputWriteError(str(e).replace(str(tmp), str(output))) from e
-    except BaseException:
-        _remove(tmp)
+    except BaseException as e:
+        if not _keep(tmp, e, keep):
+            _remove(tmp)
         raise
     finally:
         lock.release(remove=remove_lock)

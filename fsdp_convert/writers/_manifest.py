@@ -55,6 +55,7 @@ __all__ = [
     "check_manifest",
     "kept_records",
     "remove_manifest",
+    "written_bytes",
 ]
 
 MANIFEST_VERSION = 1
@@ -261,6 +262,22 @@ class RecordLog:
         """Close the log."""
         with contextlib.suppress(OSError):
             os.close(self._fd)
+
+
+def written_bytes(tmp: Path) -> tuple[int, int]:
+    """How much of temporary output ``tmp`` is logged as written, and its planned size, in bytes (read only, no CRC check).
+
+    Returns:
+        (the logged records' bytes, each record once; the sum of the manifest's file sizes), or
+        (0, 0) without a readable manifest.
+    """
+    try:
+        files = json.loads((manifest_dir(tmp) / _MANIFEST_FILENAME).read_text(encoding="utf-8"))["files"]
+        total = sum(int(size) for size in files.values())
+        written = sum(record.nbytes for record in {record for record, _ in _logged(manifest_dir(tmp))})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 0, 0
+    return written, total
 
 
 def remove_manifest(tmp: Path) -> None:

@@ -40,19 +40,28 @@ import fsdp_convert.move as _move
 
 _AFTER = int(os.environ.get("RESUME_TEST_KILL_AFTER", "-1"))
 _AT = os.environ.get("RESUME_TEST_KILL_AT", "")
+_RANK = os.environ.get("RESUME_TEST_KILL_RANK")  # with KILL_AFTER: SIGKILL only this worker, not the group
+_TERM = int(os.environ.get("RESUME_TEST_TERM_AFTER", "-1"))  # SIGTERM this process (the CLI's) once, and go on
 _lock = threading.Lock()
 _moved = [0]
+_termed = [False]
 _pwrite_all = _move.pwrite_all
 
 
 def _kill():
+    if _RANK is not None:
+        os.kill(os.getpid(), signal.SIGKILL)
     os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
 def pwrite_all(fd, data, offset):
     with _lock:
         _moved[0] += len(data)
-        over = 0 <= _AFTER < _moved[0]
+        over = 0 <= _AFTER < _moved[0] and _RANK in (None, os.environ.get("RANK"))
+        term = 0 <= _TERM < _moved[0] and not _termed[0]
+        _termed[0] = _termed[0] or term
+    if term:
+        os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler's preemption does, before its SIGKILL
     if over:
         _pwrite_all(fd, memoryview(data)[: len(data) // 2], offset)  # half of it lands: a torn write
         _kill()
@@ -207,6 +216,37 @@ def _manifest(folder: Path) -> Path:
     return manifest
 
 
+def _resume_and_check(
+    case: str, argv: list[str], logged: dict[tuple[str, int, int], str], ref: Reference, folder: Path, *, nothing_missing: bool
+) -> tuple[int, int]:
+    """Rerun with ``--resume``: the output is identical, nothing is left beside it, and only missing records are read.
+
+    Returns:
+        The bytes read again, and the bytes an uninterrupted run reads.
+    """
+    out, ref_reads, _ = ref
+    resumed = _run([*argv, "--resume"], logs=folder / "resume-reads")
+    assert resumed.returncode == 0, resumed.stderr
+    _same_output(folder / CASES[case][1], out)
+    assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == [], "temporary, manifest or lock left"
+
+    reads = _reads(folder / "resume-reads")
+    read_fqns = {fqn for fqn, _ in reads}
+    ref_bytes: Counter[str] = Counter()
+    for fqn, nbytes in ref_reads:
+        ref_bytes[fqn] += nbytes
+    reread, full = sum(n for _, n in reads), sum(ref_bytes.values())
+    if nothing_missing:
+        assert reads == [], "every record was written and fsynced: nothing is read again"
+    # no more of a tensor is read again than a whole run reads of it, and less than a whole run in all
+    assert reread <= sum(ref_bytes[f] for f in read_fqns)
+    assert reread < full
+    if case != "reshard":  # a consolidation's record is a whole tensor: one kept is never read again
+        again_read = read_fqns & set(logged.values())
+        assert not again_read, f"read again though kept: {sorted(again_read)[:3]}"
+    return reread, full
+
+
 @pytest.mark.parametrize(
     ("case", "where", "nproc"),
     [
@@ -224,7 +264,6 @@ def _manifest(folder: Path) -> Path:
 def test_resume_after_sigkill_is_identical_and_reads_only_the_missing(
     case: str, where: float | str, nproc: int, ws3_ckpt: Sample, references: dict[str, Reference], hook: Path, tmp_path: Path
 ) -> None:
-    ref, ref_reads, _ = references[case]
     argv = _kill(case, where, nproc, ws3_ckpt, references[case], hook, tmp_path)
     logged = _logged(_manifest(tmp_path))
     assert logged, "the run was killed before it logged a record"
@@ -233,27 +272,46 @@ def test_resume_after_sigkill_is_identical_and_reads_only_the_missing(
         assert again.returncode == 4 and "--resume" in again.stderr, again.stderr
         assert _reads(tmp_path / "reads") == []
 
-    resumed = _run([*argv, "--resume"], logs=tmp_path / "resume-reads")
-    assert resumed.returncode == 0, resumed.stderr
-    _same_output(tmp_path / CASES[case][1], ref)
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "temporary, manifest or lock left"
-
-    reads = _reads(tmp_path / "resume-reads")
-    read_fqns = {fqn for fqn, _ in reads}
-    ref_bytes: Counter[str] = Counter()
-    for fqn, nbytes in ref_reads:
-        ref_bytes[fqn] += nbytes
-    reread, full = sum(n for _, n in reads), sum(ref_bytes.values())
-    if where == "last":
-        assert reads == [], "every record was written and fsynced: nothing is read again"
-    # no more of a tensor is read again than a whole run reads of it, and less than a whole run in all
-    assert reread <= sum(ref_bytes[f] for f in read_fqns)
-    assert reread < full
-    if case != "reshard":  # a consolidation's record is a whole tensor: one kept is never read again
-        again_read = read_fqns & set(logged.values())
-        assert not again_read, f"read again though kept: {sorted(again_read)[:3]}"
+    reread, full = _resume_and_check(case, argv, logged, references[case], tmp_path, nothing_missing=where == "last")
     row = f"{case} --nproc {nproc} at {where} | identical; {len(logged)} records kept | {reread} of {full} bytes read again"
     print(f"\n| SIGKILL | {row} |")
+
+
+@pytest.mark.parametrize("fault", ["SIGTERM", "dead worker"])
+def test_a_sigterm_or_a_dead_worker_keeps_the_temporary_and_resume_finishes_it(
+    fault: str, ws3_ckpt: Sample, references: dict[str, Reference], hook: Path, tmp_path: Path
+) -> None:
+    """A preemption's SIGTERM to the CLI process (``--nproc 1``), or a worker SIGKILLed (``--nproc 2``: the job fails),
+    half way through the writes: the error line says the temporary is kept, the temporary and its manifest stay (no lock,
+    no output), and ``--resume`` finishes it byte-identical, reading only the missing tensors."""
+    args, out_name = CASES["pt"]
+    nproc = 1 if fault == "SIGTERM" else 2
+    argv = [a.format(ck=ws3_ckpt.checkpoint, out=tmp_path / out_name) for a in args]
+    argv[argv.index("--nproc") + 1] = str(nproc)
+    half = references["pt"][2] // nproc // 2  # the hook counts each process's bytes; the workers share them
+    if fault == "SIGTERM":
+        kill = {"RESUME_TEST_TERM_AFTER": str(half)}
+    else:
+        kill = {"RESUME_TEST_KILL_AFTER": str(half), "RESUME_TEST_KILL_RANK": "1"}
+    stopped = _run(argv, hook=hook, kill=kill)
+    assert stopped.returncode == (143 if fault == "SIGTERM" else 1), stopped.stderr
+    lines = stopped.stderr.strip().splitlines()
+    tmp = tmp_path / ".full.tmp-local.pt"
+    assert len(lines) == 1, stopped.stderr
+    if fault == "SIGTERM":
+        assert lines[0].startswith("error: interrupted (SIGTERM); "), lines[0]
+    else:  # the launcher may see rank 0's lost connection before rank 1's death
+        assert lines[0].startswith(("error: worker rank 1 died", "error: worker rank 0 failed: lost its connection")), lines[0]
+    assert f"; the temporary {tmp} (" in lines[0], lines[0]
+    assert lines[0].endswith(" written) is kept: run again with --resume to finish it, or remove it"), lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".full.manifest-local.pt", tmp.name]
+    logged = _logged(_manifest(tmp_path))
+    assert logged, "stopped before it logged a record"
+
+    reread, full = _resume_and_check("pt", argv, logged, references["pt"], tmp_path, nothing_missing=False)
+    kept = f"exit {stopped.returncode}, kept; {len(logged)} records"
+    row = f"pt --nproc {nproc}, half way | {kept} | {reread} of {full} bytes read again"
+    print(f"\n| {fault} | {row} |")
 
 
 def test_resume_rewrites_a_corrupted_record(

@@ -1,4 +1,9 @@
-"""Interrupted and killed runs leave no output: SIGINT, SIGTERM, SIGKILL, and a worker that dies."""
+"""Interrupted and killed runs leave no output: SIGINT, SIGTERM, SIGKILL, and a worker that dies.
+
+These runs are resumable (one node, a local output): Ctrl-C, SIGTERM and a dead worker keep the
+hidden temporary and its manifest for ``--resume`` (test_resume.py finishes them), say so on the
+one error line, and release the lock; ``OUT`` never appears.
+"""
 
 from __future__ import annotations
 
@@ -100,8 +105,11 @@ def _interrupted_run(
     """
     out = folder / "full.pt"
     for _ in range(3):
-        for leftover in folder.iterdir():
-            leftover.unlink()
+        for leftover in folder.iterdir():  # a kept temporary's manifest is a folder
+            if leftover.is_dir():
+                shutil.rmtree(leftover)
+            else:
+                leftover.unlink()
         if log_dir is not None:
             shutil.rmtree(log_dir, ignore_errors=True)
             log_dir.mkdir()
@@ -126,16 +134,28 @@ def _interrupted_run(
     raise AssertionError("the run finished before it could be interrupted, three times")
 
 
+KEPT = [".full.manifest-local.pt", ".full.tmp-local.pt"]  # the temporary and its manifest; no lock, no full.pt
+
+
+def _says_kept(line: str, folder: Path) -> None:
+    """The error line names the kept temporary, how much of it is written, and ``--resume``."""
+    assert f"; the temporary {folder / KEPT[1]} (" in line, line
+    assert line.endswith(" written) is kept: run again with --resume to finish it, or remove it"), line
+
+
 @pytest.mark.parametrize(("sig", "nproc", "code"), [(signal.SIGINT, 1, 130), (signal.SIGTERM, 1, 143), (signal.SIGTERM, 2, 143)])
-def test_signal_mid_write_leaves_nothing(big_sample: Path, tmp_path: Path, sig: int, nproc: int, code: int) -> None:
+def test_signal_mid_write_keeps_the_temporary_for_resume(
+    big_sample: Path, tmp_path: Path, sig: int, nproc: int, code: int
+) -> None:
     returncode, stdout, stderr, _ = _interrupted_run(
         big_sample / CHECKPOINT_DIRNAME, tmp_path, nproc, lambda p: p.send_signal(sig)
     )
     assert returncode == code, stderr
     assert stdout == ""
     lines = stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0] in ("error: interrupted (SIGINT)", "error: terminated by signal 15"), stderr
-    assert list(tmp_path.iterdir()) == []
+    assert len(lines) == 1 and lines[0].startswith(f"error: interrupted ({signal.Signals(sig).name}); "), stderr
+    _says_kept(lines[0], tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == KEPT
 
 
 def test_sigkill_mid_write_leaves_no_output(big_sample: Path, tmp_path: Path) -> None:
@@ -145,7 +165,7 @@ def test_sigkill_mid_write_leaves_no_output(big_sample: Path, tmp_path: Path) ->
 
 
 def test_dead_worker_fails_the_job_within_seconds(big_sample: Path, tmp_path: Path) -> None:
-    """The job fails, naming the dead rank, and leaves nothing. How soon is reported, not asserted
+    """The job fails, naming the dead rank, and keeps the temporary for --resume. How soon is reported, not asserted
     (a loaded 2-core CI box can take many seconds): a run still going HANG_S later fails as hung."""
 
     logs = tmp_path.parent / f"{tmp_path.name}-reads"
@@ -169,4 +189,5 @@ def test_dead_worker_fails_the_job_within_seconds(big_sample: Path, tmp_path: Pa
     assert returncode == 1, stderr
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and "worker rank 1" in lines[0], stderr
-    assert list(tmp_path.iterdir()) == []
+    _says_kept(lines[0], tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == KEPT

@@ -20,6 +20,7 @@ from fsdp_convert.writers._manifest import (
     manifest_dir,
     remove_manifest,
     start_manifest,
+    written_bytes,
 )
 
 RECORDS = [Record("", 0, 8), Record("", 8, 8), Record("", 16, 4)]
@@ -101,3 +102,17 @@ def test_remove_manifest(tmp_path: Path) -> None:
     tmp = _tmp(tmp_path)
     remove_manifest(tmp)
     assert not manifest_dir(tmp).exists() and tmp.exists()
+
+
+def test_written_bytes_counts_each_logged_record_once(tmp_path: Path) -> None:
+    """What the kept-temporary line says: the logged records' bytes (one logged twice counts once) of the planned size."""
+    assert written_bytes(tmp_path / ".none.tmp-local.pt") == (0, 0)
+    tmp = _tmp(tmp_path)
+    assert written_bytes(tmp) == (0, 20)
+    log = RecordLog(tmp, "0")
+    fd = os.open(tmp, os.O_RDWR)
+    for r in (RECORDS[0], RECORDS[2], RECORDS[0]):  # a resumed run logs a rewritten record again
+        log.append(r, 0, fd, "fqn")
+    log.close()
+    os.close(fd)
+    assert written_bytes(tmp) == (12, 20)

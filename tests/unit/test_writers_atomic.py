@@ -8,9 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_convert.errors import OutputExistsError, OutputLockedError, TemporaryExistsError
+from fsdp_convert.errors import (
+    CorruptChunkError,
+    OutputExistsError,
+    OutputLockedError,
+    OutputWriteError,
+    TemporaryExistsError,
+    TerminatedError,
+    WorkerFailedError,
+)
 from fsdp_convert.writers import atomic_output
-from fsdp_convert.writers._atomic import LeaveToOwner, temporary_path
+from fsdp_convert.writers._atomic import LeaveToOwner, kept_note, temporary_path
 
 
 def test_atomic_output_leaves_nothing_on_error(tmp_path: Path) -> None:
@@ -89,3 +97,32 @@ def test_the_lock_is_removed_on_failure_and_kept_by_a_peer_that_leaves(tmp_path:
     assert sorted(p.name for p in tmp_path.iterdir()) == [".hf.lock", ".hf.tmp-rdzv-j"]
     owner.__exit__(None, None, None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"] and (out / "a").exists()
+
+
+_KEPT_ON = [KeyboardInterrupt(), TerminatedError(15), WorkerFailedError("worker rank 1 died without a report")]
+_REMOVED_ON = [OutputWriteError("cannot write x: No space left on device"), CorruptChunkError("bad chunk"), RuntimeError("bug")]
+
+
+@pytest.mark.parametrize("exc", _KEPT_ON + _REMOVED_ON, ids=lambda e: type(e).__name__)
+def test_a_resumable_temporary_is_kept_on_a_signal_or_a_failed_worker_only(tmp_path: Path, exc: BaseException) -> None:
+    """With ``keep`` (a resumable run), Ctrl-C, SIGTERM and a failed worker keep the temporary (lock released,
+    the note on the exception); any other error removes it; without ``keep`` every error removes it."""
+    out = tmp_path / "hf"
+    with pytest.raises(type(exc)) as raised, atomic_output(out, overwrite=False, directory=True, keep=lambda t: f"{t} kept"):
+        raise exc
+    kept = any(exc is e for e in _KEPT_ON)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([".hf.tmp-local"] if kept else [])
+    assert kept_note(raised.value) == (f"{tmp_path / '.hf.tmp-local'} kept" if kept else None)
+    if kept:  # the next run without --resume reports it; without keep (not resumable) it is removed
+        (tmp_path / ".hf.tmp-local").rmdir()
+    with pytest.raises(type(exc)), atomic_output(out, overwrite=False, directory=True):
+        raise exc
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_temporary_without_a_note_is_removed(tmp_path: Path) -> None:
+    """``keep`` returning None (no manifest written yet: nothing to resume) removes the temporary."""
+    with pytest.raises(KeyboardInterrupt), atomic_output(tmp_path / "out.pt", overwrite=False, keep=lambda t: None) as tmp:
+        tmp.write_bytes(b"partial")
+        raise KeyboardInterrupt
+    assert list(tmp_path.iterdir()) == []
