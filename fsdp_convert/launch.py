@@ -202,7 +202,7 @@ def _describe(e: BaseException) -> str:
     if "gloo" in text and any(s in text for s in ("Connection reset", "Connection closed", "Broken pipe", "Read error")):
         m = re.search(r"\[([0-9a-fA-F.:]+)\]:(\d+)", text)
         peer = f" at {m.group(1)}:{m.group(2)}" if m else ""
-        return f"lost its connection to a peer worker{peer} (that worker, or its node, died)"
+        return f"{_PEER_LOST}{peer} (that worker, or its node, died)"
     return f"{type(e).__name__}: {_first_line(text)}"
 
 
@@ -219,8 +219,15 @@ def _describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def _failure(error_dir: Path, exit_codes: dict[int, int]) -> CheckpointError:
-    """The root cause of a failed launch, from the workers' error records and exit codes."""
+_PEER_LOST = "lost its connection to a peer worker"
+
+
+def _failure(error_dir: Path, exit_codes: dict[int, int], ranks: range | None = None) -> CheckpointError:
+    """The root cause of a failed launch, from the workers' error records and exit codes.
+
+    ``ranks``: every rank of the job when this node holds them all (one node), so a worker that
+    died without a word is named even when the launcher reported only the peers it broke.
+    """
     records = sorted((json.loads(p.read_text()) for p in error_dir.glob("rank*.json")), key=lambda r: r["rank"])
     # a CheckpointError is the root cause; the others are peers torn down after it
     for record in records:
@@ -234,6 +241,10 @@ def _failure(error_dir: Path, exit_codes: dict[int, int]) -> CheckpointError:
     for rank, code in sorted(exit_codes.items()):
         if rank not in reported:
             return WorkerFailedError(f"worker rank {rank} died without a report ({_describe_exit(code)}; out of memory?)")
+    silent = [rank for rank in ranks or () if rank not in reported]
+    if records and len(silent) == 1 and all(r["message"].startswith(_PEER_LOST) for r in records):
+        # the launcher saw the peers fail first; the one worker that said nothing is the one that died
+        return WorkerFailedError(f"worker rank {silent[0]} died without a report (its peers lost their connections to it)")
     if records:
         first = records[0]
         err = WorkerFailedError(f"worker rank {first['rank']} failed: {first['message']}")
@@ -305,7 +316,8 @@ def run_workers(
     try:
         results = elastic_launch(config, _worker_main)(_WorkerCall(fn, job, str(error_dir), dict(os.environ)))
     except ChildFailedError as e:
-        raise _failure(error_dir, {rank: f.exitcode for rank, f in e.failures.items()}) from None
+        ranks = range(nproc) if cluster.nnodes == 1 else None
+        raise _failure(error_dir, {rank: f.exitcode for rank, f in e.failures.items()}, ranks) from None
     except RendezvousError as e:  # the store's host (a node) is gone, or nodes never all came
         raise WorkerFailedError(
             f"lost the rendezvous at {config.rdzv_endpoint} ({type(e).__name__}): a node left the job or never joined"
