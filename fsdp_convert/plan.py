@@ -6,7 +6,8 @@ chunks that do not tile their tensor) is caught here, before a tensor is read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -41,6 +42,11 @@ __all__ = [
     "mover_buffers",
     "plan_consolidate",
     "output_bytes",
+    "file_bytes",
+    "WAVE_BYTES",
+    "group_waves",
+    "wave_plans",
+    "staging_bytes",
 ]
 
 OutputFormat = Literal["torch_save", "safetensors", "hf_dir"]
@@ -54,6 +60,7 @@ MAX_PIECE_BYTES = 32 << 20  # larger buffers than this gain nothing per read or 
 MIN_PIECE_BYTES = 64 << 10
 RECORD_TAIL_BYTES = 256  # per torch.save item, past its storage: its data.pkl share, zip headers, central directory
 STRIPE_BYTES = 64 << 20  # workers take turns at stripes of the output this long
+WAVE_BYTES = 2 << 30  # an output to object storage is written in waves of files this large (or one larger file)
 
 
 def output_format(output: Path, requested: RequestedFormat = "auto") -> OutputFormat:
@@ -368,11 +375,56 @@ def output_bytes(plan: WorkPlan) -> int:
     counted as ``RECORD_TAIL_BYTES`` per item, so the estimate is a few bytes per item high, never low.
     A folder's ``model.safetensors.index.json`` and copied HF assets are not counted (small).
     """
+    return sum(file_bytes(plan, file) for file in plan.files)
+
+
+def file_bytes(plan: WorkPlan, file: FilePlan) -> int:
+    """One output file's size, in bytes, from its layout (as ``output_bytes`` counts it)."""
+    ends = [o + plan.items[i].nbytes for i, o in zip(file.item_ids, file.data_offsets, strict=True) if o is not None]
+    size = max(ends, default=len(file.header))
+    if file.output_format == "torch_save":
+        size += sum(RECORD_TAIL_BYTES + (0 if plan.items[i].is_tensor else plan.items[i].nbytes) for i in file.item_ids)
+    return size
+
+
+def group_waves(sizes: Sequence[int], wave_bytes: int) -> tuple[tuple[int, ...], ...]:
+    """Cut files, in order, into waves of consecutive files totalling at most ``wave_bytes`` each.
+
+    A wave holds at least one file, so a file larger than ``wave_bytes`` is a wave of its own.
+
+    Args:
+        sizes: each file's size, in bytes.
+        wave_bytes: the most bytes a wave of several files may hold.
+
+    Returns:
+        The waves, each the indices into ``sizes`` of its files.
+    """
+    waves: list[list[int]] = []
     total = 0
-    for file in plan.files:
-        ends = [o + plan.items[i].nbytes for i, o in zip(file.item_ids, file.data_offsets, strict=True) if o is not None]
-        size = max(ends, default=len(file.header))
-        if file.output_format == "torch_save":
-            size += sum(RECORD_TAIL_BYTES + (0 if plan.items[i].is_tensor else plan.items[i].nbytes) for i in file.item_ids)
+    for k, size in enumerate(sizes):
+        if not waves or (total + size > wave_bytes and total > 0):
+            waves.append([])
+            total = 0
+        waves[-1].append(k)
         total += size
-    return total
+    return tuple(tuple(w) for w in waves)
+
+
+def wave_plans(plan: WorkPlan, wave_bytes: int = WAVE_BYTES) -> tuple[WorkPlan, ...]:
+    """The plan cut into waves of whole files (``group_waves``): an output to object storage is written and uploaded by waves.
+
+    Each wave's plan holds its files only, and its tensors are striped over all the workers anew
+    (``assign_owners`` in the wave's file order), so every worker moves a share of every wave.
+    """
+    waves = group_waves([file_bytes(plan, f) for f in plan.files], wave_bytes)
+    parts = []
+    for wave in waves:
+        files = tuple(plan.files[k] for k in wave)
+        owners = assign_owners(plan.items, plan.nproc, [i for f in files for i in f.item_ids])
+        parts.append(replace(plan, files=files, owners=owners))
+    return tuple(parts)
+
+
+def staging_bytes(sizes: Sequence[int]) -> int:
+    """Local bytes, for an output written in waves of these sizes (bytes): two waves, one uploading while the next is written."""
+    return max((a + b for a, b in zip(sizes, sizes[1:], strict=False)), default=max(sizes, default=0))

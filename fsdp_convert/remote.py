@@ -3,8 +3,9 @@
 Local paths never come here. A remote checkpoint is read by byte range: ``.metadata`` whole (it is
 small), then each chunk payload by one ranged GET (``fs.cat_file(path, start, end)``), never a
 whole data file. A remote output is written to a local temporary first and uploaded when
-complete (``fs.put``; s3fs uploads large files in parts), the index or ``.metadata`` last, so
-nothing appears at ``OUT`` before it is whole. Credentials and endpoints come from the
+complete (``fs.put_file``; s3fs uploads large files in parts), the index or ``.metadata`` last. An
+output folder's files go up in waves as they are complete (``upload_in_waves``), so local disk
+holds two waves at most, not the whole output. Credentials and endpoints come from the
 backend's usual settings (``AWS_*`` for s3fs) or fsspec's ``FSSPEC_<PROTOCOL>_<OPTION>``
 variables (``FSSPEC_S3_ENDPOINT_URL``).
 """
@@ -16,9 +17,10 @@ import functools
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fsdp_convert._location import Location, Url
 from fsdp_convert.errors import (
@@ -40,6 +42,7 @@ __all__ = [
     "size_of",
     "exists",
     "upload",
+    "upload_in_waves",
     "staged_upload",
     "local_output",
 ]
@@ -146,6 +149,60 @@ def upload(local: Path, url: Url, *, last: tuple[str, ...] = ()) -> None:
         raise OutputWriteError(f"cannot write {url}: {e}") from e
 
 
+T = TypeVar("T")
+
+
+def upload_in_waves(folder: Path, url: Url, waves: Iterable[tuple[Callable[[], T], tuple[str, ...]]]) -> tuple[list[T], int]:
+    """Write an output folder wave by wave, each wave's files uploaded (and deleted here) while the next is written.
+
+    Each wave is a ``write`` that completes some files of ``folder`` and their names (relative to
+    it, ``/``-separated). Once ``write`` returns, one background thread uploads those files to
+    ``url / name`` (``put_file``, in parts as the backend does it) and deletes them; the next
+    wave's ``write`` runs meanwhile, and its upload starts once the previous one has finished.
+    So local disk holds at most two waves (``plan.staging_bytes``), and what is left in ``folder``
+    (an index, ``.metadata``) is uploaded last by the caller.
+
+    Returns:
+        Each wave's ``write`` result, in order, and the bytes uploaded.
+
+    Raises:
+        OutputWriteError: an upload fails (naming the object); a ``write``'s own errors pass through
+            once the upload in flight has finished.
+    """
+    results: list[T] = []
+    uploaded = 0
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp-convert-upload") as pool:
+        pending: Future[int] | None = None
+        for write, names in waves:
+            results.append(write())
+            if pending is not None:
+                uploaded += pending.result()
+            pending = pool.submit(_put_and_remove, folder, url, names)
+        if pending is not None:
+            uploaded += pending.result()
+    return results, uploaded
+
+
+def _put_and_remove(folder: Path, url: Url, names: tuple[str, ...]) -> int:
+    """Upload each file of ``folder`` to ``url / name``, then delete it; the bytes uploaded.
+
+    Raises:
+        OutputWriteError: an upload fails.
+    """
+    fs = _fs(url)
+    total = 0
+    for name in names:
+        path = folder / name
+        size = path.stat().st_size
+        try:
+            fs.put_file(str(path), str(url / name))
+        except OSError as e:
+            raise OutputWriteError(f"cannot write {url / name}: {e}") from e
+        path.unlink()
+        total += size
+    return total
+
+
 @contextlib.contextmanager
 def staged_upload(url: Url, *, overwrite: bool, last: tuple[str, ...] = ()) -> Iterator[Path]:
     """Yield a local path to write ``url``'s content to; upload it when the block completes.
@@ -174,7 +231,8 @@ def local_output(
     """The local path to write an output to, and the location to report.
 
     A local ``output`` is written in place. An fsspec URL is written to a local temporary and
-    uploaded when the block completes (``staged_upload``; the files in ``last`` go last).
+    uploaded when the block completes (``staged_upload``; the files in ``last`` go last); an
+    operation may upload a folder's files before that, wave by wave (``upload_in_waves``).
 
     Args:
         output: the output path or URL.

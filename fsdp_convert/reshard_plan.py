@@ -9,7 +9,7 @@ planned folder by folder (``split_by_folder``), so the output has the same folde
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 
 from fsdp_convert.constants import METADATA_FILENAME
@@ -18,7 +18,16 @@ from fsdp_convert.formats.index import CheckpointIndex, Entry, TensorEntry, chec
 from fsdp_convert.transform import OutputItem
 from fsdp_convert.writers.torch_save import PayloadLayout, TensorSlot, tensor_payload_layout
 
-__all__ = ["TargetChunk", "PayloadPlan", "ReshardPlan", "dim0_boxes", "plan_reshard", "split_by_folder"]
+__all__ = [
+    "TargetChunk",
+    "PayloadPlan",
+    "ReshardPlan",
+    "dim0_boxes",
+    "plan_reshard",
+    "split_by_folder",
+    "rank_file_bytes",
+    "wave_plan",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -216,13 +225,39 @@ def _lay_out_rank_files(
                 layout = layouts.get(key) or layouts.setdefault(key, tensor_payload_layout(TensorSlot(item.dtype, chunk.sizes)))
                 placed.append((i, chunk, ends[rank], layout))
                 ends[rank] += layout.size
-    total = sum(layout.size for *_, layout in placed) or 1
-    owners, done = {}, 0
-    for k, (*_, layout) in enumerate(placed):  # contiguous runs of the rank files, balanced by bytes
-        owners[k] = min(nproc - 1, (2 * done + layout.size) * nproc // (2 * total))
-        done += layout.size
+    owners = _balance([layout.size for *_, layout in placed], nproc)
     payloads = tuple(
         PayloadPlan(item=i, chunk=chunk, offset=offset, layout=layout, owner=owners[k])
         for k, (i, chunk, offset, layout) in enumerate(placed)
     )
     return payloads, ends[0]
+
+
+def _balance(sizes: list[int], nproc: int) -> list[int]:
+    """Workers for payloads of these sizes, in order: contiguous runs, balanced by bytes."""
+    total = sum(sizes) or 1
+    owners, done = [], 0
+    for size in sizes:
+        owners.append(min(nproc - 1, (2 * done + size) * nproc // (2 * total)))
+        done += size
+    return owners
+
+
+def rank_file_bytes(plan: ReshardPlan) -> dict[int, int]:
+    """Each target rank's data file size, in bytes: its payloads, and rank 0's values (their payload sizes, a little low)."""
+    ends = dict.fromkeys(plan.data_ranks, 0)
+    for p in plan.payloads:
+        ends[p.chunk.rank] = max(ends[p.chunk.rank], p.offset + p.layout.size)
+    if 0 in ends:
+        ends[0] = max(ends[0], plan.values_offset) + sum(item.nbytes for item in plan.items if not item.is_tensor)
+    return ends
+
+
+def wave_plan(plan: ReshardPlan, ranks: frozenset[int]) -> ReshardPlan:
+    """The payloads of ``ranks``' data files only, balanced anew over all the workers (a wave of an output to object storage).
+
+    Offsets are unchanged: each payload goes where the whole plan lays it out.
+    """
+    payloads = [p for p in plan.payloads if p.chunk.rank in ranks]
+    owners = _balance([p.layout.size for p in payloads], plan.nproc)
+    return replace(plan, payloads=tuple(replace(p, owner=o) for p, o in zip(payloads, owners, strict=True)))

@@ -30,6 +30,7 @@ from fsdp_convert.items import leave_out_model_keys, prepare_items
 from fsdp_convert.launch import Cluster, WorkerGroup, job_world_size, run_ranks, shared_tag
 from fsdp_convert.lora import ADAPTER_WEIGHTS_NAME, lora_only, write_adapter_config
 from fsdp_convert.move import MoveJob, Piece, move_all, pwrite_all, range_crc
+from fsdp_convert.ops._waves import consolidate_in_waves, consolidate_staging_bytes
 from fsdp_convert.ops.verify import verify
 from fsdp_convert.plan import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -43,7 +44,7 @@ from fsdp_convert.plan import (
     plan_consolidate,
 )
 from fsdp_convert.plan import output_format as plan_output_format
-from fsdp_convert.remote import local_output
+from fsdp_convert.remote import Url, local_output
 from fsdp_convert.resume import Kept, consolidate_fingerprint, follow_temporary, keeper, record_logger, resumable, skip_kept
 from fsdp_convert.resume import start as start_manifest
 from fsdp_convert.transform import OutputItem, TransformOptions
@@ -96,6 +97,7 @@ class _ConsolidateJob:
     progress: bool
     check_crc: bool
     kept: Kept | None = None  # records kept from an interrupted run; None: no manifest (multi-node)
+    index: bool = True  # write the folder's index (a wave of an output to object storage does not)
 
 
 def _bar(desc: str, total: int, enabled: bool, position: int) -> tqdm:
@@ -228,19 +230,27 @@ def _consolidate_rank(job: _ConsolidateJob, rank: int, world_size: int, group: W
         with open_reader(job.checkpoint_id, check_crc=job.check_crc) as reader:
             for f, fd in enumerate(fds):
                 _finish_file(job, f, fd, everything, reader)
-        if len(plan.shards) > 1:
-            shards = [
-                ShardFile(
-                    filename=s.filename or "",
-                    paths=tuple(plan.items[i].path for i in s.item_ids),
-                    tensor_bytes=sum(plan.items[i].nbytes for i in s.item_ids),
-                )
-                for s in plan.shards
-            ]
-            write_hf_index(job.tmp_output / HF_INDEX_FILENAME, shards)
+        if job.index:
+            _write_index(job.tmp_output, plan)
         if plan.output_format != "hf_dir":
             return os.fstat(fds[0]).st_size
         return sum(p.stat().st_size for p in job.tmp_output.iterdir())
+
+
+def _write_index(folder: Path, plan: WorkPlan) -> int:
+    """Rank 0: a folder of several shards gets its ``model.safetensors.index.json``; its size in bytes (0: none)."""
+    if len(plan.shards) <= 1:
+        return 0
+    shards = [
+        ShardFile(
+            filename=s.filename or "",
+            paths=tuple(plan.items[i].path for i in s.item_ids),
+            tensor_bytes=sum(plan.items[i].nbytes for i in s.item_ids),
+        )
+        for s in plan.shards
+    ]
+    write_hf_index(folder / HF_INDEX_FILENAME, shards)
+    return (folder / HF_INDEX_FILENAME).stat().st_size
 
 
 def consolidate(
@@ -306,8 +316,8 @@ def consolidate(
         verify_output: read the written output back and compare it with the checkpoint (through
             the same transforms), key by key, before moving it into place.
         space_check: before anything is read or created, check that the output's size from the plan
-            (``plan.output_bytes``) fits in the free space where its temporary is written (a URL's:
-            the local staging folder); ``--no-space-check`` turns it off.
+            (``plan.output_bytes``; to a URL, what its local staging folder holds: two waves of a folder's
+            files, ``ops._waves``) fits where its temporary is written; ``--no-space-check`` turns it off.
         progress: show tqdm bars (bytes, rate, ETA) on stderr.
         cluster: torchrun's multi-node options; every node calls ``consolidate`` with the same
             arguments and ``nproc`` workers per node, and the output (on storage every node
@@ -376,8 +386,10 @@ def consolidate(
             cpus=len(os.sched_getaffinity(0)),
             ram_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         )
+        url = shown if isinstance(shown, Url) and len(plan.shards) > 1 and not verify_output else None  # files go up in waves
         if space_check:
-            check_space(output, output_bytes(plan), directory=fmt == "hf_dir", tag=shared_tag(cluster), shown=shown)
+            needed = consolidate_staging_bytes(plan) if url else output_bytes(plan)
+            check_space(output, needed, directory=fmt == "hf_dir", tag=shared_tag(cluster), shown=shown)
         if lora is not None:
             files = tuple(dataclasses.replace(f, filename=ADAPTER_WEIGHTS_NAME) for f in plan.files)
             plan = dataclasses.replace(plan, files=files)
@@ -395,7 +407,10 @@ def consolidate(
             job = _ConsolidateJob(
                 checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, progress=progress, check_crc=check_crc, kept=kept
             )
-            owner, file_bytes = run_ranks(_consolidate_rank, job, plan.nproc, cluster)
+            if url:  # object storage: each wave of files goes up while the next is written, the index last
+                file_bytes = consolidate_in_waves(_consolidate_rank, job, url, cluster) + _write_index(tmp, plan)
+            else:
+                owner, file_bytes = run_ranks(_consolidate_rank, job, plan.nproc, cluster)
             if not owner:
                 raise LeaveToOwner
             if lora is not None:

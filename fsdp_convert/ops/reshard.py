@@ -37,11 +37,12 @@ from fsdp_convert.formats import check_data_files, open_reader, read_index
 from fsdp_convert.formats.dcp import LIGHTNING_META_FILENAME
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, Location, TensorEntry, dcp_key
 from fsdp_convert.items import prepare_items
-from fsdp_convert.launch import Cluster, WorkerGroup, job_world_size, run_ranks, shared_tag
+from fsdp_convert.launch import Cluster, WorkerGroup, job_world_size, shared_tag
 from fsdp_convert.layout import GROUPS
 from fsdp_convert.move import MoveJob, Piece, move_all, pwrite_all, range_crc
+from fsdp_convert.ops._waves import reshard_in_waves, reshard_staging_bytes
 from fsdp_convert.plan import DEFAULT_MEMORY_BUDGET_BYTES, RECORD_TAIL_BYTES, default_nproc, mover_buffers
-from fsdp_convert.remote import as_location, local_output
+from fsdp_convert.remote import Url, as_location, local_output
 from fsdp_convert.reshard_plan import PayloadPlan, ReshardPlan, plan_reshard, split_by_folder
 from fsdp_convert.resume import (
     Kept,
@@ -105,6 +106,7 @@ class _ReshardJob:
     tmp_output: Path
     check_crc: bool
     kept: Kept | None = None  # records kept from an interrupted run; None: no manifest (multi-node)
+    files: frozenset[tuple[int, int]] | None = None  # a wave's (folder, target rank) data files (ops._waves); None: all
 
 
 # accelerate's save_state files that hold the same at any world size (written by the main process
@@ -233,7 +235,7 @@ def _reshard_rank(
         for p, (sub, plan) in enumerate(job.plans):
             folder = job.tmp_output / sub
             folder.mkdir(exist_ok=True)
-            for rank in plan.data_ranks:
+            for rank in (r for r in plan.data_ranks if job.files is None or (p, r) in job.files):
                 fds[p, rank] = os.open(folder / rank_filename(rank), os.O_RDWR | os.O_CREAT, 0o644)
                 stack.callback(os.close, fds[p, rank])
         mine = {}
@@ -369,7 +371,8 @@ def reshard(
         overwrite: replace an existing ``output`` (at the final rename only).
         space_check: check the output's size from the plan (every rank file, ``.metadata``, the files
             copied beside) against the free space where its temporary is written, before anything
-            is read or created; an output compressed with ``compress`` is counted uncompressed (as it is laid out).
+            is read or created (to a URL: two waves of rank files, ``ops._waves``); an output compressed with
+            ``compress`` is counted uncompressed (as it is laid out), and to a URL is staged whole.
         check_crc: check CRC-32s of the source payloads.
         cluster: torchrun's multi-node options, as for ``consolidate``; rank 0's node writes ``.metadata``.
         compress: ``"zstd"``: every payload a zstd stream (``stream.zstd/1``), as
@@ -401,8 +404,9 @@ def reshard(
         parts = split_by_folder(items)
         plans = tuple((sub, plan_reshard(index, part, world_size, nproc=workers)) for sub, part in parts)
         beside = _files_beside(index, tuple(sub for sub, _ in parts if sub))
+        url = shown if isinstance(shown, Url) and compress is None else None  # object storage: rank files go up wave by wave
         if space_check:
-            needed = _output_bytes(plans, index.checkpoint_id, beside.copied)
+            needed = reshard_staging_bytes(plans) if url else _output_bytes(plans, index.checkpoint_id, beside.copied)
             check_space(output, needed, directory=True, tag=shared_tag(cluster), shown=shown)
         owner, file_bytes = False, 0
         if resume and shared:
@@ -416,7 +420,7 @@ def reshard(
         ) as tmp:
             kept = None if fingerprint is None else start_manifest(tmp, fingerprint, resume=resume)
             job = _ReshardJob(checkpoint_id=index.checkpoint_id, plans=plans, tmp_output=tmp, check_crc=check_crc, kept=kept)
-            owner, values = run_ranks(_reshard_rank, job, workers, cluster)
+            owner, values, uploaded = reshard_in_waves(_reshard_rank, job, workers, cluster, url)  # .metadata last
             if not owner:
                 raise LeaveToOwner
             for sub, plan in plans:
@@ -425,7 +429,7 @@ def reshard(
             if beside.copied:
                 assert isinstance(index.checkpoint_id, Path)
                 _copy_beside(index.checkpoint_id, tmp, beside.copied)
-            file_bytes = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
+            file_bytes = uploaded + sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
         chunks = sum(len(c) for _, plan in plans for item, c in zip(plan.items, plan.chunks, strict=True) if item.is_tensor)
         result = ReshardResult(
             output=output,

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import fsdp_convert
+from fsdp_convert import remote
 from fsdp_convert.formats import read_index
 from tests._samples import Sample
 
@@ -57,8 +58,10 @@ def s3() -> Iterator[_S3]:
     # module (torchtitan, datasets) may have imported it already in this process, so apply them now
     saved_conf = copy.deepcopy(fsspec.config.conf)
     fsspec.config.set_conf_env(fsspec.config.conf)
-    fsspec.filesystem("s3").mkdir("bucket")
+    remote._filesystem.cache_clear()  # a filesystem another module's server made points at its (closed) port
+    fsspec.filesystem("s3").makedirs("bucket", exist_ok=True)  # moto's store is per process: another module's server made it
     yield server
+    remote._filesystem.cache_clear()
     server.server.shutdown()
     fsspec.config.conf.clear()
     fsspec.config.conf.update(saved_conf)

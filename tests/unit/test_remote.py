@@ -1,4 +1,4 @@
-"""remote.py: URLs join like paths; outputs to an fsspec URL are written locally, then uploaded whole.
+"""remote.py: URLs join like paths; outputs to an fsspec URL are written locally, then uploaded whole or wave by wave.
 
 fsspec's in-process ``memory://`` filesystem stands in for object storage; ``file://`` is a local path.
 """
@@ -7,13 +7,20 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fsdp_convert import remote
-from fsdp_convert.errors import CheckpointNotFoundError, InvalidOptionError, MissingDataFileError, OutputExistsError
+from fsdp_convert.errors import (
+    CheckpointNotFoundError,
+    InvalidOptionError,
+    MissingDataFileError,
+    OutputExistsError,
+    OutputWriteError,
+)
 from fsdp_convert.remote import Url, as_location, is_url, local_output
 
 fsspec = pytest.importorskip("fsspec")
@@ -123,3 +130,36 @@ def test_missing_objects_are_named(bucket: Url) -> None:
 def test_unknown_protocol_is_an_option_error() -> None:
     with pytest.raises(InvalidOptionError, match="not a known fsspec protocol"):
         remote.filesystem("nosuchproto")
+
+
+def test_upload_in_waves_uploads_each_wave_while_the_next_is_written(bucket: Url, tmp_path: Path) -> None:
+    """Each wave's files go up and are deleted locally; a wave is written while at most one earlier wave is still here."""
+    fs = fsspec.filesystem("memory")
+    seen: list[set[str]] = []
+
+    def write(names: tuple[str, ...]) -> int:
+        seen.append({p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()})
+        for name in names:
+            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name).write_bytes(name.encode())
+        return len(names)
+
+    waves = [("a", "b"), ("c",), ("sub/d",), ("e",)]
+    results, uploaded = remote.upload_in_waves(tmp_path, bucket, [(partial(write, w), w) for w in waves])
+    assert results == [2, 1, 1, 1] and uploaded == sum(len(n) for w in waves for n in w)
+    assert all(fs.cat_file(bucket / n) == n.encode() for w in waves for n in w)
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+    for k, here in enumerate(seen):  # wave k is written while wave k-1 may still be uploading, never an earlier one
+        assert here <= set(waves[k - 1] if k else ())
+
+
+def test_upload_in_waves_names_the_object_that_fails(bucket: Url, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fs = remote.filesystem("memory")
+
+    def refuse(lpath: str, rpath: str, **kw: Any) -> None:
+        raise PermissionError("access denied")
+
+    monkeypatch.setattr(fs, "put_file", refuse)
+    (tmp_path / "a").write_bytes(b"a")
+    with pytest.raises(OutputWriteError, match=rf"^cannot write {bucket}/a: access denied$"):
+        remote.upload_in_waves(tmp_path, bucket, [(lambda: None, ("a",))])
