@@ -1,11 +1,12 @@
 """Folder outputs to object storage in waves of files: each wave's workers run, then its files go up as the next is written.
 
 A local output never comes here. For an output folder at a URL (an HF folder of several shards;
-a reshard's rank files, uncompressed), ``consolidate`` and ``reshard`` cut their plan into waves of whole output files (``plan.WAVE_BYTES`` each, or one larger file),
-launch their workers once per wave over that wave's files only (the wave's tensors striped or
-balanced over all the workers anew), and hand each finished wave to ``remote.upload_in_waves``,
-which uploads and deletes it while the next wave is written. What stays in the local temporary
-(an HF index, ``.metadata``, copied assets) is uploaded last, as for any remote output.
+a reshard's rank files, uncompressed), ``consolidate`` and ``reshard`` cut their plan into waves
+of whole output files (``plan.WAVE_BYTES`` each, or one larger file), launch their workers once
+per wave over that wave's files only (the wave's tensors striped or balanced over all the workers
+anew), and hand each finished wave to ``remote.upload_in_waves``, which uploads and deletes it
+while the next wave is written. What stays in the local temporary (an HF index, ``.metadata``,
+copied assets) is uploaded last, as for any remote output.
 """
 
 from __future__ import annotations
