@@ -160,7 +160,9 @@ def upload_in_waves(folder: Path, url: Url, waves: Iterable[tuple[Callable[[], T
     ``url / name`` (``put_file``, in parts as the backend does it) and deletes them; the next
     wave's ``write`` runs meanwhile, and its upload starts once the previous one has finished.
     So local disk holds at most two waves (``plan.staging_bytes``), and what is left in ``folder``
-    (an index, ``.metadata``) is uploaded last by the caller.
+    (an index, ``.metadata``) is uploaded last by the caller. If a wave fails (its ``write`` or an
+    upload, Ctrl-C included), the objects already uploaded are removed again, best effort, so no
+    part of the output is left at ``url``.
 
     Returns:
         Each wave's ``write`` result, in order, and the bytes uploaded.
@@ -171,20 +173,27 @@ def upload_in_waves(folder: Path, url: Url, waves: Iterable[tuple[Callable[[], T
     """
     results: list[T] = []
     uploaded = 0
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp-convert-upload") as pool:
-        pending: Future[int] | None = None
-        for write, names in waves:
-            results.append(write())
+    done: list[str] = []  # the objects put so far (appended by the upload thread)
+    try:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp-convert-upload") as pool:
+            pending: Future[int] | None = None
+            for write, names in waves:
+                results.append(write())
+                if pending is not None:
+                    uploaded += pending.result()
+                pending = pool.submit(_put_and_remove, folder, url, names, done)
             if pending is not None:
                 uploaded += pending.result()
-            pending = pool.submit(_put_and_remove, folder, url, names)
-        if pending is not None:
-            uploaded += pending.result()
+    except BaseException:
+        _remove_objects(url, done)  # the pool has finished: no upload is in flight
+        raise
     return results, uploaded
 
 
-def _put_and_remove(folder: Path, url: Url, names: tuple[str, ...]) -> int:
+def _put_and_remove(folder: Path, url: Url, names: tuple[str, ...], done: list[str]) -> int:
     """Upload each file of ``folder`` to ``url / name``, then delete it; the bytes uploaded.
+
+    Each name is appended to ``done`` once its object is put.
 
     Raises:
         OutputWriteError: an upload fails.
@@ -198,9 +207,18 @@ def _put_and_remove(folder: Path, url: Url, names: tuple[str, ...]) -> int:
             fs.put_file(str(path), str(url / name))
         except OSError as e:
             raise OutputWriteError(f"cannot write {url / name}: {e}") from e
+        done.append(name)
         path.unlink()
         total += size
     return total
+
+
+def _remove_objects(url: Url, names: list[str]) -> None:
+    """Delete ``url / name`` for each name, ignoring what cannot be deleted (best effort, after a failure)."""
+    fs = _fs(url)
+    for name in names:
+        with contextlib.suppress(Exception):
+            fs.rm_file(str(url / name))
 
 
 @contextlib.contextmanager

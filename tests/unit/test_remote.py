@@ -163,3 +163,18 @@ def test_upload_in_waves_names_the_object_that_fails(bucket: Url, tmp_path: Path
     (tmp_path / "a").write_bytes(b"a")
     with pytest.raises(OutputWriteError, match=rf"^cannot write {bucket}/a: access denied$"):
         remote.upload_in_waves(tmp_path, bucket, [(lambda: None, ("a",))])
+
+
+def test_a_failed_wave_removes_what_was_uploaded(bucket: Url, tmp_path: Path) -> None:
+    fs = fsspec.filesystem("memory")
+
+    def write(names: tuple[str, ...]) -> None:
+        for name in names:
+            (tmp_path / name).write_bytes(name.encode())
+
+    def fail() -> None:
+        raise OSError("the worker died")
+
+    with pytest.raises(OSError, match="the worker died"):
+        remote.upload_in_waves(tmp_path, bucket, [(partial(write, ("a", "b")), ("a", "b")), (fail, ("c",))])
+    assert not [n for n in ("a", "b", "c") if fs.exists(str(bucket / n))]
