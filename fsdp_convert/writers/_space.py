@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 from pathlib import Path
 
 from fsdp_convert.errors import OutputWriteError
@@ -58,10 +59,21 @@ def check_space(output: Path, needed_bytes: int, *, directory: bool, tag: str | 
         tag: the run's shared tag (``launch.shared_tag``), which names the temporary.
         shown: the output to name in the message (a remote URL), default ``output``.
 
+    A file output must also fit this process's file-size limit (``RLIMIT_FSIZE``, ``ulimit -f``),
+    which a write past it would meet as SIGXFSZ / EFBIG.
+
     Raises:
-        OutputWriteError: ``needed_bytes`` exceed the free bytes there (one line: needed, free, where).
+        OutputWriteError: ``needed_bytes`` exceed the free bytes there (one line: needed, free, where),
+            or a file output exceeds the file-size limit.
     """
     tmp = temporary_path(output, tag, directory=directory)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if not directory and limit != resource.RLIM_INFINITY and needed_bytes > limit:
+        raise OutputWriteError(
+            f"cannot write {shown or output}: File too large: it needs {human_bytes(needed_bytes)} but this "
+            f"process may write files of at most {human_bytes(limit)} (RLIMIT_FSIZE, ulimit -f); raise the limit "
+            "or pass --no-space-check"
+        )
     needed = needed_bytes - _used_bytes(tmp)
     free = free_bytes(output.parent)
     if needed <= free:

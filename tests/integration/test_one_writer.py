@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -285,16 +286,40 @@ def test_the_space_check_counts_a_remote_outputs_staging_folder(
     assert list(staging.iterdir()) == []  # the staging folder removed
 
 
+def _under_a_64kib_file_size_limit() -> None:  # preexec_fn: RLIMIT_FSIZE, where mounting is not allowed
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+def test_the_space_check_under_a_file_size_limit(ws3_ckpt: Sample, tmp_path: Path) -> None:
+    """An RLIMIT_FSIZE of 64 KiB (any user): the run fails at once, reads nothing and creates nothing."""
+    logs = tmp_path / "reads"
+    logs.mkdir()
+    out = tmp_path / "out" / "full.pt"
+    env = {**ENV, "FSDP_CONVERT_READ_LOG": str(logs)}
+    run = subprocess.run(
+        [sys.executable, "-m", "fsdp_convert", "consolidate", str(ws3_ckpt.checkpoint), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        preexec_fn=_under_a_64kib_file_size_limit,
+    )
+    assert run.returncode == 1, run.stderr
+    lines = run.stderr.splitlines()
+    assert len(lines) == 1 and "File too large" in lines[0] and "RLIMIT_FSIZE" in lines[0], lines
+    assert not (tmp_path / "out").exists() and _reads(logs) == []
+
+
 def test_the_space_check_on_a_full_tmpfs(ws3_ckpt: Sample, tmp_path: Path) -> None:
-    """A real 64 KiB tmpfs (root only): the run fails at once, reads nothing and leaves the filesystem empty."""
+    """A real 64 KiB tmpfs (root, as CI runs; elsewhere the RLIMIT_FSIZE test above stands in): the run
+    fails at once, reads nothing and leaves the filesystem empty."""
     mount, logs = tmp_path / "tiny", tmp_path / "reads"
     mount.mkdir()
     logs.mkdir()
     if os.geteuid() != 0:
-        pytest.skip("mounting a 64 KiB tmpfs needs root; the monkeypatched statvfs variant ran instead")
+        pytest.skip("mounting a 64 KiB tmpfs needs root; the RLIMIT_FSIZE variant ran instead")
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}); the monkeypatched statvfs variant ran instead")
+    assert mounted.returncode == 0, f"root cannot mount a tmpfs here: {mounted.stderr.strip()}"
     try:
         out = mount / "full.pt"
         run = _run(["consolidate", str(ws3_ckpt.checkpoint), str(out)], {**ENV, "FSDP_CONVERT_READ_LOG": str(logs)})
