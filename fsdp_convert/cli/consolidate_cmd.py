@@ -45,6 +45,7 @@ from fsdp_convert.cli._options import (
     with_adapter,
 )
 from fsdp_convert.cli._output import human_bytes, print_result
+from fsdp_convert.cli._run_options import NoSpaceCheckOpt, ResumeOpt
 from fsdp_convert.errors import InvalidOptionError
 
 if TYPE_CHECKING:
@@ -150,26 +151,6 @@ LoraROpt = Annotated[
         help="The LoRA rank r, without --lora-config (default: read from the lora_A shapes).",
         show_default=False,
         rich_help_panel="LoRA (PEFT)",
-    ),
-]
-
-
-ResumeOpt = Annotated[
-    bool,
-    typer.Option(
-        "--resume",
-        help="Finish the interrupted run's temporary of OUT (.OUT.tmp-local after a crash, SIGKILL or preemption): "
-        "run with the same arguments; what it wrote and fsynced is checked by CRC-32 and kept, the rest written.",
-    ),
-]
-
-
-NoSpaceCheckOpt = Annotated[
-    bool,
-    typer.Option(
-        "--no-space-check",
-        help="Skip checking, before anything is read, that OUT fits in the free space where its temporary is written "
-        "(for an fsspec URL: the local staging folder, under TMPDIR).",
     ),
 ]
 

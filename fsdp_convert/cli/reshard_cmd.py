@@ -36,6 +36,7 @@ from fsdp_convert.cli._options import (
     with_adapter,
 )
 from fsdp_convert.cli._output import human_bytes, print_result
+from fsdp_convert.cli._run_options import NoSpaceCheckOpt, ResumeOpt
 
 if TYPE_CHECKING:
     from fsdp_convert.ops.reshard import ReshardResult
@@ -79,26 +80,6 @@ CompressOpt = Annotated[
         help="Write every payload as a zstd stream, as FileSystemWriter(_extensions=[ZStandard()]) does "
         "(needs the zstandard package: pip install 'fsdp-convert[zstd]'). Default: uncompressed, whatever the source.",
         show_default=False,
-    ),
-]
-
-
-ResumeOpt = Annotated[
-    bool,
-    typer.Option(
-        "--resume",
-        help="Finish the interrupted run's temporary of OUT (.OUT.tmp-local after a crash, SIGKILL or preemption): "
-        "run with the same arguments; what it wrote and fsynced is checked by CRC-32 and kept, the rest written.",
-    ),
-]
-
-
-NoSpaceCheckOpt = Annotated[
-    bool,
-    typer.Option(
-        "--no-space-check",
-        help="Skip checking, before anything is read, that OUT fits in the free space where its temporary is written "
-        "(for an fsspec URL: the local staging folder, under TMPDIR).",
     ),
 ]
 
