@@ -396,7 +396,7 @@ def consolidate(
         owner = True
         if resume and shared:
             raise InvalidOptionError("--resume works on one node; a multi-node or torchrun job writes no manifest")
-        fingerprint = None if shared else consolidate_fingerprint(index, plan)
+        fingerprint = None if shared or isinstance(shown, Url) else consolidate_fingerprint(index, plan)  # local only
         if fingerprint is not None and resume:  # checked before anything is touched
             resume = resumable(temporary_path(output, None, directory=fmt == "hf_dir"), fingerprint)
         keep = keeper(fingerprint, shown)  # a resumable run's temporary outlives a signal or a failed worker

@@ -411,7 +411,7 @@ def reshard(
         owner, file_bytes = False, 0
         if resume and shared:
             raise InvalidOptionError("--resume works on one node; a multi-node or torchrun job writes no manifest")
-        fingerprint = None if shared else reshard_fingerprint(index, plans, compress)
+        fingerprint = None if shared or isinstance(shown, Url) else reshard_fingerprint(index, plans, compress)  # local only
         if fingerprint is not None and resume:  # checked before anything is touched
             resume = resumable(temporary_path(output, None, directory=True), fingerprint)
         keep = keeper(fingerprint, shown)  # a resumable run's temporary outlives a signal or a failed worker

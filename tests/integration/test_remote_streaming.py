@@ -53,9 +53,9 @@ def _staged_peak(monkeypatch: pytest.MonkeyPatch, folder: Path) -> list[int]:
     peaks: list[int] = []
     put = remote._put_and_remove
 
-    def measured(local: Path, url: remote.Url, names: tuple[str, ...]) -> int:
+    def measured(local: Path, url: remote.Url, names: tuple[str, ...], done: list[str]) -> int:
         peaks.append(sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()))
-        return put(local, url, names)
+        return put(local, url, names, done)
 
     monkeypatch.setattr(remote, "_put_and_remove", measured)
     return peaks
