@@ -290,39 +290,32 @@ def _under_a_64kib_file_size_limit() -> None:  # preexec_fn: RLIMIT_FSIZE, where
     resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
 
-def test_the_space_check_under_a_file_size_limit(ws3_ckpt: Sample, tmp_path: Path) -> None:
-    """An RLIMIT_FSIZE of 64 KiB (any user): the run fails at once, reads nothing and creates nothing."""
-    logs = tmp_path / "reads"
-    logs.mkdir()
-    out = tmp_path / "out" / "full.pt"
-    env = {**ENV, "FSDP_CONVERT_READ_LOG": str(logs)}
-    run = subprocess.run(
-        [sys.executable, "-m", "fsdp_convert", "consolidate", str(ws3_ckpt.checkpoint), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-        preexec_fn=_under_a_64kib_file_size_limit,
-    )
-    assert run.returncode == 1, run.stderr
-    lines = run.stderr.splitlines()
-    assert len(lines) == 1 and "File too large" in lines[0] and "RLIMIT_FSIZE" in lines[0], lines
-    assert not (tmp_path / "out").exists() and _reads(logs) == []
-
-
-def test_the_space_check_on_a_full_tmpfs(ws3_ckpt: Sample, tmp_path: Path) -> None:
-    """A real 64 KiB tmpfs (root, as CI runs; elsewhere the RLIMIT_FSIZE test above stands in): the run
-    fails at once, reads nothing and leaves the filesystem empty."""
+def test_the_space_check_on_a_tiny_filesystem(ws3_ckpt: Sample, tmp_path: Path) -> None:
+    """A real 64 KiB tmpfs as root (CI), or a 64 KiB RLIMIT_FSIZE where mounting is not allowed: the
+    run fails at once, reads nothing and leaves nothing behind."""
     mount, logs = tmp_path / "tiny", tmp_path / "reads"
     mount.mkdir()
     logs.mkdir()
+    out = mount / "full.pt"
+    env = {**ENV, "FSDP_CONVERT_READ_LOG": str(logs)}
     if os.geteuid() != 0:
-        pytest.skip("mounting a 64 KiB tmpfs needs root; the RLIMIT_FSIZE variant ran instead")
+        run = subprocess.run(
+            [sys.executable, "-m", "fsdp_convert", "consolidate", str(ws3_ckpt.checkpoint), str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=WAIT_S,
+            preexec_fn=_under_a_64kib_file_size_limit,
+        )
+        assert run.returncode == 1, run.stderr
+        lines = run.stderr.splitlines()
+        assert len(lines) == 1 and "File too large" in lines[0] and "RLIMIT_FSIZE" in lines[0], lines
+        assert list(mount.iterdir()) == [] and _reads(logs) == []
+        return
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True, text=True)
     assert mounted.returncode == 0, f"root cannot mount a tmpfs here: {mounted.stderr.strip()}"
     try:
-        out = mount / "full.pt"
-        run = _run(["consolidate", str(ws3_ckpt.checkpoint), str(out)], {**ENV, "FSDP_CONVERT_READ_LOG": str(logs)})
+        run = _run(["consolidate", str(ws3_ckpt.checkpoint), str(out)], env)
         assert run.returncode == 1, run.stderr
         lines = run.stderr.splitlines()
         assert len(lines) == 1 and re.fullmatch(
@@ -331,3 +324,14 @@ def test_the_space_check_on_a_full_tmpfs(ws3_ckpt: Sample, tmp_path: Path) -> No
         assert list(mount.iterdir()) == [] and _reads(logs) == []
     finally:
         subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_file_output_must_fit_the_file_size_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The RLIMIT_FSIZE check itself, whoever runs the suite: a .pt over the limit is refused, a folder's files are not summed."""
+    from fsdp_convert.errors import OutputWriteError
+    from fsdp_convert.writers import _space
+
+    monkeypatch.setattr(_space.resource, "getrlimit", lambda _: (64 * 1024, resource.RLIM_INFINITY))
+    with pytest.raises(OutputWriteError, match=r"File too large: it needs 100\.0 kB .*RLIMIT_FSIZE"):
+        _space.check_space(tmp_path / "full.pt", 100_000, directory=False, tag=None)
+    _space.check_space(tmp_path / "hf", 100_000, directory=True, tag=None)
