@@ -8,6 +8,9 @@ output folder's files go up in waves as they are complete (``upload_in_waves``),
 holds two waves at most, not the whole output. Credentials and endpoints come from the
 backend's usual settings (``AWS_*`` for s3fs) or fsspec's ``FSSPEC_<PROTOCOL>_<OPTION>``
 variables (``FSSPEC_S3_ENDPOINT_URL``).
+
+One writer per remote output: ``staged_upload`` holds a lock object ``.<name>.lock`` beside it
+for the whole block (``_object_lock``, which says what each backend guarantees).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fsdp_convert._location import Location, Url
+from fsdp_convert._object_lock import lock_url, object_lock
 from fsdp_convert.errors import (
     CheckpointNotFoundError,
     InvalidOptionError,
@@ -45,6 +49,7 @@ __all__ = [
     "upload_in_waves",
     "staged_upload",
     "local_output",
+    "lock_url",
 ]
 
 
@@ -225,21 +230,30 @@ def _remove_objects(url: Url, names: list[str]) -> None:
 def staged_upload(url: Url, *, overwrite: bool, last: tuple[str, ...] = ()) -> Iterator[Path]:
     """Yield a local path to write ``url``'s content to; upload it when the block completes.
 
-    The local copy lives in a temporary folder (deleted afterwards), named like the output so
-    its suffix still says the format.
+    The output's lock object (``lock_url``) is taken first and held until the upload is done,
+    every upload of the block included (``upload_in_waves``); it is removed at the end, on success
+    or failure. The local copy lives in a temporary folder (deleted afterwards), named like the
+    output so its suffix still says the format.
 
     Raises:
-        OutputExistsError: something exists at ``url`` and ``overwrite`` is false (checked first).
-        OutputWriteError: the upload fails.
+        OutputExistsError: something exists at ``url`` and ``overwrite`` is false (checked first,
+            and again once the lock is held).
+        OutputLockedError: another run holds the output's lock (exit 4), naming its pid and host.
+        InvalidOptionError: ``url`` is a bucket itself (no folder for the lock).
+        OutputWriteError: the lock object cannot be created, or the upload fails.
     """
     if not overwrite and exists(url):
         raise OutputExistsError(f"{url} already exists; pass --overwrite to replace it")
-    folder = Path(tempfile.mkdtemp(prefix="fsdp-convert-upload-"))
-    try:
-        yield folder / url.name
-        upload(folder / url.name, url, last=last)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    with object_lock(_fs(url), url):
+        _fs(url).invalidate_cache(str(url))
+        if not overwrite and exists(url):  # another run finished it between the check and the lock
+            raise OutputExistsError(f"{url} already exists; pass --overwrite to replace it")
+        folder = Path(tempfile.mkdtemp(prefix="fsdp-convert-upload-"))
+        try:
+            yield folder / url.name
+            upload(folder / url.name, url, last=last)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -250,7 +264,8 @@ def local_output(
 
     A local ``output`` is written in place. An fsspec URL is written to a local temporary and
     uploaded when the block completes (``staged_upload``; the files in ``last`` go last); an
-    operation may upload a folder's files before that, wave by wave (``upload_in_waves``).
+    operation may upload a folder's files before that, wave by wave (``upload_in_waves``). The
+    URL's lock object is held for the whole block (``staged_upload``).
 
     Args:
         output: the output path or URL.
@@ -259,8 +274,10 @@ def local_output(
         last: names of files in an output folder to upload after all others.
 
     Raises:
-        InvalidOptionError: an fsspec URL for a multi-node run (nodes write to a shared filesystem).
+        InvalidOptionError: an fsspec URL for a multi-node run (nodes write to a shared filesystem),
+            or a bucket itself.
         OutputExistsError: the URL exists and ``overwrite`` is false.
+        OutputLockedError: another run is writing the URL (its lock object, ``staged_upload``).
         OutputWriteError: the upload fails.
     """
     location = as_location(output)

@@ -26,56 +26,23 @@ import contextlib
 import errno
 import fcntl
 import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsdp_convert._lock_record import SINGLE, LockRecord, lock_name, locked_message, pid_alive
 from fsdp_convert.errors import OutputLockedError, OutputWriteError
 
 __all__ = ["LockRecord", "OutputLock", "acquire_lock", "lock_path"]
 
 _NO_FLOCK = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
-_SINGLE = "-"
 _RECORD_WAIT_S = 2.0  # how long a lock file may stay empty after its holder created it, in seconds
 
 
 def lock_path(output: Path) -> Path:
     """The lock file of ``output``: ``.<name>.lock`` beside it."""
-    return output.parent / f".{output.name}.lock"
-
-
-@dataclass(frozen=True, slots=True)
-class LockRecord:
-    """What a lock file says: who holds it.
-
-    Attributes:
-        host: the holder's host name.
-        pid: the holder's process id on that host.
-        since: when it took the lock, in Unix seconds.
-        job: the shared tag of its job (``-``: a single-node run, which has no peers).
-    """
-
-    host: str
-    pid: int
-    since: float
-    job: str
-
-    def text(self) -> str:
-        """The record as the lock file holds it: one line."""
-        return f"{self.host} {self.pid} {self.since:.3f} {self.job}\n"
-
-    @staticmethod
-    def parse(text: str) -> LockRecord | None:
-        """Read a record back; None for an empty or unreadable one (a holder that died before writing it)."""
-        fields = text.split()
-        if len(fields) != 4:
-            return None
-        try:
-            return LockRecord(fields[0], int(fields[1]), float(fields[2]), fields[3])
-        except ValueError:
-            return None
+    return output.parent / lock_name(output.name)
 
 
 @dataclass(slots=True)
@@ -108,7 +75,7 @@ class OutputLock:
             if remove:
                 if fd is not None and _same_file(fd, self.path):
                     self.path.unlink()
-                elif fd is None and self.record.job != _SINGLE:
+                elif fd is None and self.record.job != SINGLE:
                     holder = _read_record(self.path)
                     if holder is not None and holder.job == self.record.job:
                         self.path.unlink()
@@ -143,16 +110,6 @@ def _write_record(fd: int, record: LockRecord, path: Path) -> None:
         os.fsync(fd)
     except OSError as e:
         raise OutputWriteError(f"cannot write {path}: {e.strerror}") from e
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _flock(fd: int) -> bool | None:
@@ -201,7 +158,7 @@ def acquire_lock(output: Path, job: str | None, *, before_record: Callable[[], N
         OutputWriteError: the lock file cannot be created or written (permission, space).
     """
     path = lock_path(output)
-    me = LockRecord(socket.gethostname(), os.getpid(), round(time.time(), 3), job or _SINGLE)
+    me = LockRecord.mine(job)
     deadline = time.monotonic() + _RECORD_WAIT_S
     while True:
         opened = _open(path)
@@ -219,7 +176,7 @@ def acquire_lock(output: Path, job: str | None, *, before_record: Callable[[], N
                 time.sleep(0.02)
                 continue
             same_host = holder is None or holder.host == me.host
-            alive_here = got is False or (got is None and holder is not None and _pid_alive(holder.pid))
+            alive_here = got is False or (got is None and holder is not None and pid_alive(holder.pid))
             if holder is not None and job is not None and holder.job == job and (alive_here or not same_host):
                 os.close(fd)  # another process of this job holds it (a dead one on this host is taken over)
                 return OutputLock(path, me, None)
@@ -229,7 +186,7 @@ def acquire_lock(output: Path, job: str | None, *, before_record: Callable[[], N
             elif unverified:
                 got = False  # a holder on another node whose flock we may not see: refuse
             if not got:
-                raise OutputLockedError(_locked_message(output, path, holder, unverified=unverified))
+                raise OutputLockedError(locked_message(output, path.name, holder, unverified=unverified))
         except BaseException:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -243,9 +200,3 @@ def acquire_lock(output: Path, job: str | None, *, before_record: Callable[[], N
             lock.release(remove=True)
             raise
         return lock
-
-
-def _locked_message(output: Path, path: Path, holder: LockRecord | None, *, unverified: bool) -> str:
-    who = "another process" if holder is None else f"pid {holder.pid} on {holder.host}"
-    seen = "; its flock is not held from here, so that node's process may be gone" if unverified else ""
-    return f"{output} is being written by {who} (lock {path.name}){seen}; wait for it, or remove the lock if that process is gone"
