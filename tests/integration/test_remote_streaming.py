@@ -101,7 +101,8 @@ def test_hf_folder_goes_up_shard_by_shard(
     assert _bucket_files(url) == want  # byte for byte a local consolidation
     assert result.file_bytes == total and str(result.output) == url
     assert len(peaks) >= 4 and max(peaks) < total // 2
-    puts = _uploads(s3)
+    lock, *puts = _uploads(s3)
+    assert lock == "/bucket/waves/.hf.lock"  # the output's lock object, created first (deleted at the end)
     assert len(puts) == len(want) and puts[-1].endswith(HF_INDEX_FILENAME)  # each file once, the index last
     assert not list(folder.iterdir())
 
