@@ -2,18 +2,23 @@
 
 The output is laid out before any read (``plan``, ``reshard_plan``), so a record (a tensor's data
 in a consolidation, a payload's tensor bytes in a reshard) has the same byte range in every run
-of the same plan. Rank 0's process writes the manifest before any data (``start``); each worker
-logs a record once its bytes are written and fsynced (``record_logger``). ``--resume`` checks the
-manifest against the new plan, reads every logged record back and keeps those whose CRC-32
-matches (``resumable``, before the output is locked; then ``start``) and removes every other file of the temporary (index,
-``.metadata``, configs); the workers then skip the records kept (``skip_kept``) and rank 0
-rewrites every header, pickle, index and ``.metadata`` from the CRC-32s. The manifest format is
-in ``writers._manifest``.
+of the same plan, whatever the number of workers or nodes. An operation enters its temporary with
+``temporary_output`` (every process of the job, before any data is read); ``--resume`` first finds
+the interrupted run's temporary (``find_temporary``: this job's own, or the one another job id
+left) and checks its manifest against the new plan, touching nothing. Every worker then calls
+``begin_share``: rank 0 writes a fresh manifest, or (resuming) checks it again and removes every
+other file of the temporary (index, ``.metadata``, configs); after a barrier each worker reads back
+the logged records of its own share, keeps those whose CRC-32 matches and skips them, and logs each
+record it writes once fsynced (``records-<rank>.jsonl``). Rank 0 rewrites every header, pickle,
+index and ``.metadata`` from the CRC-32s. The manifest format is in ``writers._manifest``.
 
-Single-node runs only: a multi-node or user-torchrun job (``launch.shared_tag``) writes no manifest.
+The same on one node, many nodes (the temporary on a filesystem every node mounts) or under the
+user's torchrun: rank 0's worker starts the manifest and the barrier holds every other worker until
+it has. A job with another id (a requeued job, torchrun's random ``--standalone`` id) resumes the
+temporary an earlier job left, so the job id need not be stable.
 
-A resumable run (one node, a local output) keeps its temporary and manifest when Ctrl-C,
-SIGTERM/SIGHUP or a failed or dead worker stops it once the manifest is written (``keeper``,
+A resumable run (a local output) keeps its temporary and manifest when Ctrl-C, SIGTERM/SIGHUP or a
+failed or dead worker stops it once the manifest is written (``keep_note``,
 ``writers._atomic.KEPT_ON``), so a preemption that sends SIGTERM before SIGKILL leaves it to
 ``--resume``; any other error removes it, as for every other run.
 """
@@ -30,11 +35,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_convert.constants import METADATA_FILENAME
+from fsdp_convert.errors import OutputWriteError
 from fsdp_convert.formats.index import CheckpointIndex
+from fsdp_convert.launch import WorkerGroup
 from fsdp_convert.move import MoveJob, Piece, range_crc
 from fsdp_convert.plan import WorkPlan
 from fsdp_convert.reshard_plan import ReshardPlan
 from fsdp_convert.transform import OutputItem
+from fsdp_convert.writers import atomic_output
+from fsdp_convert.writers._atomic import temporaries, temporary_path
 from fsdp_convert.writers._manifest import (
     Record,
     RecordLog,
@@ -55,16 +64,14 @@ __all__ = [
     "consolidate_layout",
     "reshard_layout",
     "source_digest",
-    "start",
-    "follow_temporary",
-    "skip_kept",
-    "record_logger",
     "options_of",
     "Fingerprint",
     "consolidate_fingerprint",
     "reshard_fingerprint",
-    "resumable",
-    "keeper",
+    "find_temporary",
+    "ResumeState",
+    "temporary_output",
+    "begin_share",
     "keep_note",
 ]
 
@@ -149,44 +156,141 @@ class Fingerprint:
         check_manifest(tmp, source=self.source, options=self.options, files=self.layout.sizes, records=records)
 
 
-def resumable(tmp: Path, fingerprint: Fingerprint) -> bool:
-    """Whether there is an interrupted run's temporary ``tmp`` to resume; read only, before the output is locked.
+def find_temporary(output: Path, tag: str | None, *, directory: bool, fingerprint: Fingerprint) -> Path | None:
+    """The interrupted run's temporary of ``output`` to resume; read only, before the output is locked.
+
+    This job's own (``writers._atomic.temporary_path`` for ``tag``) if it is there; else the one
+    temporary of ``output`` another job left with a manifest (a job id is not always stable:
+    torchrun ``--standalone`` draws one, a requeued job may get a new one). Every process of a
+    job finds the same one: nothing is written before every worker has started.
 
     Returns:
-        False when there is nothing to resume (no temporary and no manifest): the run starts afresh.
+        The temporary, its manifest checked against this plan; None when there is none to resume
+        (the run starts afresh).
 
     Raises:
         OutputWriteError: a temporary whose manifest is missing or differs from this plan (the
-            message names what differs); nothing is touched.
+            message names what differs), or several left with a manifest; nothing is touched.
     """
-    if not has_manifest(tmp) and not (tmp.is_file() or (tmp.is_dir() and any(tmp.iterdir()))):
-        logger.info("--resume: no interrupted run's output at %s; starting afresh", tmp)
-        return False
-    fingerprint.check(tmp)
-    return True
+    own = temporary_path(output, tag, directory=directory)
+    if has_manifest(own) or own.is_file() or (own.is_dir() and any(own.iterdir())):
+        fingerprint.check(own)
+        return own
+    left = [t for t in temporaries(output, directory=directory) if t != own and has_manifest(t)]
+    if len(left) > 1:
+        names = ", ".join(str(t) for t in left)
+        raise OutputWriteError(f"cannot resume {output}: {len(left)} interrupted runs left a temporary ({names}); keep one")
+    if not left:
+        logger.info("--resume: no interrupted run's output at %s; starting afresh", own)
+        return None
+    fingerprint.check(left[0])
+    logger.info("--resume: continuing %s, which a job with another id left", left[0])
+    return left[0]
 
 
-def start(tmp: Path, fingerprint: Fingerprint, *, resume: bool) -> Kept:
-    """Rank 0's process, the output locked, before any worker starts: write a fresh manifest, or find the records kept.
+@dataclass(frozen=True, slots=True)
+class ResumeState:
+    """What every worker of a resumable output needs (``begin_share``).
 
-    Resuming (``resumable`` said so), the manifest is checked again, every other file of a folder
-    temporary (what rank 0 writes last) is removed, and every logged record is read back.
+    Attributes:
+        fingerprint: the plan's fingerprint, written to (or checked against) the manifest.
+        resume: whether the temporary is an interrupted run's (``find_temporary`` found it).
+    """
+
+    fingerprint: Fingerprint
+    resume: bool
+
+
+@contextlib.contextmanager
+def temporary_output(
+    output: Path, *, overwrite: bool, directory: bool, tag: str | None, fingerprint: Fingerprint | None, resume: bool
+) -> Iterator[tuple[Path, ResumeState | None]]:
+    """Enter ``output``'s temporary (``writers.atomic_output``), resumable when there is a ``fingerprint``.
+
+    Every process of the job calls it. With ``resume`` the interrupted run's temporary is found and
+    checked first (``find_temporary``), before the lock; the block writes into it. A temporary with a
+    manifest is kept when a signal or a failed worker stops the block (``keep_note``), and the
+    manifest is removed once the temporary is gone (renamed into place or removed).
+
+    Args:
+        output: the final output (local).
+        overwrite: replace an existing ``output`` (at the final rename).
+        directory: a folder output.
+        tag: the job's shared tag (``launch.shared_tag``), None on one node.
+        fingerprint: the plan's (``consolidate_fingerprint``, ``reshard_fingerprint``); None: an
+            output that keeps no manifest (a staged upload to object storage, whose staging folder
+            is private).
+        resume: ``--resume``.
+
+    Yields:
+        The temporary, and what the workers need to resume it (None without a fingerprint).
+
+    Raises:
+        As ``find_temporary`` and ``writers.atomic_output``.
+    """
+    found = None
+    if fingerprint is not None and resume:
+        found = find_temporary(output, tag, directory=directory, fingerprint=fingerprint)
+        resume = found is not None
+    keep = keep_note if fingerprint is not None else None
+    temporary = atomic_output(
+        output, overwrite=overwrite, directory=directory, tag=tag, resume=resume, keep=keep, temporary=found
+    )
+    with _follow_temporary(temporary) as tmp:
+        yield tmp, (None if fingerprint is None else ResumeState(fingerprint, resume))
+
+
+def begin_share(
+    tmp: Path, state: ResumeState | None, rank: int, group: WorkerGroup | None, jobs: list[MoveJob], stack: contextlib.ExitStack
+) -> tuple[list[MoveJob], list[tuple[MoveJob, Piece]], Callable[[MoveJob, list[Piece]], None] | None]:
+    """A worker's start on a resumable output: the manifest, its share's records kept, its record log. Called on every rank.
+
+    Rank 0 writes a fresh manifest, or (resuming) checks it again and removes every file of a folder
+    temporary that is not a data file (what rank 0 writes last); a barrier holds the others until it
+    has. Resuming, each worker then reads back the logged records of its own jobs (its share of the
+    reading, in parallel) and keeps those whose CRC-32 matches.
+
+    Args:
+        tmp: the temporary output.
+        state: from ``temporary_output``; None: not resumable (returns ``jobs`` as they are).
+        rank: this worker's rank.
+        group: the job's group (None: one process).
+        jobs: this worker's move jobs.
+        stack: closes the record log.
 
     Returns:
-        The records kept (their bytes read back match their CRC-32), by (file index, offset); empty unless resuming.
+        The jobs to move; the jobs kept, each with one piece carrying its CRC-32; and an ``on_done``
+        for ``move.move_all`` that logs each job moved (None when not resumable).
 
     Raises:
         OutputWriteError: the manifest cannot be written, or (resuming) differs.
     """
-    layout = fingerprint.layout
-    records = [r for _, r in layout.records]
-    if not resume:
+    if state is None:
+        return jobs, [], None
+    layout = state.fingerprint.layout
+    if rank == 0:
+        _start(tmp, state)
+    if group is not None:
+        group.barrier()
+    kept: Kept = {}
+    if state.resume:
+        mine = {(job.file, job.offset): Record(layout.names[job.file], job.offset, job.nbytes) for job in jobs if job.nbytes}
+        crcs = kept_records(tmp, list(mine.values()), lambda name: tmp / name if name else tmp)
+        kept = {key: crcs[record] for key, record in mine.items() if record in crcs}
+    todo, done = _skip_kept(jobs, kept)
+    return todo, done, _record_logger(tmp, rank, layout.names, stack)
+
+
+def _start(tmp: Path, state: ResumeState) -> None:
+    """Rank 0, before the other workers go on: a fresh manifest, or (resuming) the manifest checked, the last files removed."""
+    fingerprint = state.fingerprint
+    if not state.resume:
+        layout = fingerprint.layout
+        records = [r for _, r in layout.records]
         start_manifest(tmp, source=fingerprint.source, options=fingerprint.options, files=layout.sizes, records=records)
-        return {}
+        return
     fingerprint.check(tmp)
-    _remove_last_files(tmp, set(layout.sizes))
-    kept = kept_records(tmp, records, lambda name: tmp / name if name else tmp)
-    return {(f, r.offset): kept[r] for f, r in layout.records if r in kept}
+    _remove_last_files(tmp, set(fingerprint.layout.sizes))
 
 
 def _remove_last_files(tmp: Path, data_files: set[str]) -> None:
@@ -199,7 +303,7 @@ def _remove_last_files(tmp: Path, data_files: set[str]) -> None:
 
 
 @contextlib.contextmanager
-def follow_temporary(temporary: AbstractContextManager[Path]) -> Iterator[Path]:
+def _follow_temporary(temporary: AbstractContextManager[Path]) -> Iterator[Path]:
     """Enter ``temporary`` (``writers.atomic_output``) and remove the manifest beside it once it is gone (renamed or removed).
 
     A temporary left in place (a SIGKILL, a process leaving it to rank 0's) keeps its manifest; a
@@ -232,12 +336,7 @@ def keep_note(tmp: Path) -> str | None:
     )
 
 
-def keeper(fingerprint: Fingerprint | None, shown: object) -> Callable[[Path], str | None] | None:
-    """``keep_note`` for a resumable run (a manifest, a local output), else None (a staged upload's folder is removed anyway)."""
-    return keep_note if fingerprint is not None and isinstance(shown, Path) else None
-
-
-def skip_kept(jobs: list[MoveJob], kept: Kept) -> tuple[list[MoveJob], list[tuple[MoveJob, Piece]]]:
+def _skip_kept(jobs: list[MoveJob], kept: Kept) -> tuple[list[MoveJob], list[tuple[MoveJob, Piece]]]:
     """Split a worker's jobs into those to move and those kept, each kept job with one piece carrying its CRC-32."""
     todo, done = [], []
     for job in jobs:
@@ -249,7 +348,7 @@ def skip_kept(jobs: list[MoveJob], kept: Kept) -> tuple[list[MoveJob], list[tupl
     return todo, done
 
 
-def record_logger(
+def _record_logger(
     tmp: Path, writer: int, names: dict[int, str], stack: contextlib.ExitStack
 ) -> Callable[[MoveJob, list[Piece]], None]:
     """An ``on_done`` for ``move.move_all`` that logs each job as a record once its bytes are fsynced. Called on every worker.

@@ -13,6 +13,7 @@ import warnings  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
+from tests._resume import resume_hook, resume_references  # noqa: E402, F401  (the --resume tests' hook and references)
 from tests._samples import (  # noqa: E402, F401  (fixtures, registered by being imported here)
     accelerate_run,
     big_sample,

@@ -45,11 +45,9 @@ from fsdp_convert.plan import (
 )
 from fsdp_convert.plan import output_format as plan_output_format
 from fsdp_convert.remote import Url, local_output
-from fsdp_convert.resume import Kept, consolidate_fingerprint, follow_temporary, keeper, record_logger, resumable, skip_kept
-from fsdp_convert.resume import start as start_manifest
+from fsdp_convert.resume import ResumeState, begin_share, consolidate_fingerprint, temporary_output
 from fsdp_convert.transform import OutputItem, TransformOptions
-from fsdp_convert.writers import atomic_output
-from fsdp_convert.writers._atomic import LeaveToOwner, check_output_free, temporary_path, writing
+from fsdp_convert.writers._atomic import LeaveToOwner, check_output_free, writing
 from fsdp_convert.writers._space import check_space
 from fsdp_convert.writers.hf_assets import open_hf_assets, tied_output_keys, weights_dtype, write_hf_assets
 from fsdp_convert.writers.safetensors import ShardFile, safetensors_name, write_hf_index
@@ -96,7 +94,7 @@ class _ConsolidateJob:
     tmp_output: Path
     progress: bool
     check_crc: bool
-    kept: Kept | None = None  # records kept from an interrupted run; None: no manifest (multi-node)
+    resume: ResumeState | None = None  # a resumable output's (``resume.begin_share``); None: no manifest (object storage)
     index: bool = True  # write the folder's index (a wave of an output to object storage does not)
 
 
@@ -196,11 +194,7 @@ def _consolidate_rank(job: _ConsolidateJob, rank: int, world_size: int, group: W
     with writing(job.tmp_output), ExitStack() as stack:
         fds = _open_files(job, rank, stack)
         jobs = _move_jobs(job, rank, fds)
-        skipped: list[tuple[MoveJob, Piece]] = []
-        log: Any = None
-        if job.kept is not None:  # a resumable output: skip the records kept, log the others once fsynced
-            jobs, skipped = skip_kept(jobs, job.kept)
-            log = record_logger(job.tmp_output, rank, {f: x.filename or "" for f, x in enumerate(plan.files)}, stack)
+        jobs, skipped, log = begin_share(job.tmp_output, job.resume, rank, group, jobs, stack)  # records kept, the log
         desc = "write" if plan.nproc == 1 else f"write (rank 0's share; {plan.nproc} workers)"
         bar = stack.enter_context(_bar(desc, sum(j.nbytes for j in jobs), job.progress and rank == 0, 0))
         lock = threading.Lock()
@@ -327,8 +321,9 @@ def consolidate(
             tokenizer files are copied beside a folder output's shards (``writers.hf_assets``), so
             ``from_pretrained`` loads it; ``lm_head.weight`` is left out when the config ties it,
             and the config's dtype follows the weights written.
-        resume: finish the interrupted run's temporary output (``resume``): its manifest must match
-            this plan; records whose bytes read back with their CRC-32 are kept, the rest written.
+        resume: finish the interrupted run's temporary output (``resume``), on one node or many, whatever
+            the job id: its manifest must match this plan; records whose bytes read back with their CRC-32
+            are kept, the rest written.
 
     Returns:
         What was written (``owner`` False on the processes that did not write).
@@ -348,13 +343,14 @@ def consolidate(
             ``verify_output`` with a computed tensor (a LoRA merge, whose float rounding depends on
             the row block size) is an InvalidOptionError; an adapter's row maps are recomputed and compared.
     """
-    shared = shared_tag(cluster) is not None
+    tag = shared_tag(cluster)  # the temporary's name every process of a multi-process job shares
     last = (HF_SINGLE_FILENAME, HF_INDEX_FILENAME)
-    with local_output(output, overwrite=overwrite, shared=shared, last=last) as (output, shown):
+    with local_output(output, overwrite=overwrite, shared=tag is not None, last=last) as (output, shown):
         start = time.monotonic()
         options = options or TransformOptions()
         index = read_index(checkpoint_id)
         fmt = plan_output_format(output, output_format)
+        directory = fmt == "hf_dir"
         lora = lora_only(options)
         if lora is not None and fmt != "hf_dir":
             raise InvalidOptionError(f"{output}: --lora-only writes a PEFT adapter folder; name OUT without a suffix")
@@ -389,23 +385,23 @@ def consolidate(
         url = shown if isinstance(shown, Url) and len(plan.shards) > 1 and not verify_output else None  # files go up in waves
         if space_check:
             needed = consolidate_staging_bytes(plan) if url else output_bytes(plan)
-            check_space(output, needed, directory=fmt == "hf_dir", tag=shared_tag(cluster), shown=shown)
+            check_space(output, needed, directory=directory, tag=tag, shown=shown)
         if lora is not None:
             files = tuple(dataclasses.replace(f, filename=ADAPTER_WEIGHTS_NAME) for f in plan.files)
             plan = dataclasses.replace(plan, files=files)
         owner = True
-        if resume and shared:
-            raise InvalidOptionError("--resume works on one node; a multi-node or torchrun job writes no manifest")
-        fingerprint = None if shared or isinstance(shown, Url) else consolidate_fingerprint(index, plan)  # local only
-        if fingerprint is not None and resume:  # checked before anything is touched
-            resume = resumable(temporary_path(output, None, directory=fmt == "hf_dir"), fingerprint)
-        keep = keeper(fingerprint, shown)  # a resumable run's temporary outlives a signal or a failed worker
-        tag = shared_tag(cluster)
-        temporary = atomic_output(output, overwrite=overwrite, directory=fmt == "hf_dir", tag=tag, resume=resume, keep=keep)
-        with follow_temporary(temporary) as tmp:
-            kept = None if fingerprint is None else start_manifest(tmp, fingerprint, resume=resume)
+        fingerprint = None if isinstance(shown, Url) else consolidate_fingerprint(index, plan)  # a staged upload keeps none
+        temporary = temporary_output(
+            output, overwrite=overwrite, directory=directory, tag=tag, fingerprint=fingerprint, resume=resume
+        )
+        with temporary as (tmp, resumable):
             job = _ConsolidateJob(
-                checkpoint_id=index.checkpoint_id, plan=plan, tmp_output=tmp, progress=progress, check_crc=check_crc, kept=kept
+                checkpoint_id=index.checkpoint_id,
+                plan=plan,
+                tmp_output=tmp,
+                progress=progress,
+                check_crc=check_crc,
+                resume=resumable,
             )
             if url:  # object storage: each wave of files goes up while the next is written, the index last
                 file_bytes = consolidate_in_waves(_consolidate_rank, job, url, cluster) + _write_index(tmp, plan)

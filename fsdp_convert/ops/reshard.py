@@ -44,20 +44,9 @@ from fsdp_convert.ops._waves import reshard_in_waves, reshard_staging_bytes
 from fsdp_convert.plan import DEFAULT_MEMORY_BUDGET_BYTES, RECORD_TAIL_BYTES, default_nproc, mover_buffers
 from fsdp_convert.remote import Url, as_location, local_output
 from fsdp_convert.reshard_plan import PayloadPlan, ReshardPlan, plan_reshard, split_by_folder
-from fsdp_convert.resume import (
-    Kept,
-    follow_temporary,
-    keeper,
-    record_logger,
-    reshard_fingerprint,
-    reshard_layout,
-    resumable,
-    skip_kept,
-)
-from fsdp_convert.resume import start as start_manifest
+from fsdp_convert.resume import ResumeState, begin_share, reshard_fingerprint, temporary_output
 from fsdp_convert.transform import TransformOptions
-from fsdp_convert.writers import atomic_output
-from fsdp_convert.writers._atomic import LeaveToOwner, check_output_free, temporary_path, writing
+from fsdp_convert.writers._atomic import LeaveToOwner, check_output_free, writing
 from fsdp_convert.writers._space import check_space
 from fsdp_convert.writers.dcp import MetadataEntry, StoredChunk, compress_data_files, rank_filename, require_zstd, write_metadata
 from fsdp_convert.writers.torch_save import TensorSlot, write_tensor_payload_headers
@@ -105,7 +94,7 @@ class _ReshardJob:
     plans: tuple[tuple[str, ReshardPlan], ...]  # (folder relative to the output, its plan)
     tmp_output: Path
     check_crc: bool
-    kept: Kept | None = None  # records kept from an interrupted run; None: no manifest (multi-node)
+    resume: ResumeState | None = None  # a resumable output's (``resume.begin_share``); None: no manifest (object storage)
     files: frozenset[tuple[int, int]] | None = None  # a wave's (folder, target rank) data files (ops._waves); None: all
 
 
@@ -252,15 +241,13 @@ def _reshard_rank(
             slot = TensorSlot(moved.dtype, payload.chunk.sizes)
             write_tensor_payload_headers(moved.fd, payload.offset, slot, crc)
 
-        todo, write_headers = [move for move, _ in mine.values()], headers
-        if job.kept is not None:  # a resumable output: skip the records kept (their headers rewritten), log the others
-            todo, skipped = skip_kept(todo, job.kept)
-            for moved, piece in skipped:
-                headers(moved, [piece])
-            log = record_logger(job.tmp_output, worker, reshard_layout(job.plans).names, stack)
+        todo, skipped, log = begin_share(job.tmp_output, job.resume, worker, group, [move for move, _ in mine.values()], stack)
+        for moved, piece in skipped:  # kept from an interrupted run: their headers are rewritten
+            headers(moved, [piece])
 
-            def write_headers(moved: MoveJob, pieces: list[Piece]) -> None:
-                headers(moved, pieces)
+        def write_headers(moved: MoveJob, pieces: list[Piece]) -> None:
+            headers(moved, pieces)
+            if log is not None:
                 log(moved, pieces)
 
         threads, piece_bytes = mover_buffers(DEFAULT_MEMORY_BUDGET_BYTES)
@@ -380,7 +367,7 @@ def reshard(
             rank files payload by payload before ``.metadata`` (``writers.dcp.compress_data_files``;
             with several nodes the output's filesystem must be shared). None (default): uncompressed,
             whatever the source.
-        resume: finish the interrupted run's temporary output, as for ``consolidate`` (one node only).
+        resume: finish the interrupted run's temporary output, as for ``consolidate``.
 
     Raises:
         As ``consolidate``; InvalidOptionError for ``world_size < 1``, or ``compress="zstd"`` without
@@ -390,8 +377,8 @@ def reshard(
         if compress != "zstd":
             raise InvalidOptionError(f"--compress {compress}: only zstd is supported")
         require_zstd()
-    shared = shared_tag(cluster) is not None
-    with local_output(output, overwrite=overwrite, shared=shared, last=(METADATA_FILENAME,)) as (output, shown):
+    tag = shared_tag(cluster)
+    with local_output(output, overwrite=overwrite, shared=tag is not None, last=(METADATA_FILENAME,)) as (output, shown):
         start = time.monotonic()
         source = as_location(checkpoint_id)
         index = read_index(source, full_files=True)  # a DCP-like folder, or a full file / HF folder
@@ -407,19 +394,14 @@ def reshard(
         url = shown if isinstance(shown, Url) and compress is None else None  # object storage: rank files go up wave by wave
         if space_check:
             needed = reshard_staging_bytes(plans) if url else _output_bytes(plans, index.checkpoint_id, beside.copied)
-            check_space(output, needed, directory=True, tag=shared_tag(cluster), shown=shown)
+            check_space(output, needed, directory=True, tag=tag, shown=shown)
         owner, file_bytes = False, 0
-        if resume and shared:
-            raise InvalidOptionError("--resume works on one node; a multi-node or torchrun job writes no manifest")
-        fingerprint = None if shared or isinstance(shown, Url) else reshard_fingerprint(index, plans, compress)  # local only
-        if fingerprint is not None and resume:  # checked before anything is touched
-            resume = resumable(temporary_path(output, None, directory=True), fingerprint)
-        keep = keeper(fingerprint, shown)  # a resumable run's temporary outlives a signal or a failed worker
-        with follow_temporary(
-            atomic_output(output, overwrite=overwrite, directory=True, tag=shared_tag(cluster), resume=resume, keep=keep)
-        ) as tmp:
-            kept = None if fingerprint is None else start_manifest(tmp, fingerprint, resume=resume)
-            job = _ReshardJob(checkpoint_id=index.checkpoint_id, plans=plans, tmp_output=tmp, check_crc=check_crc, kept=kept)
+        fingerprint = None if isinstance(shown, Url) else reshard_fingerprint(index, plans, compress)  # staged uploads: none
+        temporary = temporary_output(output, overwrite=overwrite, directory=True, tag=tag, fingerprint=fingerprint, resume=resume)
+        with temporary as (tmp, resumable):
+            job = _ReshardJob(
+                checkpoint_id=index.checkpoint_id, plans=plans, tmp_output=tmp, check_crc=check_crc, resume=resumable
+            )
             owner, values, uploaded = reshard_in_waves(_reshard_rank, job, workers, cluster, url)  # .metadata last
             if not owner:
                 raise LeaveToOwner

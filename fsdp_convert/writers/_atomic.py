@@ -179,6 +179,7 @@ def atomic_output(
     tag: str | None = None,
     resume: bool = False,
     keep: Callable[[Path], str | None] | None = None,
+    temporary: Path | None = None,
 ) -> Iterator[Path]:
     """Yield a temporary sibling path; move it onto ``output`` if the block completes.
 
@@ -195,7 +196,8 @@ def atomic_output(
     One writer per output: the lock file ``.OUT.lock`` beside it (``writers._lock``) is taken
     first and held until the end (removed on success or failure). The temporary's name is
     deterministic (``temporary_path``); one left by an earlier run is refused unless ``resume``,
-    which reuses this run's own (same tag) as it is.
+    which reuses this run's own (same tag) as it is, or ``temporary``: an earlier job's that
+    ``resume.find_temporary`` chose (every process of the job chose the same).
 
     With ``tag`` (a run id every node of a multi-node run shares) the temporary's name is the same
     in every process, a folder may already exist, the job's processes share the lock (the first
@@ -209,7 +211,7 @@ def atomic_output(
         OutputWriteError: the folder cannot be created or written (permission, space).
     """
     check_output_free(output, overwrite=overwrite, directory=directory)
-    tmp = temporary_path(output, tag, directory=directory)
+    tmp = temporary or temporary_path(output, tag, directory=directory)
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:

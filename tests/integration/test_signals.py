@@ -55,8 +55,9 @@ def _temporaries(folder: Path) -> list[Path]:
 
 
 def _wait_until_writing(proc: subprocess.Popen[str], folder: Path, timeout: float = 120) -> None:
+    """Until the run's temporary and its manifest are there (rank 0's worker writes the manifest once it has opened the files)."""
     deadline = time.monotonic() + timeout
-    while not _temporaries(folder):
+    while not (_temporaries(folder) and list(folder.glob(".*.manifest-*/manifest.json"))):
         if proc.poll() is not None:
             raise _Missed  # finished before its temporary was seen
         assert time.monotonic() < deadline, "no temporary output appeared"

@@ -1,0 +1,74 @@
+"""``resume.find_temporary``: which interrupted run's temporary ``--resume`` continues, read only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fsdp_convert.errors import OutputWriteError
+from fsdp_convert.resume import Fingerprint, Layout, find_temporary
+from fsdp_convert.writers._atomic import temporary_path
+from fsdp_convert.writers._manifest import Record, start_manifest
+
+RECORDS = [(0, Record("", 0, 64)), (0, Record("", 64, 32))]
+FINGERPRINT = Fingerprint(layout=Layout({0: ""}, {"": 96}, RECORDS), source="checkpoint", options="options")
+
+
+def _left(output: Path, tag: str | None, fingerprint: Fingerprint = FINGERPRINT) -> Path:
+    """A temporary of ``output`` as a killed run of job ``tag`` leaves it: data and a manifest."""
+    tmp = temporary_path(output, tag, directory=False)
+    tmp.write_bytes(bytes(96))
+    layout = fingerprint.layout
+    records = [r for _, r in layout.records]
+    start_manifest(tmp, source=fingerprint.source, options=fingerprint.options, files=layout.sizes, records=records)
+    return tmp
+
+
+def _find(output: Path, tag: str | None) -> Path | None:
+    return find_temporary(output, tag, directory=False, fingerprint=FINGERPRINT)
+
+
+def test_nothing_left_starts_afresh(tmp_path: Path) -> None:
+    assert _find(tmp_path / "full.pt", "rdzv-b") is None
+
+
+def test_the_jobs_own_temporary_comes_first(tmp_path: Path) -> None:
+    out = tmp_path / "full.pt"
+    own, _ = _left(out, "rdzv-b"), _left(out, "rdzv-a")
+    assert _find(out, "rdzv-b") == own
+
+
+@pytest.mark.parametrize(("killed", "now"), [("rdzv-a", "rdzv-b"), (None, "torchrun-1234"), ("torchrun-1234", None)])
+def test_another_jobs_temporary_is_adopted(tmp_path: Path, killed: str | None, now: str | None) -> None:
+    """A requeued job with a new id, a single-node run after a multi-node one, and the other way round."""
+    out = tmp_path / "full.pt"
+    left = _left(out, killed)
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+    assert _find(out, now) == left
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in tmp_path.rglob("*")) == before  # read only
+
+
+def test_several_left_are_refused_naming_them(tmp_path: Path) -> None:
+    out = tmp_path / "full.pt"
+    a, b = _left(out, "rdzv-a"), _left(out, "rdzv-b")
+    with pytest.raises(OutputWriteError, match="2 interrupted runs left a temporary") as e:
+        _find(out, "rdzv-c")
+    assert str(a) in str(e.value) and str(b) in str(e.value)
+
+
+def test_another_plans_temporary_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "full.pt"
+    other = Fingerprint(layout=FINGERPRINT.layout, source="checkpoint", options="--dtype bf16")
+    left = _left(out, "rdzv-a", other)
+    with pytest.raises(OutputWriteError, match="options that change the output differ") as e:
+        _find(out, "rdzv-b")
+    assert str(left) in str(e.value)
+
+
+def test_a_temporary_without_manifest_is_not_adopted(tmp_path: Path) -> None:
+    """Another job's temporary with no manifest (killed before rank 0 wrote it) is not resumed; the lock holder refuses
+    it as a left temporary (``writers._atomic.check_no_temporary``)."""
+    out = tmp_path / "full.pt"
+    temporary_path(out, "rdzv-a", directory=False).write_bytes(bytes(10))
+    assert _find(out, "rdzv-b") is None
