@@ -115,15 +115,30 @@ def run_in_place(fn: Callable[[Job, int, int, WorkerGroup], Any], job: Job) -> t
 
     Returns:
         This process's rank and ``fn``'s return value.
+
+    Raises:
+        WorkerFailedError: the connection to a peer was lost (that worker died), so the job failed
+            as a launch of ours whose worker died does (a resumable output's temporary is kept).
     """
     if dist.is_initialized():  # called from a training script that already joined its group
-        return dist.get_rank(), fn(job, dist.get_rank(), dist.get_world_size(), WorkerGroup())
+        return dist.get_rank(), _peers_lost_fail(fn, job, dist.get_rank(), dist.get_world_size())
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     prefix_worker_logs(rank)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    result = fn(job, rank, world_size, WorkerGroup())
+    result = _peers_lost_fail(fn, job, rank, world_size)
     dist.destroy_process_group()  # only on success: after a failure a peer may be gone
     return rank, result
+
+
+def _peers_lost_fail(fn: Callable[[Job, int, int, WorkerGroup], Any], job: Job, rank: int, world_size: int) -> Any:
+    """``fn(job, rank, world_size, group)``; a lost connection to a peer becomes a WorkerFailedError naming this rank."""
+    try:
+        return fn(job, rank, world_size, WorkerGroup())
+    except RuntimeError as e:  # gloo's errors (torch.distributed.DistError is one)
+        described = _describe(e)
+        if not described.startswith(_PEER_LOST):
+            raise
+        raise WorkerFailedError(f"worker rank {rank} {described}") from e
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,8 +16,9 @@ ResumeOpt = Annotated[
     bool,
     typer.Option(
         "--resume",
-        help="Finish the interrupted run's temporary of OUT (.OUT.tmp-local after a crash, SIGKILL or preemption): "
-        "run with the same arguments; what it wrote and fsynced is checked by CRC-32 and kept, the rest written.",
+        help="Finish the interrupted run's temporary of OUT (.OUT.tmp-local, or .OUT.tmp-rdzv-ID of a multi-node or "
+        "torchrun job, after a crash, SIGKILL or preemption): run with the same arguments (the job id may differ); what "
+        "it wrote and fsynced is checked by CRC-32 and kept, the rest written.",
     ),
 ]
 

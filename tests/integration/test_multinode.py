@@ -88,7 +88,8 @@ def test_two_nodes_write_what_one_node_writes(ws3_ckpt: Sample, tmp_path: Path) 
 
 def test_a_dead_node_fails_the_job(big_sample: Path, tmp_path: Path) -> None:
     """SIGKILL one node mid-run: the other fails naming what it lost (within seconds; a run still
-    going HANG_S later fails as hung), and no output is left."""
+    going HANG_S later fails as hung), no output is left, and the temporary and its manifest are kept
+    for ``--resume`` (test_resume_multinode.py finishes such a job)."""
     out, logs = tmp_path / "full.pt", tmp_path / "reads"
     logs.mkdir()
     env = {**ENV, "FSDP_CONVERT_READ_LOG": str(logs)}
@@ -115,7 +116,9 @@ def test_a_dead_node_fails_the_job(big_sample: Path, tmp_path: Path) -> None:
     assert len(lines) == 1, stderr
     # what the survivor saw go: a peer's connection, or (when the dead node held the store) the rendezvous
     assert lines[0].startswith(("error: worker rank ", "error: lost the rendezvous at 127.0.0.1:")), lines[0]
-    assert [p.name for p in tmp_path.iterdir()] == ["reads"]  # no output and no temporary
+    assert lines[0].endswith("is kept: run again with --resume to finish it, or remove it"), lines[0]
+    kept = [".full.manifest-rdzv-dead-node.pt", ".full.tmp-rdzv-dead-node.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [*kept, "reads"]  # no output, no lock
 
 
 def test_cli_runs_as_the_workers_of_users_torchrun(ws3_ckpt: Sample, tmp_path: Path) -> None:
