@@ -3,15 +3,19 @@
 The lock is ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``.OUT.lock`` in the output's folder, a text
 file holding ``host pid since job`` (``since``: Unix seconds the lock was taken; ``job``: the
 shared tag of a multi-process job, ``-`` for a single-node run). The first process of a job takes
-it and holds it for its whole run; the lock file is removed at the end, on success or failure.
+it exclusively, writes its record, then holds it shared (``LOCK_SH``) for its whole run; every other
+process of the job holds it shared too once it has read the record. So the lock stays held while
+any process of the job runs, even once the one that took it has left the output to rank 0's
+process (``LeaveToOwner``). The lock file is removed at the end, on success or failure.
 
 What each process can see decides the rules:
 
 - A process that finds the flock held reads the record. The same job (its shared tag, derived from
   ``--rdzv-id`` or torchrun's run id) means another node or worker of its own job took it first:
   it goes on without the lock. Anything else is another job: refused (``OutputLockedError``).
-- The flock free but the file there: on the same host the holder is gone (its kernel would
-  hold the flock), so the lock is taken over silently. A holder on another host cannot be
+- The flock free but the file there: on the same host the holder's job is gone (its kernel would
+  hold the flock), so the lock is taken over silently, unless the holder's pid is alive (it is
+  between its exclusive and its shared flock): refused. A holder on another host cannot be
   checked from here: flock across nodes works on NFSv4 and on Lustre mounted with ``flock``, but
   is node-local with ``localflock`` and fails with ``noflock``. The file's existence is what every
   node sees (created with ``O_EXCL``, which NFS honours), so such a lock is refused, naming its
@@ -47,22 +51,20 @@ def lock_path(output: Path) -> Path:
 
 @dataclass(slots=True)
 class OutputLock:
-    """A lock taken (``fd`` set: this process holds it) or joined (``fd`` None: a peer of the holder's job).
+    """A lock taken (``taken``: this process wrote the record) or joined (a peer of the holder's job).
 
     Attributes:
         path: the lock file.
         record: this process's record.
-        fd: the open lock file while this process holds the flock, else None.
+        fd: the open lock file while this process holds its flock (shared, once the record is
+            written), else None (a peer where flock is unsupported, or released).
+        taken: True in the process that took the lock (the first of its job); False in a peer.
     """
 
     path: Path
     record: LockRecord
     fd: int | None
-
-    @property
-    def taken(self) -> bool:
-        """True in the process that took the lock (the first of its job); False in a peer."""
-        return self.fd is not None
+    taken: bool = True
 
     def release(self, *, remove: bool) -> None:
         """Let the lock go; with ``remove``, delete the file too if it is still this job's.
@@ -73,9 +75,9 @@ class OutputLock:
         fd, self.fd = self.fd, None
         try:
             if remove:
-                if fd is not None and _same_file(fd, self.path):
+                if self.taken and fd is not None and _same_file(fd, self.path):
                     self.path.unlink()
-                elif fd is None and self.record.job != SINGLE:
+                elif not self.taken and self.record.job != SINGLE:
                     holder = _read_record(self.path)
                     if holder is not None and holder.job == self.record.job:
                         self.path.unlink()
@@ -112,10 +114,10 @@ def _write_record(fd: int, record: LockRecord, path: Path) -> None:
         raise OutputWriteError(f"cannot write {path}: {e.strerror}") from e
 
 
-def _flock(fd: int) -> bool | None:
-    """Try the exclusive flock: True taken, False held by another, None unsupported here."""
+def _flock(fd: int, how: int = fcntl.LOCK_EX) -> bool | None:
+    """Try the flock (``fcntl.LOCK_EX`` or ``LOCK_SH``): True taken, False held by another, None unsupported here."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
     except OSError as e:
@@ -178,13 +180,14 @@ def acquire_lock(output: Path, job: str | None, *, before_record: Callable[[], N
             same_host = holder is None or holder.host == me.host
             alive_here = got is False or (got is None and holder is not None and pid_alive(holder.pid))
             if holder is not None and job is not None and holder.job == job and (alive_here or not same_host):
-                os.close(fd)  # another process of this job holds it (a dead one on this host is taken over)
-                return OutputLock(path, me, None)
+                return _join(path, me, fd)  # another process of this job took it (a dead one on this host is taken over)
             unverified = got is True and not created and not same_host
             if got is None:  # no flock here: the O_EXCL create is the lock
                 got = created or (same_host and not alive_here)
             elif unverified:
                 got = False  # a holder on another node whose flock we may not see: refuse
+            elif got and holder is not None and same_host and holder.pid != me.pid and pid_alive(holder.pid):
+                got = False  # its holder is alive, between its exclusive and its shared flock
             if not got:
                 raise OutputLockedError(locked_message(output, path.name, holder, unverified=unverified))
         except BaseException:
@@ -196,7 +199,24 @@ def acquire_lock(output: Path, job: str | None, *, before_record: Callable[[], N
             if before_record is not None:
                 before_record()
             _write_record(fd, me, path)
+            _flock(fd, fcntl.LOCK_SH)  # the job's peers may now hold it with this process
         except BaseException:
             lock.release(remove=True)
             raise
         return lock
+
+
+def _join(path: Path, me: LockRecord, fd: int) -> OutputLock:
+    """Join the lock another process of this job took: hold its flock shared, so it stays held while this process runs.
+
+    The holder turns its exclusive flock into a shared one right after writing its record; until
+    then (at most ``_RECORD_WAIT_S``) this waits for it. Where flock is unsupported the lock file
+    is closed and the peer holds nothing.
+    """
+    deadline = time.monotonic() + _RECORD_WAIT_S
+    while (got := _flock(fd, fcntl.LOCK_SH)) is False and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if not got:
+        os.close(fd)
+        return OutputLock(path, me, None, taken=False)
+    return OutputLock(path, me, fd, taken=False)

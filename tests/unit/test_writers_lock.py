@@ -49,6 +49,23 @@ def test_the_jobs_own_peers_join_it(tmp_path: Path) -> None:
     assert not lock_path(out).exists()
 
 
+def test_the_lock_stays_held_while_any_process_of_the_job_runs(tmp_path: Path) -> None:
+    """The process that took it leaves first (``LeaveToOwner``): its peers' shared flocks keep another job out."""
+    out = tmp_path / "out"
+    holder = acquire_lock(out, "rdzv-job")
+    peer = acquire_lock(out, "rdzv-job")
+    assert peer.fd is not None  # the peer holds the flock, shared
+    holder.release(remove=False)  # it left the output to rank 0's process, and exited
+    for job in ("rdzv-other", None):
+        with pytest.raises(OutputLockedError, match=f"pid {os.getpid()} on"):
+            acquire_lock(out, job)
+    peer.release(remove=False)  # rank 0's process is gone too (killed): nothing holds it
+    lock = acquire_lock(out, "rdzv-other")
+    assert lock.taken
+    lock.release(remove=True)
+    assert not lock_path(out).exists()
+
+
 def test_a_stale_lock_on_this_host_is_taken_over(tmp_path: Path) -> None:
     out = tmp_path / "out.pt"
     lock_path(out).write_text(LockRecord(socket.gethostname(), _dead_pid(), 1.0, "-").text())
