@@ -29,7 +29,7 @@ import contextlib
 import hashlib
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +72,7 @@ __all__ = [
     "ResumeState",
     "temporary_output",
     "begin_share",
+    "RecordLogger",
     "keep_note",
 ]
 
@@ -242,7 +243,7 @@ def temporary_output(
 
 def begin_share(
     tmp: Path, state: ResumeState | None, rank: int, group: WorkerGroup | None, jobs: list[MoveJob], stack: contextlib.ExitStack
-) -> tuple[list[MoveJob], list[tuple[MoveJob, Piece]], Callable[[MoveJob, list[Piece]], None] | None]:
+) -> tuple[list[MoveJob], list[tuple[MoveJob, Piece]], RecordLogger | None]:
     """A worker's start on a resumable output: the manifest, its share's records kept, its record log. Called on every rank.
 
     Rank 0 writes a fresh manifest, or (resuming) checks it again and removes every file of a folder
@@ -259,8 +260,9 @@ def begin_share(
         stack: closes the record log.
 
     Returns:
-        The jobs to move; the jobs kept, each with one piece carrying its CRC-32; and an ``on_done``
-        for ``move.move_all`` that logs each job moved (None when not resumable).
+        The jobs to move; the jobs kept, each with one piece carrying its CRC-32; and the
+        ``RecordLogger`` that logs each job moved (None when not resumable): call it from
+        ``move.move_all``'s ``on_done``, and ``flush`` it once the share is moved.
 
     Raises:
         OutputWriteError: the manifest cannot be written, or (resuming) differs.
@@ -278,7 +280,7 @@ def begin_share(
         crcs = kept_records(tmp, list(mine.values()), lambda name: tmp / name if name else tmp)
         kept = {key: crcs[record] for key, record in mine.items() if record in crcs}
     todo, done = _skip_kept(jobs, kept)
-    return todo, done, _record_logger(tmp, rank, layout.names, stack)
+    return todo, done, RecordLogger(tmp, rank, layout.names, stack)
 
 
 def _start(tmp: Path, state: ResumeState) -> None:
@@ -348,23 +350,34 @@ def _skip_kept(jobs: list[MoveJob], kept: Kept) -> tuple[list[MoveJob], list[tup
     return todo, done
 
 
-def _record_logger(
-    tmp: Path, writer: int, names: dict[int, str], stack: contextlib.ExitStack
-) -> Callable[[MoveJob, list[Piece]], None]:
-    """An ``on_done`` for ``move.move_all`` that logs each job as a record once its bytes are fsynced. Called on every worker.
+class RecordLogger:
+    """An ``on_done`` for ``move.move_all`` that logs each job moved as a record (``writers._manifest.RecordLog``).
 
-    The log is ``records-<writer>.jsonl`` in the manifest folder, closed with ``stack``.
+    Called from the mover's threads. ``flush`` once the worker's share is moved logs the batch so
+    far; the log is closed (and flushed) with ``stack``.
+
+    Args:
+        tmp: the temporary output.
+        writer: the worker's rank (``records-<writer>.jsonl``).
+        names: each file index's name in the output.
+        stack: closes the log.
     """
-    log = RecordLog(tmp, str(writer))
-    stack.callback(log.close)
 
-    def done(job: MoveJob, pieces: list[Piece]) -> None:
+    def __init__(self, tmp: Path, writer: int, names: dict[int, str], stack: contextlib.ExitStack) -> None:
+        self._log = RecordLog(tmp, str(writer))
+        self._names = names
+        stack.callback(self._log.close)
+
+    def __call__(self, job: MoveJob, pieces: list[Piece]) -> None:
+        """Log ``job`` (its bytes written, ``pieces`` their CRC-32s) as a record, with the batch it completes."""
         if job.nbytes == 0:
             return
         crc = range_crc(job.fd, {p.offset: p for p in pieces}, job.offset, job.nbytes)
-        log.append(Record(names[job.file], job.offset, job.nbytes), crc, job.fd, job.entry.fqn)  # thread-safe
+        self._log.append(Record(self._names[job.file], job.offset, job.nbytes), crc, job.fd, job.entry.fqn)  # thread-safe
 
-    return done
+    def flush(self) -> None:
+        """Log every record moved so far (before rank 0 writes what it writes last)."""
+        self._log.flush()
 
 
 def options_of(items: tuple[OutputItem, ...], *extra: object) -> object:

@@ -2,7 +2,8 @@
 
 A ``sitecustomize`` hook put on the run's ``PYTHONPATH`` (as in ``test_memory.py``; the package
 itself has no test hook) SIGKILLs the run's whole process group, as a preemption does: after a
-number of bytes moved (``RESUME_TEST_KILL_AFTER``, half of the last write landing: a torn write),
+number of bytes moved (``RESUME_TEST_KILL_AFTER``, half of the last write landing: a torn write;
+records are logged in batches of 4 KiB there, so a batch in flight is lost too),
 or as rank 0 writes what it writes last (``RESUME_TEST_KILL_AT=last``: half of a ``.pt`` file's
 headers, a torn ``.metadata``, a torn HF index). A resumed output must be byte for byte what an
 uninterrupted run wrote (a reshard's ``.metadata``, which holds a random ``save_id``, compared
@@ -33,6 +34,10 @@ import atexit, os, signal, threading
 
 import fsdp_convert.blocks as _blocks
 import fsdp_convert.move as _move
+import fsdp_convert.writers._manifest as _manifest
+
+# records logged in batches of 4 KiB (not 256 MiB): a kill at 10% of the 117 KB moved leaves some logged
+_manifest.LOG_BATCH_BYTES = int(os.environ.get("RESUME_TEST_LOG_BATCH", 4096))
 
 _AFTER = int(os.environ.get("RESUME_TEST_KILL_AFTER", "-1"))
 _AT = os.environ.get("RESUME_TEST_KILL_AT", "")

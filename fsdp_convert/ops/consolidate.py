@@ -214,6 +214,8 @@ def _consolidate_rank(job: _ConsolidateJob, rank: int, world_size: int, group: W
             on_done=done,
         )
         pieces += [piece for _, piece in skipped]
+        if log is not None:
+            log.flush()  # this share's records are logged before rank 0 writes the headers
         for fd in fds:
             os.fsync(fd)
         rows = [[p.file, p.offset, p.nbytes, p.crc32] for p in pieces]

@@ -258,6 +258,8 @@ def _reshard_rank(
             piece_bytes=piece_bytes,
             on_done=write_headers,
         )
+        if log is not None:
+            log.flush()  # this share's records are logged before rank 0 writes .metadata
         values: dict[str, list[dict[str, Any]]] = {}
         if worker == 0:
             for p, (sub, plan) in enumerate(job.plans):

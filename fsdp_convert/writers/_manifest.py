@@ -16,8 +16,8 @@ output (``.OUT.tmp-local``, ``.full.tmp-local.pt``), a folder named like it with
   ``layout`` every output file's name and size and every record's ``(file, offset, length)``.
 - ``records-<writer>.jsonl``: one JSON line per record once its bytes are written *and fsynced*,
   ``[file, offset, nbytes, crc32, fqn]`` (bytes, CRC-32 of the bytes, the source key it holds). Append-only, one file per
-  writing process (a worker rank), each line fsynced after its data: a SIGKILL of any process
-  loses at most the line being written, and a torn last line is ignored.
+  writing process (a worker rank), lines appended in batches (``LOG_BATCH_BYTES`` of data), each batch after its data
+  is fdatasync'ed: a SIGKILL of any process loses at most its batch in flight, and a torn last line is ignored.
 
 A record is a byte range of an output file that one worker writes whole: a tensor's data in a
 consolidation, a payload's tensor bytes in a reshard. Headers, pickles, indexes and ``.metadata``
@@ -48,6 +48,7 @@ __all__ = [
     "MANIFEST_VERSION",
     "Record",
     "RecordLog",
+    "LOG_BATCH_BYTES",
     "manifest_dir",
     "has_manifest",
     "digest",
@@ -234,8 +235,18 @@ def kept_records(tmp: Path, records: Sequence[Record], path_of: Callable[[str], 
     return kept
 
 
+LOG_BATCH_BYTES = 256 << 20
+"""Records are logged in batches of this many data bytes (per writer): one fdatasync per data file and one of the log
+per batch, not per record. A SIGKILL loses at most the batch in flight (its records are written again on resume)."""
+
+
 class RecordLog:
     """One writer's append-only records file, ``records-<writer>.jsonl``; thread-safe.
+
+    Records are logged in batches (``LOG_BATCH_BYTES`` of data, read when the log is opened): once
+    a batch is full, its data files are fdatasync'ed, then its lines appended and the log
+    fdatasync'ed, so a line never names bytes that are not durable. ``flush`` logs the batch so far
+    (a worker's share is moved: before rank 0 writes what it writes last); ``close`` does too.
 
     Args:
         tmp: the temporary output.
@@ -245,21 +256,54 @@ class RecordLog:
     def __init__(self, tmp: Path, writer: str) -> None:
         self._lock = threading.Lock()
         self._fd = os.open(manifest_dir(tmp) / f"records-{writer}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._batch_bytes = LOG_BATCH_BYTES
+        self._lines: list[bytes] = []
+        self._data_fds: set[int] = set()
+        self._bytes = 0
 
     def append(self, record: Record, crc32: int, data_fd: int, fqn: str) -> None:
-        """Log ``record`` (``fqn``'s bytes) as written: fsync its file (``data_fd``), then append its line, fsynced.
+        """Log ``record`` (``fqn``'s bytes, written to ``data_fd``) as written, with the batch it completes.
 
         Raises:
-            OSError: a write or fsync failed.
+            OSError: a write or fdatasync failed.
         """
-        os.fdatasync(data_fd)
-        line = json.dumps([record.file, record.offset, record.nbytes, crc32, fqn]) + "\n"
+        line = json.dumps([record.file, record.offset, record.nbytes, crc32, fqn]).encode() + b"\n"
         with self._lock:
-            os.write(self._fd, line.encode())
-            os.fdatasync(self._fd)
+            self._lines.append(line)
+            self._data_fds.add(data_fd)
+            self._bytes += record.nbytes
+            if self._bytes < self._batch_bytes:
+                return
+            batch = self._take()
+        self._commit(*batch)
+
+    def flush(self) -> None:
+        """Log every record appended so far: their data files fdatasync'ed, then their lines.
+
+        Raises:
+            OSError: a write or fdatasync failed.
+        """
+        with self._lock:
+            batch = self._take()
+        self._commit(*batch)
+
+    def _take(self) -> tuple[list[bytes], set[int]]:
+        batch = self._lines, self._data_fds
+        self._lines, self._data_fds, self._bytes = [], set(), 0
+        return batch
+
+    def _commit(self, lines: list[bytes], data_fds: set[int]) -> None:
+        if not lines:
+            return
+        for fd in data_fds:
+            os.fdatasync(fd)
+        os.write(self._fd, b"".join(lines))  # O_APPEND: one write, whole lines
+        os.fdatasync(self._fd)
 
     def close(self) -> None:
-        """Close the log."""
+        """Log what is pending (its bytes are written; a stop by a signal keeps them too), then close the log."""
+        with contextlib.suppress(OSError):
+            self.flush()
         with contextlib.suppress(OSError):
             os.close(self._fd)
 

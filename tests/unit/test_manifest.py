@@ -116,3 +116,30 @@ def test_written_bytes_counts_each_logged_record_once(tmp_path: Path) -> None:
     log.close()
     os.close(fd)
     assert written_bytes(tmp) == (12, 20)
+
+
+def test_records_are_logged_in_batches_after_their_data_is_fdatasynced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A line is appended only once its batch (``LOG_BATCH_BYTES`` of data) is full, after every data file of the batch is
+    fdatasync'ed; ``flush`` and ``close`` log what is pending."""
+    import fsdp_convert.writers._manifest as manifest
+
+    monkeypatch.setattr(manifest, "LOG_BATCH_BYTES", 16)
+    synced: list[int] = []
+    real_fdatasync = os.fdatasync
+    monkeypatch.setattr(manifest.os, "fdatasync", lambda fd: (synced.append(fd), real_fdatasync(fd))[1])
+    tmp = _tmp(tmp_path)
+    lines = manifest_dir(tmp) / "records-0.jsonl"
+    log = RecordLog(tmp, "0")
+    fd = os.open(tmp, os.O_RDWR)
+    log.append(RECORDS[0], 1, fd, "a")  # 8 bytes: below the batch
+    assert lines.read_text() == "" and synced == []
+    log.append(RECORDS[1], 2, fd, "b")  # 16 bytes: the batch is full
+    assert [json.loads(line)[3] for line in lines.read_text().splitlines()] == [1, 2]
+    assert synced[0] == fd and len(synced) == 2  # the data file first, then the log
+    log.append(RECORDS[2], 3, fd, "c")
+    log.flush()
+    assert [json.loads(line)[3] for line in lines.read_text().splitlines()] == [1, 2, 3]
+    log.append(Record("", 0, 8), 4, fd, "a again")
+    log.close()  # a stop closes the log: what is pending is logged
+    os.close(fd)
+    assert [json.loads(line)[3] for line in lines.read_text().splitlines()] == [1, 2, 3, 4]
