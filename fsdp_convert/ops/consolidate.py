@@ -12,46 +12,36 @@ import dataclasses
 import logging
 import os
 import sys
-import threading
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass
-from functools import partial
-from pathlib import Path
-from typing import Any
-
-from tqdm import tqdm
 
 from fsdp_convert.constants import HF_INDEX_FILENAME, HF_SINGLE_FILENAME
 from fsdp_convert.errors import InvalidOptionError, VerificationError
-from fsdp_convert.formats import Reader, check_data_files, open_reader, read_index
-from fsdp_convert.formats.index import BytesEntry, Location, ObjPath, TensorEntry
+from fsdp_convert.formats import check_data_files, read_index
+from fsdp_convert.formats.index import Location
 from fsdp_convert.items import leave_out_model_keys, prepare_items
-from fsdp_convert.launch import Cluster, WorkerGroup, job_world_size, run_ranks, shared_tag
+from fsdp_convert.launch import Cluster, job_world_size, run_ranks, shared_tag
 from fsdp_convert.lora import ADAPTER_WEIGHTS_NAME, lora_only, write_adapter_config
-from fsdp_convert.move import MoveJob, Piece, move_all, pwrite_all, range_crc
+from fsdp_convert.ops._consolidate_rank import ConsolidateJob, consolidate_rank, write_index
 from fsdp_convert.ops._waves import consolidate_in_waves, consolidate_staging_bytes
 from fsdp_convert.ops.verify import verify
 from fsdp_convert.plan import (
     DEFAULT_MAX_SHARD_BYTES,
     DEFAULT_MEMORY_BUDGET_BYTES,
-    FilePlan,
     Only,
     RequestedFormat,
-    WorkPlan,
     groups_for,
     output_bytes,
     plan_consolidate,
 )
 from fsdp_convert.plan import output_format as plan_output_format
 from fsdp_convert.remote import Url, local_output
-from fsdp_convert.resume import ResumeState, begin_share, consolidate_fingerprint, temporary_output
-from fsdp_convert.transform import OutputItem, TransformOptions
+from fsdp_convert.resume import consolidate_fingerprint, temporary_output
+from fsdp_convert.transform import TransformOptions
 from fsdp_convert.writers._atomic import LeaveToOwner, check_output_free, writing
 from fsdp_convert.writers._space import check_space
 from fsdp_convert.writers.hf_assets import open_hf_assets, tied_output_keys, weights_dtype, write_hf_assets
-from fsdp_convert.writers.safetensors import ShardFile, safetensors_name, write_hf_index
-from fsdp_convert.writers.torch_save import TensorSlot, write_torch_save_headers
+from fsdp_convert.writers.safetensors import safetensors_name
 
 __all__ = ["ConsolidateResult", "consolidate"]
 
@@ -85,168 +75,6 @@ class ConsolidateResult:
     nproc: int
     seconds: float
     owner: bool = True
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _ConsolidateJob:
-    checkpoint_id: Location
-    plan: WorkPlan
-    tmp_output: Path
-    progress: bool
-    check_crc: bool
-    resume: ResumeState | None = None  # a resumable output's (``resume.begin_share``); None: no manifest (object storage)
-    index: bool = True  # write the folder's index (a wave of an output to object storage does not)
-
-
-def _bar(desc: str, total: int, enabled: bool, position: int) -> tqdm:
-    return tqdm(
-        desc=desc,
-        total=total,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        disable=not enabled,
-        file=sys.stderr,
-        position=position,
-    )
-
-
-def _file_path(job: _ConsolidateJob, file: FilePlan) -> Path:
-    return job.tmp_output if file.filename is None else job.tmp_output / file.filename
-
-
-def _move_jobs(job: _ConsolidateJob, rank: int, fds: list[int]) -> list[MoveJob]:
-    """This rank's tensors, file by file in file order."""
-    plan = job.plan
-    jobs = []
-    for f, file in enumerate(plan.files):
-        for i, offset in zip(file.item_ids, file.data_offsets, strict=True):
-            item = plan.items[i]
-            if item.is_tensor and plan.owners[i] == rank:
-                assert isinstance(item.entry, TensorEntry) and item.dtype is not None and offset is not None
-                jobs.append(
-                    MoveJob(
-                        entry=item.entry,
-                        dtype=item.dtype,
-                        file=f,
-                        fd=fds[f],
-                        offset=offset,
-                        derived=item.derived,
-                        sources=item.sources,
-                    )
-                )
-    return jobs
-
-
-def _value(reader: Reader, item: OutputItem) -> Any:
-    if item.constant:
-        return item.value
-    assert isinstance(item.entry, BytesEntry)
-    return reader.read_value(item.entry)
-
-
-def _finish_file(job: _ConsolidateJob, f: int, fd: int, pieces: list[Piece], reader: Reader) -> None:
-    """Rank 0, once every worker's tensors are in place: write the file's headers (and pickle); fsync."""
-    file = job.plan.files[f]
-    if file.output_format == "safetensors":
-        pwrite_all(fd, memoryview(file.header), 0)
-    else:
-        by_offset = {p.offset: p for p in pieces if p.file == f}
-        items: list[tuple[ObjPath, Any]] = []
-        crcs: dict[int, int] = {}
-        for j, (i, offset) in enumerate(zip(file.item_ids, file.data_offsets, strict=True)):
-            item = job.plan.items[i]
-            path = item.path[file.strip :]
-            if item.is_tensor:
-                assert item.dtype is not None and offset is not None
-                crcs[j] = range_crc(fd, by_offset, offset, item.nbytes)
-                items.append((path, TensorSlot(item.dtype, item.shape)))
-            else:
-                items.append((path, _value(reader, item)))
-        write_torch_save_headers(fd, items, crcs, file.data_offsets)
-    os.fsync(fd)
-
-
-def _open_files(job: _ConsolidateJob, rank: int, stack: ExitStack) -> list[int]:
-    """Open (creating) every output file; rank 0 sizes each to the end of its data."""
-    fds = []
-    for file in job.plan.files:
-        fd = os.open(_file_path(job, file), os.O_RDWR | os.O_CREAT, 0o644)
-        stack.callback(os.close, fd)
-        fds.append(fd)
-        ends = [o + job.plan.items[i].nbytes for i, o in zip(file.item_ids, file.data_offsets, strict=True) if o is not None]
-        if rank == 0 and ends:
-            os.ftruncate(fd, max(os.fstat(fd).st_size, max(ends)))
-    return fds
-
-
-def _consolidate_rank(job: _ConsolidateJob, rank: int, world_size: int, group: WorkerGroup | None) -> int | None:
-    """One rank's share of a consolidation. Called on every rank.
-
-    Every rank moves its own tensors into place in the output files (``move.move_all``) and
-    fsyncs them; rank 0 gathers every rank's pieces (offsets and CRC-32s only), reads the plain
-    values, and writes each file's headers, pickle and central directory, then the folder's index.
-
-    Returns:
-        On rank 0, the output's size in bytes; ``None`` elsewhere.
-    """
-    plan = job.plan
-    with writing(job.tmp_output), ExitStack() as stack:
-        fds = _open_files(job, rank, stack)
-        jobs = _move_jobs(job, rank, fds)
-        jobs, skipped, log = begin_share(job.tmp_output, job.resume, rank, group, jobs, stack)  # records kept, the log
-        desc = "write" if plan.nproc == 1 else f"write (rank 0's share; {plan.nproc} workers)"
-        bar = stack.enter_context(_bar(desc, sum(j.nbytes for j in jobs), job.progress and rank == 0, 0))
-        lock = threading.Lock()
-
-        def done(moved: MoveJob, written: list[Piece]) -> None:
-            if log is not None:
-                log(moved, written)
-            with lock:
-                bar.update(moved.nbytes)
-
-        pieces = move_all(
-            partial(open_reader, job.checkpoint_id, check_crc=job.check_crc),
-            jobs,
-            threads=plan.threads,
-            piece_bytes=plan.piece_bytes,
-            drop_cache=plan.drop_cache,
-            on_done=done,
-        )
-        pieces += [piece for _, piece in skipped]
-        if log is not None:
-            log.flush()  # this share's records are logged before rank 0 writes the headers
-        for fd in fds:
-            os.fsync(fd)
-        rows = [[p.file, p.offset, p.nbytes, p.crc32] for p in pieces]
-        gathered = group.gather(rows) if group is not None else [rows]
-        if gathered is None:
-            return None
-        everything = [Piece(*map(int, row)) for share in gathered for row in share]
-        with open_reader(job.checkpoint_id, check_crc=job.check_crc) as reader:
-            for f, fd in enumerate(fds):
-                _finish_file(job, f, fd, everything, reader)
-        if job.index:
-            _write_index(job.tmp_output, plan)
-        if plan.output_format != "hf_dir":
-            return os.fstat(fds[0]).st_size
-        return sum(p.stat().st_size for p in job.tmp_output.iterdir())
-
-
-def _write_index(folder: Path, plan: WorkPlan) -> int:
-    """Rank 0: a folder of several shards gets its ``model.safetensors.index.json``; its size in bytes (0: none)."""
-    if len(plan.shards) <= 1:
-        return 0
-    shards = [
-        ShardFile(
-            filename=s.filename or "",
-            paths=tuple(plan.items[i].path for i in s.item_ids),
-            tensor_bytes=sum(plan.items[i].nbytes for i in s.item_ids),
-        )
-        for s in plan.shards
-    ]
-    write_hf_index(folder / HF_INDEX_FILENAME, shards)
-    return (folder / HF_INDEX_FILENAME).stat().st_size
 
 
 def consolidate(
@@ -397,7 +225,7 @@ def consolidate(
             output, overwrite=overwrite, directory=directory, tag=tag, fingerprint=fingerprint, resume=resume
         )
         with temporary as (tmp, resumable):
-            job = _ConsolidateJob(
+            job = ConsolidateJob(
                 checkpoint_id=index.checkpoint_id,
                 plan=plan,
                 tmp_output=tmp,
@@ -406,9 +234,9 @@ def consolidate(
                 resume=resumable,
             )
             if url:  # object storage: each wave of files goes up while the next is written, the index last
-                file_bytes = consolidate_in_waves(_consolidate_rank, job, url, cluster) + _write_index(tmp, plan)
+                file_bytes = consolidate_in_waves(consolidate_rank, job, url, cluster) + write_index(tmp, plan)
             else:
-                owner, file_bytes = run_ranks(_consolidate_rank, job, plan.nproc, cluster)
+                owner, file_bytes = run_ranks(consolidate_rank, job, plan.nproc, cluster)
             if not owner:
                 raise LeaveToOwner
             if lora is not None:

@@ -17,39 +17,33 @@ and the result says which.
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import os
 import re
 import shutil
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
-from typing import Any, Literal
-
-import torch
+from typing import Literal
 
 from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.errors import InvalidOptionError
-from fsdp_convert.formats import check_data_files, open_reader, read_index
+from fsdp_convert.formats import check_data_files, read_index
 from fsdp_convert.formats.dcp import LIGHTNING_META_FILENAME
-from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, Location, TensorEntry, dcp_key
+from fsdp_convert.formats.index import CheckpointIndex, Location, dcp_key
 from fsdp_convert.items import prepare_items
-from fsdp_convert.launch import Cluster, WorkerGroup, job_world_size, shared_tag
+from fsdp_convert.launch import Cluster, job_world_size, shared_tag
 from fsdp_convert.layout import GROUPS
-from fsdp_convert.move import MoveJob, Piece, move_all, pwrite_all, range_crc
+from fsdp_convert.ops._reshard_rank import ReshardJob, reshard_rank
 from fsdp_convert.ops._waves import reshard_in_waves, reshard_staging_bytes
-from fsdp_convert.plan import DEFAULT_MEMORY_BUDGET_BYTES, RECORD_TAIL_BYTES, default_nproc, mover_buffers
+from fsdp_convert.plan import RECORD_TAIL_BYTES, default_nproc
 from fsdp_convert.remote import Url, as_location, local_output
-from fsdp_convert.reshard_plan import PayloadPlan, ReshardPlan, plan_reshard, split_by_folder
-from fsdp_convert.resume import ResumeState, begin_share, reshard_fingerprint, temporary_output
+from fsdp_convert.reshard_plan import ReshardPlan, plan_reshard, split_by_folder
+from fsdp_convert.resume import reshard_fingerprint, temporary_output
 from fsdp_convert.transform import TransformOptions
-from fsdp_convert.writers._atomic import LeaveToOwner, check_output_free, writing
+from fsdp_convert.writers._atomic import LeaveToOwner, check_output_free
 from fsdp_convert.writers._space import check_space
 from fsdp_convert.writers.dcp import MetadataEntry, StoredChunk, compress_data_files, rank_filename, require_zstd, write_metadata
-from fsdp_convert.writers.torch_save import TensorSlot, write_tensor_payload_headers
 
 __all__ = ["ReshardResult", "reshard"]
 
@@ -86,16 +80,6 @@ class ReshardResult:
     copied: tuple[str, ...] = ()
     left_out: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _ReshardJob:
-    checkpoint_id: Location
-    plans: tuple[tuple[str, ReshardPlan], ...]  # (folder relative to the output, its plan)
-    tmp_output: Path
-    check_crc: bool
-    resume: ResumeState | None = None  # a resumable output's (``resume.begin_share``); None: no manifest (object storage)
-    files: frozenset[tuple[int, int]] | None = None  # a wave's (folder, target rank) data files (ops._waves); None: all
 
 
 # accelerate's save_state files that hold the same at any world size (written by the main process
@@ -162,114 +146,6 @@ def _copy_beside(root: Path, tmp: Path, names: tuple[str, ...]) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def _payload(value: Any) -> bytes:
-    """A plain value as DCP stores a bytes entry: a torch.save payload."""
-    buf = io.BytesIO()
-    torch.save(value, buf)
-    return buf.getvalue()
-
-
-def _move_job(plan: ReshardPlan, payload: PayloadPlan, fd: int, file: int) -> MoveJob:
-    item = plan.items[payload.item]
-    assert isinstance(item.entry, TensorEntry) and item.dtype is not None
-    chunk = payload.chunk
-    rows = (chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]) if chunk.sizes else None
-    offset = payload.offset + payload.layout.data_offset
-    return MoveJob(
-        entry=item.entry,
-        dtype=item.dtype,
-        file=file,
-        fd=fd,
-        offset=offset,
-        rows=rows,
-        derived=item.derived,
-        sources=item.sources,
-    )
-
-
-def _write_values(job: _ReshardJob, plan: ReshardPlan, fd: int) -> list[StoredChunk]:
-    """Rank 0: append every value's payload to rank 0's data file after its tensor chunks."""
-    stored, at = [], plan.values_offset
-    with open_reader(job.checkpoint_id, check_crc=job.check_crc, full_files=True) as reader:
-        for item in plan.items:
-            if item.is_tensor:
-                continue
-            if item.constant:
-                raw = _payload(item.value)
-            else:
-                assert isinstance(item.entry, BytesEntry)
-                raw = reader.read_raw(item.entry)
-            pwrite_all(fd, memoryview(raw), at)
-            stored.append(StoredChunk(dcp_key(item.path), None, rank_filename(0), at, len(raw)))
-            at += len(raw)
-    return stored
-
-
-def _reshard_rank(
-    job: _ReshardJob, worker: int, world_size: int, group: WorkerGroup | None
-) -> dict[str, list[dict[str, Any]]] | None:
-    """Move this worker's chunks into their payloads and write each payload's headers; rank 0 appends the values.
-
-    Called on every worker. Every folder of the output (one, or accelerate's two) is written in
-    the same pass, each with its own rank files.
-
-    Returns:
-        On rank 0, per output folder, where every value's payload went (``StoredChunk.to_json``
-        rows); None elsewhere.
-    """
-    with writing(job.tmp_output), ExitStack() as stack:
-        fds: dict[tuple[int, int], int] = {}  # (folder, target rank) -> its data file
-        for p, (sub, plan) in enumerate(job.plans):
-            folder = job.tmp_output / sub
-            folder.mkdir(exist_ok=True)
-            for rank in (r for r in plan.data_ranks if job.files is None or (p, r) in job.files):
-                fds[p, rank] = os.open(folder / rank_filename(rank), os.O_RDWR | os.O_CREAT, 0o644)
-                stack.callback(os.close, fds[p, rank])
-        mine = {}
-        for p, (_, plan) in enumerate(job.plans):
-            for payload in plan.payloads:
-                if payload.owner == worker:
-                    rank = payload.chunk.rank
-                    move = _move_job(plan, payload, fds[p, rank], file=p * plan.target_world_size + rank)
-                    mine[(move.file, move.offset)] = (move, payload)
-
-        def headers(moved: MoveJob, pieces: list[Piece]) -> None:
-            payload = mine[(moved.file, moved.offset)][1]
-            crc = range_crc(moved.fd, {p.offset: p for p in pieces}, moved.offset, moved.nbytes)
-            slot = TensorSlot(moved.dtype, payload.chunk.sizes)
-            write_tensor_payload_headers(moved.fd, payload.offset, slot, crc)
-
-        todo, skipped, log = begin_share(job.tmp_output, job.resume, worker, group, [move for move, _ in mine.values()], stack)
-        for moved, piece in skipped:  # kept from an interrupted run: their headers are rewritten
-            headers(moved, [piece])
-
-        def write_headers(moved: MoveJob, pieces: list[Piece]) -> None:
-            headers(moved, pieces)
-            if log is not None:
-                log(moved, pieces)
-
-        threads, piece_bytes = mover_buffers(DEFAULT_MEMORY_BUDGET_BYTES)
-        move_all(
-            partial(open_reader, job.checkpoint_id, check_crc=job.check_crc, full_files=True),
-            todo,
-            threads=threads,
-            piece_bytes=piece_bytes,
-            on_done=write_headers,
-        )
-        if log is not None:
-            log.flush()  # this share's records are logged before rank 0 writes .metadata
-        values: dict[str, list[dict[str, Any]]] = {}
-        if worker == 0:
-            for p, (sub, plan) in enumerate(job.plans):
-                rows = _write_values(job, plan, fds[p, 0]) if (p, 0) in fds else []
-                values[sub] = [c.to_json() for c in rows]
-        for fd in fds.values():
-            os.fsync(fd)
-        if group is not None:
-            group.barrier()
-        return values if worker == 0 else None
 
 
 def _write_index(folder: Path, plan: ReshardPlan, values: list[StoredChunk], version: str | None, compress: bool) -> None:
@@ -401,10 +277,10 @@ def reshard(
         fingerprint = None if isinstance(shown, Url) else reshard_fingerprint(index, plans, compress)  # staged uploads: none
         temporary = temporary_output(output, overwrite=overwrite, directory=True, tag=tag, fingerprint=fingerprint, resume=resume)
         with temporary as (tmp, resumable):
-            job = _ReshardJob(
+            job = ReshardJob(
                 checkpoint_id=index.checkpoint_id, plans=plans, tmp_output=tmp, check_crc=check_crc, resume=resumable
             )
-            owner, values, uploaded = reshard_in_waves(_reshard_rank, job, workers, cluster, url)  # .metadata last
+            owner, values, uploaded = reshard_in_waves(reshard_rank, job, workers, cluster, url)  # .metadata last
             if not owner:
                 raise LeaveToOwner
             for sub, plan in plans:

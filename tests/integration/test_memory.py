@@ -37,7 +37,7 @@ HOOK = '''
 """Test hook (tests/integration/test_memory.py): per-process peak memory records."""
 import functools, json, os
 import torch.distributed.launcher.api  # everything a run imports, before the baseline
-import fsdp_convert, fsdp_convert.ops.consolidate, fsdp_convert.launch
+import fsdp_convert, fsdp_convert.ops.consolidate, fsdp_convert.ops._consolidate_rank, fsdp_convert.launch
 
 
 def vm_hwm():
@@ -58,11 +58,11 @@ def record(role):
         json.dump({"pid": os.getpid(), "role": role, "base": BASE, "peak": vm_hwm()}, f)
 
 
-_run_rank = fsdp_convert.ops.consolidate._consolidate_rank
+_run_rank = fsdp_convert.ops._consolidate_rank.consolidate_rank
 
 
 @functools.wraps(_run_rank)  # same name and module: the launcher pickles it by reference
-def _consolidate_rank(job, rank, world_size, group):
+def consolidate_rank(job, rank, world_size, group):
     global BASE
     if os.getpid() != PARENT:  # a worker forked from the forkserver: its peak starts afresh at the fork, imports done
         BASE = vm_hwm()
@@ -71,7 +71,8 @@ def _consolidate_rank(job, rank, world_size, group):
     return result
 
 
-fsdp_convert.ops.consolidate._consolidate_rank = _consolidate_rank
+# the name the operation calls, and the one the launcher pickles it by
+fsdp_convert.ops.consolidate.consolidate_rank = fsdp_convert.ops._consolidate_rank.consolidate_rank = consolidate_rank
 '''
 
 PROBE = """
