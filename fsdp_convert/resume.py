@@ -230,6 +230,8 @@ def temporary_output(
         As ``find_temporary`` and ``writers.atomic_output``.
     """
     found = None
+    if fingerprint is None and resume:
+        logger.warning("--resume: an output to object storage keeps no manifest (staged in a private folder); writing it afresh")
     if fingerprint is not None and resume:
         found = find_temporary(output, tag, directory=directory, fingerprint=fingerprint)
         resume = found is not None

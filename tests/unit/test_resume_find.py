@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 
 from fsdp_convert.errors import OutputWriteError
-from fsdp_convert.resume import Fingerprint, Layout, find_temporary
+from fsdp_convert.resume import Fingerprint, Layout, find_temporary, temporary_output
 from fsdp_convert.writers._atomic import temporary_path
 from fsdp_convert.writers._manifest import Record, start_manifest
 
@@ -72,3 +73,17 @@ def test_a_temporary_without_manifest_is_not_adopted(tmp_path: Path) -> None:
     out = tmp_path / "full.pt"
     temporary_path(out, "rdzv-a", directory=False).write_bytes(bytes(10))
     assert _find(out, "rdzv-b") is None
+
+
+def test_resume_without_a_manifest_says_it_starts_afresh(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An output to object storage (no fingerprint: its staging folder is private) cannot be resumed; a warning says so."""
+    with (
+        caplog.at_level(logging.WARNING),
+        temporary_output(tmp_path / "full.pt", overwrite=False, directory=False, tag=None, fingerprint=None, resume=True) as (
+            tmp,
+            state,
+        ),
+    ):
+        tmp.write_bytes(b"x")
+    assert state is None and (tmp_path / "full.pt").read_bytes() == b"x"
+    assert "keeps no manifest" in caplog.text and "writing it afresh" in caplog.text
