@@ -36,7 +36,7 @@ import fsdp_convert.blocks as _blocks
 import fsdp_convert.move as _move
 import fsdp_convert.writers._manifest as _manifest
 
-# records logged in batches of 4 KiB (not 256 MiB): a kill at 10% of the 117 KB moved leaves some logged
+# records logged in batches of 4 KiB (not 64 MiB): a kill at 10% of the 117 KB moved leaves some logged
 _manifest.LOG_BATCH_BYTES = int(os.environ.get("RESUME_TEST_LOG_BATCH", 4096))
 
 _AFTER = int(os.environ.get("RESUME_TEST_KILL_AFTER", "-1"))

@@ -235,7 +235,7 @@ def kept_records(tmp: Path, records: Sequence[Record], path_of: Callable[[str], 
     return kept
 
 
-LOG_BATCH_BYTES = 256 << 20
+LOG_BATCH_BYTES = 64 << 20
 """Records are logged in batches of this many data bytes (per writer): one fdatasync per data file and one of the log
 per batch, not per record. A SIGKILL loses at most the batch in flight (its records are written again on resume)."""
 
