@@ -22,6 +22,10 @@ What each process can see decides the rules:
   holder, until the user removes it.
 - flock unsupported (ENOLCK, ENOSYS, EOPNOTSUPP): the ``O_EXCL`` create is the lock, and a
   same-host holder whose pid is gone is taken over.
+- A process that takes the lock over empties the dead holder's record at once and writes its own
+  once it has checked for a left temporary. Until then a process that finds the flock held and
+  the file empty, or naming a dead process of this host, waits for the new record (up to
+  ``_RECORD_WAIT_S``) rather than joining or refusing a job that is gone.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from fsdp_convert.errors import OutputLockedError, OutputWriteError
 __all__ = ["LockRecord", "OutputLock", "acquire_lock", "lock_path"]
 
 _NO_FLOCK = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
-_RECORD_WAIT_S = 2.0  # how long a lock file may stay empty after its holder created it, in seconds
+_RECORD_WAIT_S = 10.0  # how long a peer waits for a new holder's record (the file empty, or a dead one's), in seconds
 
 
 def lock_path(output: Path) -> Path:
@@ -114,6 +118,18 @@ def _write_record(fd: int, record: LockRecord, path: Path) -> None:
         raise OutputWriteError(f"cannot write {path}: {e.strerror}") from e
 
 
+def _clear_record(fd: int, path: Path) -> None:
+    try:
+        os.ftruncate(fd, 0)
+    except OSError as e:
+        raise OutputWriteError(f"cannot write {path}: {e.strerror}") from e
+
+
+def _stale_here(holder: LockRecord, me: LockRecord) -> bool:
+    """A record of a process on this host that is gone: its lock is being taken over."""
+    return holder.host == me.host and not pid_alive(holder.pid)
+
+
 def _flock(fd: int, how: int = fcntl.LOCK_EX) -> bool | None:
     """Try the flock (``fcntl.LOCK_EX`` or ``LOCK_SH``): True taken, False held by another, None unsupported here."""
     try:
@@ -173,8 +189,8 @@ def acquire_lock(output: Path, job: str | None, *, before_record: Callable[[], N
                 os.close(fd)  # its holder removed it meanwhile: start again on the new file
                 continue
             holder = None if created else _read_record(path)
-            if got is False and holder is None and time.monotonic() < deadline:
-                os.close(fd)  # its holder has not written its record yet
+            if got is False and (holder is None or _stale_here(holder, me)) and time.monotonic() < deadline:
+                os.close(fd)  # its new holder has not written its record yet (a dead one's may still be there)
                 time.sleep(0.02)
                 continue
             same_host = holder is None or holder.host == me.host
@@ -196,6 +212,8 @@ def acquire_lock(output: Path, job: str | None, *, before_record: Callable[[], N
             raise
         lock = OutputLock(path, me, fd)
         try:
+            if not created:
+                _clear_record(fd, path)  # a dead holder's record: the job's peers wait for ours, not join or refuse it
             if before_record is not None:
                 before_record()
             _write_record(fd, me, path)

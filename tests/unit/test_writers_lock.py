@@ -6,12 +6,15 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from fsdp_convert.errors import OutputLockedError
-from fsdp_convert.writers._lock import LockRecord, acquire_lock, lock_path
+from fsdp_convert.writers._lock import LockRecord, OutputLock, acquire_lock, lock_path
 
 
 def _dead_pid() -> int:
@@ -109,3 +112,33 @@ def test_record_round_trip() -> None:
     record = LockRecord("host-a", 42, 1700000000.5, "rdzv-x")
     assert LockRecord.parse(record.text()) == record
     assert LockRecord.parse("garbage") is None
+
+
+def test_peers_wait_for_the_record_of_whoever_takes_over_a_dead_jobs_lock(tmp_path: Path) -> None:
+    """Job b takes over job a's lock (its holder dead); b's peer, arriving while the dead record is still there and the
+    taker is still checking for a left temporary, waits for b's record and joins, instead of refusing job a's."""
+    out = tmp_path / "out"
+    lock_path(out).write_text(LockRecord(socket.gethostname(), _dead_pid(), 1.0, "rdzv-a").text())
+    peers: list[object] = []
+
+    def peer_arrives() -> None:  # the taker is between its flock and its record
+        thread = threading.Thread(target=lambda: peers.append(_try(lambda: acquire_lock(out, "rdzv-b"))))
+        thread.start()
+        time.sleep(0.3)
+        peers.append(thread)
+
+    taker = acquire_lock(out, "rdzv-b", before_record=peer_arrives)
+    thread = peers.pop()
+    assert isinstance(thread, threading.Thread)
+    thread.join(timeout=20)
+    (peer,) = peers
+    assert taker.taken and isinstance(peer, OutputLock) and not peer.taken, peer
+    peer.release(remove=False)
+    taker.release(remove=True)
+
+
+def _try(fn: Callable[[], object]) -> object:
+    try:
+        return fn()
+    except OutputLockedError as e:
+        return e
