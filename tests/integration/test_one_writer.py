@@ -38,7 +38,7 @@ WAIT_S = 120  # a run that has not paused (or exited) this long after its start 
 HOOK = '''
 """Test hook (tests/integration/test_one_writer.py): pause a run once its output files are open."""
 import functools, os, time
-import fsdp_convert.ops.consolidate as consolidate
+import fsdp_convert.ops._consolidate_rank as consolidate
 
 _open_files = consolidate._open_files
 FOLDER = os.environ["ONE_WRITER_PAUSE"]
