@@ -107,9 +107,8 @@ if _AT == "last":
 '''
 
 
-def run_cli(
-    args: list[str], *, logs: Path | None = None, hook: Path | None = None, kill: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
+def run_env(*, logs: Path | None = None, hook: Path | None = None, kill: dict[str, str] | None = None) -> dict[str, str]:
+    """A run's environment: the read log in ``logs`` (created), the hook on ``PYTHONPATH`` with its ``kill`` settings."""
     env = dict(ENV)
     if logs is not None:
         logs.mkdir(parents=True)
@@ -117,9 +116,16 @@ def run_cli(
     if hook is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(hook), env.get("PYTHONPATH", "")])
         env.update(kill or {})
+    return env
+
+
+def run_cli(
+    args: list[str], *, logs: Path | None = None, hook: Path | None = None, kill: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m fsdp_convert ARGS`` in a process group of its own (``run_env``'s environment)."""
     return subprocess.run(
         [sys.executable, "-m", "fsdp_convert", *args],
-        env=env,
+        env=run_env(logs=logs, hook=hook, kill=kill),
         capture_output=True,
         text=True,
         timeout=120,

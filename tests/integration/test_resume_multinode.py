@@ -18,23 +18,12 @@ from pathlib import Path
 import pytest
 
 from tests._dist import free_port
-from tests._resume import CASES, ENV, Reference, check_rereads, logged_records, manifest_of, read_log, same_output
+from tests._resume import CASES, Reference, check_rereads, logged_records, manifest_of, read_log, run_env, same_output
 from tests._samples import Sample
 
 pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 180
-
-
-def _env(*, logs: Path | None = None, hook: Path | None = None, kill: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(ENV)
-    if logs is not None:
-        logs.mkdir(parents=True)
-        env["FSDP_CONVERT_READ_LOG"] = str(logs)
-    if hook is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(hook), env.get("PYTHONPATH", "")])
-        env.update(kill or {})
-    return env
 
 
 def _two_nodes(argv: list[str], run_id: str, env: dict[str, str]) -> list[tuple[int, str]]:
@@ -96,7 +85,7 @@ def test_a_two_node_job_killed_mid_write_resumes_under_another_job_id(
     ref = resume_references[case]
     argv = _argv(case, ws3_ckpt, tmp_path)
     half = ref[2] // 2 // 2  # each node's worker moves about half of what one process moves alone
-    killed = _two_nodes(argv, "job-a", _env(hook=resume_hook, kill={"RESUME_TEST_KILL_AFTER": str(half)}))
+    killed = _two_nodes(argv, "job-a", run_env(hook=resume_hook, kill={"RESUME_TEST_KILL_AFTER": str(half)}))
     # a node dies by its own SIGKILL; the other too, or it fails on the lost peer and keeps the temporary
     codes = [code for code, _ in killed]
     assert -signal.SIGKILL in codes and set(codes) <= {-signal.SIGKILL, 1}, killed
@@ -111,7 +100,7 @@ def test_a_two_node_job_killed_mid_write_resumes_under_another_job_id(
     assert logged, "the job was killed before it logged a record"
     assert len({p.name for p in manifest_of(tmp_path).glob("records-*.jsonl")}) == 2, "each rank logs its own records"
 
-    resumed = _two_nodes([*argv, "--resume"], "job-b", _env(logs=tmp_path / "resume-reads"))
+    resumed = _two_nodes([*argv, "--resume"], "job-b", run_env(logs=tmp_path / "resume-reads"))
     assert [code for code, _ in resumed] == [0, 0], resumed
     reread, full = _finish(case, argv, tmp_path, ref, logged)
     row = f"{case}, 2 nodes, half way | identical; {len(logged)} records kept, resumed as another job id | {reread} of {full}"
@@ -130,7 +119,7 @@ def test_a_users_torchrun_job_killed_mid_write_resumes(
     kill = {"RESUME_TEST_KILL_AFTER": str(ref[2] // 2 // 2)}
     if killed_ranks != "both":
         kill["RESUME_TEST_KILL_RANK"] = killed_ranks
-    killed = _torchrun(argv, _env(hook=resume_hook, kill=kill))
+    killed = _torchrun(argv, run_env(hook=resume_hook, kill=kill))
     # torchrun starts each worker in a session of its own: it reports the killed ones and exits 1
     assert killed.returncode == 1, killed.stderr[-2000:]
     if killed_ranks != "both":
@@ -141,7 +130,7 @@ def test_a_users_torchrun_job_killed_mid_write_resumes(
     logged = logged_records(manifest_of(tmp_path))
     assert logged, "the job was killed before it logged a record"
 
-    resumed = _torchrun([*argv, "--resume"], _env(logs=tmp_path / "resume-reads"))
+    resumed = _torchrun([*argv, "--resume"], run_env(logs=tmp_path / "resume-reads"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     reread, full = _finish("hf", argv, tmp_path, ref, logged)
     row = f"identical; {len(logged)} records kept, resumed by a new torchrun | {reread} of {full}"
