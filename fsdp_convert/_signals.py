@@ -5,7 +5,8 @@ torch's zip reader and writer call Python stream methods (``readinto``, ``seek``
 one of those callbacks sends a Python exception through C++ frames, and the process aborts
 ("terminate called without an active exception"). The CLI's handlers call ``raise_or_defer``:
 inside a ``torch_call`` block on the main thread the exception is kept and raised when the block
-ends; elsewhere it is raised at once.
+ends; elsewhere it is raised at once. ``hold_signals`` holds them the same way around a few
+steps that must not be cut in two.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-__all__ = ["torch_call", "raise_or_defer"]
+__all__ = ["torch_call", "hold_signals", "raise_or_defer"]
 
 _local = threading.local()
 
@@ -36,6 +37,11 @@ def torch_call() -> Iterator[None]:
         if _local.depth == 0 and pending is not None:
             _local.pending = None
             raise pending
+
+
+hold_signals = torch_call
+"""Hold the CLI's signal exceptions until the block ends, for a few steps that must not be cut in two (keeping or
+removing a stopped run's temporary); the same mechanism as ``torch_call``."""
 
 
 def raise_or_defer(exc: BaseException) -> None:

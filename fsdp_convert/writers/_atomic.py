@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
+from fsdp_convert._signals import hold_signals
 from fsdp_convert.errors import (
     OutputExistsError,
     OutputWriteError,
@@ -154,9 +155,20 @@ Any other error (bad input, a failed verification, a failed write: no space, per
 
 
 def kept_note(exc: BaseException) -> str | None:
-    """What ``atomic_output`` said of the temporary it kept when ``exc`` stopped its block (for the error line), or None."""
-    note = getattr(exc, "kept_temporary", None)
-    return note if isinstance(note, str) else None
+    """What ``atomic_output`` said of the temporary it kept when ``exc`` stopped its block (for the error line), or None.
+
+    A signal that arrives while an error unwinds (torchrun's SIGTERM to a worker whose peer died)
+    replaces that error; the note is then found on the error it interrupted (``__context__``).
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        note = getattr(current, "kept_temporary", None)
+        if isinstance(note, str):
+            return note
+        seen.add(id(current))
+        current = current.__context__
+    return None
 
 
 def _keep(tmp: Path, exc: BaseException, keep: Callable[[Path], str | None] | None) -> bool:
@@ -250,8 +262,9 @@ def atomic_output(
         # name the output the user asked for, not its temporary sibling
         raise OutputWriteError(str(e).replace(str(tmp), str(output))) from e
     except BaseException as e:
-        if not _keep(tmp, e, keep):
-            _remove(tmp)
+        with hold_signals():  # a signal now is raised after the temporary is kept (and noted) or removed
+            if not _keep(tmp, e, keep):
+                _remove(tmp)
         raise
     finally:
         lock.release(remove=remove_lock)

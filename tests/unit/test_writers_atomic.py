@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from fsdp_convert._signals import raise_or_defer
 from fsdp_convert.errors import (
     CorruptChunkError,
     OutputExistsError,
@@ -126,3 +127,19 @@ def test_a_temporary_without_a_note_is_removed(tmp_path: Path) -> None:
         tmp.write_bytes(b"partial")
         raise KeyboardInterrupt
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_signal_while_a_stopped_run_unwinds_keeps_the_temporary_and_its_note(tmp_path: Path) -> None:
+    """torchrun's SIGTERM reaches a worker whose peer died while its temporary is being kept: the signal is held until
+    the temporary is kept and noted, and the SIGTERM that replaces the worker's error still carries the note."""
+    out = tmp_path / "hf"
+
+    def keep(tmp: Path) -> str:
+        raise_or_defer(TerminatedError(15))  # the CLI's SIGTERM handler, mid-keep
+        return f"{tmp} kept"
+
+    with pytest.raises(TerminatedError) as raised, atomic_output(out, overwrite=False, directory=True, keep=keep):
+        raise WorkerFailedError("worker rank 0 lost its connection to a peer worker")
+    assert isinstance(raised.value.__context__, WorkerFailedError)
+    assert kept_note(raised.value) == f"{tmp_path / '.hf.tmp-local'} kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hf.tmp-local"]
