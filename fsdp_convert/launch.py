@@ -131,14 +131,16 @@ def run_in_place(fn: Callable[[Job, int, int, WorkerGroup], Any], job: Job) -> t
 
 
 def _peers_lost_fail(fn: Callable[[Job, int, int, WorkerGroup], Any], job: Job, rank: int, world_size: int) -> Any:
-    """``fn(job, rank, world_size, group)``; a lost connection to a peer becomes a WorkerFailedError naming this rank."""
+    """``fn(job, rank, world_size, group)``; a lost peer or group (``torch.distributed.DistError``) is a WorkerFailedError."""
     try:
         return fn(job, rank, world_size, WorkerGroup())
     except RuntimeError as e:  # gloo's errors (torch.distributed.DistError is one)
         described = _describe(e)
-        if not described.startswith(_PEER_LOST):
-            raise
-        raise WorkerFailedError(f"worker rank {rank} {described}") from e
+        if described.startswith(_PEER_LOST):
+            raise WorkerFailedError(f"worker rank {rank} {described}") from e
+        if isinstance(e, dist.DistError):  # any other failure of the group (a timeout, a store gone)
+            raise WorkerFailedError(f"worker rank {rank} lost its process group: {described}") from e
+        raise
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""Worker output stays readable: other ranks' warnings and log records carry ``[rank N]``."""
+"""Worker output stays readable (other ranks' warnings and log records carry ``[rank N]``), and failures name their rank."""
 
 from __future__ import annotations
 
@@ -6,6 +6,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from fsdp_convert.errors import WorkerFailedError
+from fsdp_convert.launch import _peers_lost_fail
 
 CODE = """
 import logging, warnings
@@ -41,3 +47,22 @@ def test_a_silent_worker_is_named_when_the_launcher_reports_only_the_peers_it_br
     # without the job's ranks (many nodes) or with two silent ranks, rank 0's own line is the cause
     assert str(_failure(tmp_path, {0: 1})).startswith(f"worker rank 0 failed: {_PEER_LOST}")
     assert str(_failure(tmp_path, {0: 1}, range(3))).startswith(f"worker rank 0 failed: {_PEER_LOST}")
+
+
+def test_a_torchrun_worker_that_loses_its_group_fails_as_a_failed_worker() -> None:
+    """Under the user's torchrun a lost peer or any other process-group error is a WorkerFailedError (a resumable
+    output's temporary is then kept); any other error passes through."""
+
+    def raising(e: BaseException) -> object:
+        def fn(job: object, rank: int, world_size: int, group: object) -> object:
+            raise e
+
+        return fn
+
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:8087. GLHF")
+    with pytest.raises(WorkerFailedError, match=r"^worker rank 0 lost its connection to a peer worker at 127\.0\.0\.1:8087"):
+        _peers_lost_fail(raising(lost), None, 0, 2)
+    with pytest.raises(WorkerFailedError, match=r"^worker rank 1 lost its process group: DistBackendError: timed out"):
+        _peers_lost_fail(raising(dist.DistBackendError("timed out")), None, 1, 2)
+    with pytest.raises(RuntimeError, match="a bug"):
+        _peers_lost_fail(raising(RuntimeError("a bug")), None, 0, 2)
