@@ -60,11 +60,6 @@ from fsdp_convert.writers.dcp import rank_filename
 
 __all__ = [
     "Layout",
-    "Kept",
-    "consolidate_layout",
-    "reshard_layout",
-    "source_digest",
-    "options_of",
     "Fingerprint",
     "consolidate_fingerprint",
     "reshard_fingerprint",
@@ -372,10 +367,13 @@ class RecordLogger:
 
     def __call__(self, job: MoveJob, pieces: list[Piece]) -> None:
         """Log ``job`` (its bytes written, ``pieces`` their CRC-32s) as a record, with the batch it completes."""
-        if job.nbytes == 0:
-            return
-        crc = range_crc(job.fd, {p.offset: p for p in pieces}, job.offset, job.nbytes)
-        self._log.append(Record(self._names[job.file], job.offset, job.nbytes), crc, job.fd, job.entry.fqn)  # thread-safe
+        if job.nbytes:
+            self.record(job, range_crc(job.fd, {p.offset: p for p in pieces}, job.offset, job.nbytes))
+
+    def record(self, job: MoveJob, crc32: int) -> None:
+        """Log ``job`` as a record whose bytes' CRC-32 the caller has already combined (``move.range_crc``)."""
+        if job.nbytes:
+            self._log.append(Record(self._names[job.file], job.offset, job.nbytes), crc32, job.fd, job.entry.fqn)  # thread-safe
 
     def flush(self) -> None:
         """Log every record moved so far (before rank 0 writes what it writes last)."""

@@ -124,20 +124,22 @@ def reshard_rank(
                     move = _move_job(plan, payload, fds[p, rank], file=p * plan.target_world_size + rank)
                     mine[(move.file, move.offset)] = (move, payload)
 
-        def headers(moved: MoveJob, pieces: list[Piece]) -> None:
+        def headers(moved: MoveJob, pieces: list[Piece]) -> int:
+            """Write the payload's zip headers around its moved bytes; their CRC-32."""
             payload = mine[(moved.file, moved.offset)][1]
             crc = range_crc(moved.fd, {p.offset: p for p in pieces}, moved.offset, moved.nbytes)
             slot = TensorSlot(moved.dtype, payload.chunk.sizes)
             write_tensor_payload_headers(moved.fd, payload.offset, slot, crc)
+            return crc
 
         todo, skipped, log = begin_share(job.tmp_output, job.resume, worker, group, [move for move, _ in mine.values()], stack)
         for moved, piece in skipped:  # kept from an interrupted run: their headers are rewritten
             headers(moved, [piece])
 
         def write_headers(moved: MoveJob, pieces: list[Piece]) -> None:
-            headers(moved, pieces)
+            crc = headers(moved, pieces)
             if log is not None:
-                log(moved, pieces)
+                log.record(moved, crc)  # the CRC-32 the headers hold, combined once
 
         threads, piece_bytes = mover_buffers(DEFAULT_MEMORY_BUDGET_BYTES)
         move_all(
