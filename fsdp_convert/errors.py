@@ -30,9 +30,22 @@ __all__ = [
 
 
 class CheckpointError(Exception):
-    """Base of every error this tool raises on purpose; ``exit_code`` is the CLI's exit status."""
+    """Base of every error this tool raises on purpose; ``exit_code`` is the CLI's exit status.
+
+    ``str(e)`` is the library's wording (it names keyword arguments: ``overwrite=True``);
+    ``cli_text()`` is the command line's (it names flags: ``--overwrite``), given as
+    ``cli_message`` where the two differ.
+    """
 
     exit_code: int = 1
+
+    def __init__(self, *args: object, cli_message: str | None = None) -> None:
+        super().__init__(*args)
+        self.cli_message = cli_message
+
+    def cli_text(self) -> str:
+        """The message as the CLI prints it (flags, not keyword arguments)."""
+        return self.cli_message if self.cli_message is not None else str(self)
 
 
 class CheckpointNotFoundError(CheckpointError):

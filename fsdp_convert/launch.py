@@ -68,9 +68,10 @@ class WorkerGroup:
         for src in range(1, dist.get_world_size()):
             length = torch.zeros(1, dtype=torch.int64)
             dist.recv(length, src=src)
-            raw = torch.empty(int(length.item()), dtype=torch.uint8)
-            dist.recv(raw, src=src)
-            out.append(json.loads(bytes(raw.numpy())))
+            # received into a bytearray this process owns: no NumPy (not a dependency) to read it back
+            raw = bytearray(int(length.item()))
+            dist.recv(torch.frombuffer(raw, dtype=torch.uint8), src=src)
+            out.append(json.loads(raw))
         return out
 
     def barrier(self) -> None:
