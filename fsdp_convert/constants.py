@@ -25,6 +25,7 @@ __all__ = [
     "torch_shape",
     "UNCASTABLE_DTYPES",
     "SUPPORTED_DTYPES",
+    "DTYPE_NAMES",
     "READ_LOG_ENV",
 ]
 
@@ -121,6 +122,15 @@ SUPPORTED_DTYPES = frozenset(
         torch.uint64, torch.uint32, torch.uint16, torch.uint8, torch.bool,
     }
 )  # fmt: skip
+
+# the one table of dtype names (torchtitan's TORCH_DTYPE_MAP): --dtype / --optim-dtype, and the strings
+# TransformOptions.dtype / optim_dtype take, to torch dtypes. Each dtype's first name is the one the
+# CLI lists (cli._options.DtypeChoice); the others are aliases, matched without regard to case.
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+}  # fmt: skip
 
 # FSDP_CONVERT_READ_LOG=<folder>: every reader appends one JSON line per chunk it reads to
 # <folder>/reads-<pid>.jsonl (which worker read what; the tests check the split of the reads)

@@ -77,9 +77,9 @@ def test_lightning_meta_is_merged_at_the_top_level_in_the_producer_layout_only(t
         (
             {"ema": torch.ones(2)},
             UnsupportedTransformError,
-            "'ema' holds a tensor, which this tool does not merge; use --layout nested",
+            "'ema' holds a tensor, which this tool does not merge; use options.layout nested",
         ),
-        ({"model": 1}, InvalidOptionError, "meta.pt and the checkpoint both hold 'model'; use --layout nested"),
+        ({"model": 1}, InvalidOptionError, "meta.pt and the checkpoint both hold 'model'; use options.layout nested"),
         ([1, 2], CorruptChunkError, "expected a dict with string keys (Lightning's meta.pt), got list"),
     ],
 )

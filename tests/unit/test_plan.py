@@ -77,7 +77,8 @@ def test_plan_rejects_bad_options(ws3_ckpt: Sample, tmp_path: Path) -> None:
         groups_for(output_format(tmp_path / "x.safetensors"), "optim")
     with pytest.raises(InvalidOptionError, match="unknown output suffix"):
         output_format(tmp_path / "x.txt")
-    with pytest.raises(InvalidOptionError, match="--format torch"):
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(InvalidOptionError, match="output_format torch writes one torch.save file, not an existing folder"):
         output_format(tmp_path / "folder", "torch")
     assert output_format(tmp_path / "folder", "safetensors") == "hf_dir"
     groups = groups_for("safetensors", "all")
@@ -93,6 +94,20 @@ def test_plan_rejects_bad_options(ws3_ckpt: Sample, tmp_path: Path) -> None:
     assert min(loads) > 0 and max(loads) - min(loads) <= stripe + max(item.nbytes for item in plan.items)
     with pytest.raises(InvalidOptionError, match="nothing to write"):
         plan_consolidate(index, (), tmp_path / "x.pt", fmt="torch_save")
+
+
+@pytest.mark.parametrize("name", ["last.ckpt", "weights", "model.PT", "state.tar"])
+def test_format_torch_writes_torch_save_under_any_name_but_safetensors(tmp_path: Path, name: str) -> None:
+    assert output_format(tmp_path / name, "torch") == "torch_save"
+    with pytest.raises(InvalidOptionError, match=r"output_format torch writes one torch.save file, not a \.safetensors name"):
+        output_format(tmp_path / "model.safetensors", "torch")
+
+
+def test_an_unknown_suffix_with_auto_suggests_format_torch(tmp_path: Path) -> None:
+    suggestion = r"unknown output suffix '\.ckpt'.*output_format torch to write a torch\.save file"
+    with pytest.raises(InvalidOptionError, match=suggestion):
+        output_format(tmp_path / "last.ckpt")
+    assert output_format(tmp_path / "last.ckpt", "safetensors") == "hf_dir"  # as before: a folder of shards
 
 
 def test_shards_pack_in_order_like_save_pretrained() -> None:

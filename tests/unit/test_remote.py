@@ -102,7 +102,7 @@ def test_local_output_uploads_nothing_on_error(bucket: Url) -> None:
 def test_local_output_refuses_an_existing_url_unless_overwrite(bucket: Url) -> None:
     fsspec.filesystem("memory").pipe_file(bucket / "out.pt", b"old")
     with (
-        pytest.raises(OutputExistsError, match="--overwrite"),
+        pytest.raises(OutputExistsError, match="overwrite=True"),
         local_output(bucket / "out.pt", overwrite=False, shared=False, last=()),
     ):
         pass

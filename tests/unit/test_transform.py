@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 import torch
 
+from fsdp_convert.cli._options import DtypeChoice, OptimKeysChoice
+from fsdp_convert.constants import DTYPE_NAMES
 from fsdp_convert.errors import InvalidOptionError
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, TensorEntry
 from fsdp_convert.layout import classify
@@ -21,6 +23,7 @@ from fsdp_convert.transform import (
     parse_dtype,
     parse_rename,
 )
+from fsdp_convert.transform.options import dtype_names
 
 
 @pytest.mark.parametrize(
@@ -145,8 +148,9 @@ def test_two_keys_renamed_to_one_are_refused() -> None:
 
 @pytest.mark.parametrize("text", ["no-separator", "=x", "a[=b"])
 def test_parse_rename_refuses_malformed_rules(text: str) -> None:
-    with pytest.raises(InvalidOptionError, match="--rename"):
+    with pytest.raises(InvalidOptionError, match="options.renames") as caught:
         parse_rename(text)
+    assert caught.value.cli_text().startswith(f"--rename {text!r}: ")
 
 
 def test_parse_rename_splits_at_the_last_equals_sign() -> None:
@@ -157,6 +161,75 @@ def test_parse_dtype() -> None:
     assert parse_dtype(" BF16 ") == torch.bfloat16 and parse_dtype("half") == torch.float16
     with pytest.raises(InvalidOptionError, match="not a dtype"):
         parse_dtype("int8")
+
+
+def test_dtype_names_come_from_the_one_table() -> None:
+    """Every name of ``constants.DTYPE_NAMES`` parses to its dtype; the CLI lists each dtype's first name."""
+    assert all(parse_dtype(name) == dtype and parse_dtype(name.upper()) == dtype for name, dtype in DTYPE_NAMES.items())
+    assert dtype_names() == ("fp32", "bf16", "fp16")
+    assert [m.value for m in DtypeChoice] == list(dtype_names())  # --help's list is the table's, not a copy
+
+
+# --- TransformOptions takes the command line's strings ---
+
+
+def test_options_take_the_command_lines_strings() -> None:
+    options = TransformOptions(
+        optim_keys="ids",
+        renames=["^layers\\.=model.layers.", ("^norm", "model.norm")],
+        include="layers.*",
+        exclude=["*.bias", "tok_ids"],
+        dtype="bf16",
+        optim_dtype="Float32",
+        layout="nested",
+    )  # type: ignore[arg-type]
+    assert options == TransformOptions(
+        optim_keys="ids",
+        renames=(("^layers\\.", "model.layers."), ("^norm", "model.norm")),
+        include=("layers.*",),
+        exclude=("*.bias", "tok_ids"),
+        dtype=torch.bfloat16,
+        optim_dtype=torch.float32,
+        layout="nested",
+    )
+    assert TransformOptions(renames="^a(?=b)=c").renames == (("^a(?=b)", "c"),)  # type: ignore[arg-type]
+    assert TransformOptions(renames={"^a": "b"}).renames == (("^a", "b"),)  # type: ignore[arg-type]
+    assert TransformOptions(dtype="half").dtype == torch.float16  # type: ignore[arg-type]
+    assert TransformOptions(dtype=torch.float64).dtype == torch.float64  # any floating-point torch dtype
+    # the CLI's enum members become the plain strings, and normalizing twice changes nothing
+    assert type(TransformOptions(optim_keys=OptimKeysChoice.ids).optim_keys) is str  # type: ignore[arg-type]
+    assert dataclasses.replace(options) == options
+
+
+def test_string_options_build_the_same_items_as_typed_ones() -> None:
+    typed = _items(dtype=torch.bfloat16, renames=((r"^norm\.", "model.norm."),), include=("norm.*", "tok_ids"))
+    strings = _items(dtype="bf16", renames=r"^norm\.=model.norm.", include=["norm.*", "tok_ids"])
+    assert typed == strings and ("model", "model.norm.weight") in strings
+    assert _items(include="norm.*").keys() == _items(include=("norm.*",)).keys()  # one glob, not its characters
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("dtype", "fp8", "options.dtype='fp8' is not a dtype; use fp32, bf16 or fp16"),
+        ("optim_dtype", torch.int8, "options.optim_dtype torch.int8: use fp32, bf16 or fp16, or a floating-point torch.dtype"),
+        ("optim_keys", "numbers", "options.optim_keys='numbers': use names or ids"),
+        ("layout", "flat", "options.layout='flat': use producer or nested"),
+        ("renames", "no-separator", "options.renames='no-separator': expected REGEX=REPLACEMENT"),
+        ("renames", ("^a", "b"), "options.renames ('^a', 'b'): one (regex, replacement) pair goes in a list"),
+        ("renames", [("a[", "b")], "options.renames='a[=b': bad regex"),
+        ("renames", 3, "options.renames 3: expected 'REGEX=REPLACEMENT' strings or (regex, replacement) pairs"),
+        ("include", 3, "options.include 3: expected a glob or a list of globs"),
+        ("exclude", [b"x"], "options.exclude [b'x']: expected a glob or a list of globs"),
+        ("keep_wrapper_names", "no", "options.keep_wrapper_names: expected True or False, got 'no'"),
+        ("adapter", "torchtitan-llama3-to-hf", "options.adapter: expected a derive.Adapter"),
+    ],
+)
+def test_a_bad_option_names_its_field_and_what_it_takes(field: str, value: Any, message: str) -> None:
+    with pytest.raises(InvalidOptionError) as caught:
+        TransformOptions(**{field: value})
+    assert str(caught.value).startswith(message), str(caught.value)
+    assert "options." not in caught.value.cli_text() or field in ("keep_wrapper_names",)  # the CLI's words: flags
 
 
 def _optimizer_named(entries: tuple[Any, ...]) -> CheckpointIndex:

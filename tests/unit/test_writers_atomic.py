@@ -70,8 +70,9 @@ def test_a_left_temporary_is_reported_and_kept(tmp_path: Path) -> None:
     os.utime(left, (time.time() - 600, time.time() - 600))
     with pytest.raises(TemporaryExistsError) as e, atomic_output(out, overwrite=False):
         pass
-    how = "pass --resume to continue it, or remove it"
-    assert str(e.value) == f"{left} is left from an earlier run writing full.pt (10 min old); {how}"
+    said = f"{left} is left from an earlier run writing full.pt (10 min old); pass --resume to continue it, or remove it"
+    assert e.value.cli_text() == said
+    assert str(e.value) == said.replace("--resume", "resume=True")  # the library's wording names the keyword
     assert sorted(p.name for p in tmp_path.iterdir()) == [left.name]  # kept, and no lock left
     other = tmp_path / ".full.tmp-0123456789ab.pt"  # an earlier version's random name, or another job's
     other.write_bytes(b"")

@@ -5,7 +5,8 @@ the caller has read (the ``params`` lists, and every field of a flattened optimi
 A consolidation's output is the nested layout ``{"model": {fqn: tensor}, <optimizer>: {"state":
 {...}, "param_groups": [...]}, <other top-level keys as saved>}``, whatever nesting the producer
 used; ``<optimizer>`` is the producer's own name for it (``optim``, ``optimizer``) in the
-``producer`` layout, ``optim`` in the ``nested`` one.
+``producer`` layout, ``optim`` in the ``nested`` one. What to do is a ``TransformOptions``
+(``transform.options``, re-exported here).
 """
 
 from __future__ import annotations
@@ -15,15 +16,16 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from fsdp_convert.constants import UNCASTABLE_DTYPES
-from fsdp_convert.derive import Adapter, Derived, Sourced, apply_adapter
+from fsdp_convert.derive import Derived, Sourced, apply_adapter
 from fsdp_convert.errors import InvalidOptionError, UnsupportedTransformError
 from fsdp_convert.formats.index import CheckpointIndex, DictKey, Entry, ObjPath, TensorEntry, dcp_key
 from fsdp_convert.layout import Group, Slot
+from fsdp_convert.transform.options import Layout, OptimKeys, TransformOptions, parse_dtype, parse_rename
 
 __all__ = [
     "WRAPPER_NAMES",
@@ -42,82 +44,7 @@ __all__ = [
 # Module names that wrappers insert into FQNs: FSDP1, activation checkpointing, torch.compile.
 WRAPPER_NAMES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 DDP_PREFIX = "module"
-OptimKeys = Literal["names", "ids"]
-Layout = Literal["producer", "nested"]
 NESTED_OPTIM_TOP = "optim"
-
-_DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-}  # fmt: skip
-
-
-def parse_dtype(text: str) -> torch.dtype:
-    """``fp32``/``bf16``/``fp16`` (or ``float32``, ``bfloat16``, ``float16``) to a torch dtype.
-
-    Raises:
-        InvalidOptionError: any other name.
-    """
-    dtype = _DTYPES.get(text.strip().lower())
-    if dtype is None:
-        raise InvalidOptionError(f"{text!r} is not a dtype; use fp32, bf16 or fp16")
-    return dtype
-
-
-def parse_rename(text: str) -> tuple[str, str]:
-    r"""``REGEX=REPLACEMENT`` to a pair; the last ``=`` separates them (a regex may hold ``(?=``).
-
-    The replacement follows ``re.sub``: ``\1`` or ``\g<name>`` refer to groups.
-
-    Raises:
-        InvalidOptionError: no ``=``, or the regex does not compile.
-    """
-    pattern, sep, replacement = text.rpartition("=")
-    if not sep or not pattern:
-        raise InvalidOptionError(f"--rename {text!r}: expected REGEX=REPLACEMENT, e.g. '^layers\\.=model.layers.'")
-    try:
-        re.compile(pattern)
-    except re.error as e:
-        raise InvalidOptionError(f"--rename {text!r}: bad regex ({e})") from e
-    return pattern, replacement
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TransformOptions:
-    """How checkpoint keys and dtypes become the output's (``consolidate`` and ``reshard``).
-
-    Attributes:
-        optim_keys: ``names`` keys optimizer state by parameter FQN (as
-            ``get_optimizer_state_dict`` does); ``ids`` by integer in param-group order, with each
-            group's ``params`` a list of those integers (as ``torch.optim.Optimizer.state_dict``).
-        keep_wrapper_names: keep ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``,
-            ``_orig_mod.`` and a leading ``module.`` in FQNs (they are removed by default).
-        renames: ``(regex, replacement)`` pairs applied in order with ``re.sub`` to every
-            parameter FQN, model and optimizer alike, after wrapper names are removed.
-        include: glob patterns (``fnmatch``); when given, only model FQNs matching one are kept.
-        exclude: glob patterns; model FQNs matching one are dropped. Both match the FQN after
-            wrapper names are removed and before renames.
-        dtype: cast floating-point model tensors to this dtype; None keeps them.
-        optim_dtype: cast floating-point optimizer state (but never ``step``) to this dtype.
-        adapter: the model's tensors (wrapper names removed, ``include``/``exclude`` applied) to the
-            output's (``derive.Adapter``, ``adapters.load_adapter``); renames apply after. Model only.
-        layout: top-level names of a consolidation: ``producer`` keeps the producer's name for the
-            optimizer state (``optimizer`` for Lightning, accelerate and torchtitan) and merges
-            Lightning's ``meta.pt`` (``items.prepare_items``), so that its own loader reads the
-            file; ``nested`` writes ``optim`` for every producer and leaves ``meta.pt`` out.
-            Either way model weights go under ``model``. ``reshard`` keeps every key as saved.
-    """
-
-    optim_keys: OptimKeys = "names"
-    keep_wrapper_names: bool = False
-    renames: tuple[tuple[str, str], ...] = ()
-    include: tuple[str, ...] = ()
-    exclude: tuple[str, ...] = ()
-    dtype: torch.dtype | None = None
-    optim_dtype: torch.dtype | None = None
-    layout: Layout = "producer"
-    adapter: Adapter | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
