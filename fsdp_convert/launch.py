@@ -17,10 +17,12 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,6 +31,7 @@ import torch.distributed as dist
 
 from fsdp_convert import errors
 from fsdp_convert.errors import CheckpointError, InvalidOptionError, TerminatedError, WorkerFailedError
+from fsdp_convert.progress import Bars
 
 __all__ = [
     "WorkerGroup",
@@ -39,6 +42,8 @@ __all__ = [
     "run_ranks",
     "job_world_size",
     "shared_tag",
+    "JobCounter",
+    "worker_bars",
 ]
 
 logger = logging.getLogger(__name__)
@@ -77,6 +82,37 @@ class WorkerGroup:
     def barrier(self) -> None:
         """Wait until every rank gets here."""
         dist.barrier()
+
+
+class JobCounter:
+    """Integer counters in the job's c10d store (``MASTER_ADDR:MASTER_PORT``, which every worker of the job reaches).
+
+    Each run of the workers counts under its own prefix: every worker numbers its runs in the store
+    and takes part in every run, so their numbers agree (waves under one torchrun start at 0).
+    """
+
+    def __init__(self, host: str, port: int, rank: int) -> None:
+        # torch.distributed.TCPStore is public (documented), but torch does not mark the re-export for mypy
+        self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
+        self._lock = threading.Lock()  # called from mover threads and the bar's
+        self._prefix = f"fsdp_convert/progress/run{self._store.add(f'fsdp_convert/progress/runs/{rank}', 1)}/"
+
+    def add(self, name: str, amount: int) -> int:
+        """Add ``amount`` to counter ``name`` (0 when new); its new value, every worker's adds included."""
+        with self._lock:
+            return int(self._store.add(self._prefix + name, amount))
+
+
+def worker_bars(enabled: bool, rank: int, group: WorkerGroup | None) -> Bars:
+    """A worker's progress bars, shown by rank 0 and counting every worker's bytes through a ``JobCounter``.
+
+    Called on every worker of a job, or on none. Off, it reaches no store. A group joined without
+    ``MASTER_ADDR``/``MASTER_PORT`` (a script's own ``init_process_group``) counts each worker's share.
+    """
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not enabled or group is None or not host or not port:
+        return Bars(enabled=enabled, show=rank == 0, whole_job=group is None)
+    return Bars(enabled=True, show=rank == 0, shared=JobCounter(host, int(port), rank))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -207,6 +243,7 @@ def _worker_main(call: _WorkerCall) -> Any:
             "rank": rank,
             "type": type(e).__name__ if isinstance(e, CheckpointError) else None,
             "message": str(e) if isinstance(e, CheckpointError) else _describe(e),
+            "cli_message": e.cli_text() if isinstance(e, CheckpointError) else None,  # the CLI's wording (flags)
             "traceback": traceback.format_exc(),
         }
         Path(call.error_dir, f"rank{rank}.json").write_text(json.dumps(record))
@@ -251,7 +288,7 @@ def _failure(error_dir: Path, exit_codes: dict[int, int], ranks: range | None = 
     for record in records:
         cls = getattr(errors, record["type"] or "", None)
         if isinstance(cls, type) and issubclass(cls, CheckpointError):
-            err = cls(record["message"])
+            err = cls(record["message"], cli_message=record.get("cli_message"))
             err.__notes__ = [f"worker rank {record['rank']}:\n{record['traceback']}"]
             return err
     # a worker that died without a word (SIGKILL, out of memory) broke the others' connections

@@ -123,16 +123,31 @@ class Mover:
         piece_bytes: size of each of the (at most two) buffers, in bytes.
         drop_cache: drop what is read and written from the page cache (see ``_pagecache.PageCache``).
         stop: set by another thread to make ``move`` raise ``InterruptedError`` at its next piece.
+        on_bytes: called with the bytes of each piece once written (progress); a job's bytes add up
+            to its ``nbytes`` by the time ``move`` returns.
     """
 
     def __init__(
-        self, reader: Reader, piece_bytes: int, *, drop_cache: bool = False, stop: threading.Event | None = None
+        self,
+        reader: Reader,
+        piece_bytes: int,
+        *,
+        drop_cache: bool = False,
+        stop: threading.Event | None = None,
+        on_bytes: Callable[[int], None] | None = None,
     ) -> None:
         self.reader = reader
         self.piece_bytes = piece_bytes
         self.cache = PageCache(drop_cache)
         self._stop = stop
         self._buffers: list[bytearray] = [bytearray(0), bytearray(0)]
+        self._on_bytes = on_bytes
+        self._reported = 0  # bytes of the current job given to on_bytes
+
+    def _wrote(self, nbytes: int) -> None:
+        if self._on_bytes is not None and nbytes:
+            self._reported += nbytes
+            self._on_bytes(nbytes)
 
     def _buffer(self, which: int, nbytes: int) -> memoryview:
         if len(self._buffers[which]) < nbytes:
@@ -150,6 +165,12 @@ class Mover:
             MissingDataFileError, CorruptChunkError, UnsafeContentError, ShapeMismatchError: a bad chunk.
             OSError: the output cannot be written.
         """
+        self._reported = 0
+        pieces = self._move(job)
+        self._wrote(job.nbytes - self._reported)  # what ``blocks`` wrote (a derived tensor's): at its end
+        return pieces
+
+    def _move(self, job: MoveJob) -> list[Piece]:
         entry = job.entry
         if job.nbytes == 0:
             return []
@@ -186,6 +207,7 @@ class Mover:
             data = byte_view(tensor)
             pwrite_all(job.fd, data, dst)
             self.cache.wrote(job.fd, dst, len(data))
+            self._wrote(len(data))
             pieces.append(Piece(job.file, dst, len(data), zlib.crc32(data)))
         return pieces
 
@@ -204,6 +226,7 @@ class Mover:
             crc = zlib.crc32(view, crc)
             pwrite_all(fd, view, dst + done - begin)
             self.cache.wrote(fd, dst + done - begin, len(view))
+            self._wrote(len(view))
             done += len(view)
         if (begin, end) == (0, stored.nbytes):
             self._check_crc(stored, crc)
@@ -258,6 +281,7 @@ class Mover:
             dst_offset = job.offset + (r0 - begin) * row_elems * job.dtype.itemsize
             pwrite_all(job.fd, out, dst_offset)
             self.cache.wrote(job.fd, dst_offset, len(out))
+            self._wrote(len(out))
             pieces.append(Piece(job.file, dst_offset, len(out), zlib.crc32(out)))
         return pieces
 
@@ -328,6 +352,7 @@ def move_all(
     piece_bytes: int,
     drop_cache: bool = False,
     on_done: Callable[[MoveJob, list[Piece]], None] = lambda job, pieces: None,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> list[Piece]:
     """Move every job's tensor with ``threads`` threads, each with its own reader and buffers.
 
@@ -340,8 +365,10 @@ def move_all(
         threads: mover threads (1 runs in this thread).
         piece_bytes: size of each buffer, in bytes.
         drop_cache: drop what is read and written from the page cache as it goes.
-        on_done: called in the mover's thread with each job and its pieces once written (progress,
-            a reshard payload's headers).
+        on_done: called in the mover's thread with each job and its pieces once written (a record
+            log, a reshard payload's headers).
+        on_bytes: called in the mover's threads with the bytes of each piece once written (progress);
+            a job's add up to its ``nbytes`` once it is done.
 
     Returns:
         Every piece written.
@@ -352,7 +379,7 @@ def move_all(
     stop = threading.Event()
     lock = threading.Lock()
     it = iter(jobs)
-    args = {"piece_bytes": piece_bytes, "drop_cache": drop_cache}
+    args = {"piece_bytes": piece_bytes, "drop_cache": drop_cache, "on_bytes": on_bytes}
     outs: list[list[Any]] = [[] for _ in range(max(1, threads))]
     if threads <= 1:
         _pool_worker(open_reader, it, lock, args, stop, outs[0], on_done)

@@ -40,6 +40,7 @@ from fsdp_convert.formats.index import CheckpointIndex
 from fsdp_convert.launch import WorkerGroup
 from fsdp_convert.move import MoveJob, Piece, range_crc
 from fsdp_convert.plan import WorkPlan
+from fsdp_convert.progress import OFF, Bars, human_bytes
 from fsdp_convert.reshard_plan import ReshardPlan
 from fsdp_convert.transform import OutputItem
 from fsdp_convert.writers import atomic_output
@@ -55,7 +56,6 @@ from fsdp_convert.writers._manifest import (
     start_manifest,
     written_bytes,
 )
-from fsdp_convert.writers._space import human_bytes
 from fsdp_convert.writers.dcp import rank_filename
 
 __all__ = [
@@ -239,7 +239,13 @@ def temporary_output(
 
 
 def begin_share(
-    tmp: Path, state: ResumeState | None, rank: int, group: WorkerGroup | None, jobs: list[MoveJob], stack: contextlib.ExitStack
+    tmp: Path,
+    state: ResumeState | None,
+    rank: int,
+    group: WorkerGroup | None,
+    jobs: list[MoveJob],
+    stack: contextlib.ExitStack,
+    bars: Bars = OFF,
 ) -> tuple[list[MoveJob], list[tuple[MoveJob, Piece]], RecordLogger | None]:
     """A worker's start on a resumable output: the manifest, its share's records kept, its record log. Called on every rank.
 
@@ -255,6 +261,9 @@ def begin_share(
         group: the job's group (None: one process).
         jobs: this worker's move jobs.
         stack: closes the record log.
+        bars: the job's progress bars (``launch.worker_bars``): resuming, a ``re-check`` bar of the
+            bytes read back and kept, of every logged byte (rank 0 shows the job's; with it on, the
+            workers wait for each other once re-checked, so the bar ends complete).
 
     Returns:
         The jobs to move; the jobs kept, each with one piece carrying its CRC-32; and the
@@ -274,10 +283,46 @@ def begin_share(
     kept: Kept = {}
     if state.resume:
         mine = {(job.file, job.offset): Record(layout.names[job.file], job.offset, job.nbytes) for job in jobs if job.nbytes}
-        crcs = kept_records(tmp, list(mine.values()), lambda name: tmp / name if name else tmp)
+        crcs = _recheck(tmp, list(mine.values()), bars, group)
         kept = {key: crcs[record] for key, record in mine.items() if record in crcs}
     todo, done = _skip_kept(jobs, kept)
     return todo, done, RecordLogger(tmp, rank, layout.names, stack)
+
+
+RECHECK_BATCHES = 20  # with a bar, a worker's share is re-checked in this many parts (each reads the logs again)
+RECHECK_MIN_BATCH_BYTES = 256 << 20
+
+
+def _recheck(tmp: Path, records: list[Record], bars: Bars, group: WorkerGroup | None) -> dict[Record, int]:
+    """``writers._manifest.kept_records`` of this worker's ``records``, counted on a ``re-check`` bar part by part.
+
+    The bar's total is every logged byte of the job (``written_bytes``), each part's kept bytes
+    its progress (a record whose bytes no longer match its CRC-32 is read but not counted); the
+    workers wait for each other at the end, so rank 0's last frame counts them all.
+    """
+    path_of = lambda name: tmp / name if name else tmp  # noqa: E731
+    if not bars.enabled:
+        return kept_records(tmp, records, path_of)
+    share = sum(r.nbytes for r in records)
+    batch_bytes = max(RECHECK_MIN_BATCH_BYTES, -(-share // RECHECK_BATCHES))
+    batches: list[list[Record]] = [[]]
+    filled = 0
+    for record in records:
+        if filled >= batch_bytes:
+            batches.append([])
+            filled = 0
+        batches[-1].append(record)
+        filled += record.nbytes
+    crcs: dict[Record, int] = {}
+    with bars.step("recheck", "re-check", written_bytes(tmp)[0] if bars.show else 0, share) as progress:
+        for batch in batches:
+            found = kept_records(tmp, batch, path_of)
+            crcs.update(found)
+            progress.advance(sum(r.nbytes for r in found))
+        progress.flush()
+        if group is not None:
+            group.barrier()
+    return crcs
 
 
 def _start(tmp: Path, state: ResumeState) -> None:
@@ -323,8 +368,9 @@ def keep_note(tmp: Path) -> str | None:
     """A ``writers.atomic_output`` ``keep``: a temporary with a manifest is worth keeping; say so, with how much is written.
 
     Returns:
-        ``the temporary PATH (1.2 GB of 3.4 GB written) is kept: ...``, or None without a manifest
-        (stopped before it was written: nothing to resume; the temporary is removed).
+        ``the temporary PATH (1.1 GiB of 3.2 GiB written) is kept: ...`` (binary units, as the progress
+        bars), or None without a manifest (stopped before it was written: nothing to resume; the
+        temporary is removed).
     """
     if not has_manifest(tmp):
         return None

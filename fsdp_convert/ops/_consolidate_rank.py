@@ -9,20 +9,16 @@ and central directory, then the folder's index.
 from __future__ import annotations
 
 import os
-import sys
-import threading
 from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from fsdp_convert.constants import HF_INDEX_FILENAME
 from fsdp_convert.formats import Reader, open_reader
 from fsdp_convert.formats.index import BytesEntry, Location, ObjPath, TensorEntry
-from fsdp_convert.launch import WorkerGroup
+from fsdp_convert.launch import WorkerGroup, worker_bars
 from fsdp_convert.move import MoveJob, Piece, move_all, pwrite_all, range_crc
 from fsdp_convert.plan import FilePlan, WorkPlan
 from fsdp_convert.resume import ResumeState, begin_share
@@ -42,7 +38,7 @@ class ConsolidateJob:
         checkpoint_id: the checkpoint read.
         plan: the laid-out output.
         tmp_output: the temporary output written.
-        progress: show rank 0's progress bar.
+        progress: a ``write`` bar of the whole job's tensor bytes on stderr, drawn by rank 0's worker.
         check_crc: check the CRC-32 of every payload read.
         resume: a resumable output's (``resume.begin_share``); None: no manifest (object storage).
         index: write the folder's index (a wave of an output to object storage does not).
@@ -57,16 +53,13 @@ class ConsolidateJob:
     index: bool = True
 
 
-def _bar(desc: str, total: int, enabled: bool, position: int) -> tqdm:
-    return tqdm(
-        desc=desc,
-        total=total,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        disable=not enabled,
-        file=sys.stderr,
-        position=position,
+def _tensor_bytes(plan: WorkPlan) -> int:
+    """Bytes of every tensor the plan writes (every worker's move jobs), in bytes."""
+    return sum(
+        plan.items[i].nbytes
+        for file in plan.files
+        for i, offset in zip(file.item_ids, file.data_offsets, strict=True)
+        if plan.items[i].is_tensor and offset is not None
     )
 
 
@@ -95,6 +88,10 @@ def _move_jobs(job: ConsolidateJob, rank: int, fds: list[int]) -> list[MoveJob]:
                     )
                 )
     return jobs
+
+
+def _no_log(moved: MoveJob, written: list[Piece]) -> None:
+    """``move_all``'s ``on_done`` for an output without a record log."""
 
 
 def _value(reader: Reader, item: OutputItem) -> Any:
@@ -145,6 +142,8 @@ def consolidate_rank(job: ConsolidateJob, rank: int, world_size: int, group: Wor
     Every rank moves its own tensors into place in the output files (``move.move_all``) and
     fsyncs them; rank 0 gathers every rank's pieces (offsets and CRC-32s only), reads the plain
     values, and writes each file's headers, pickle and central directory, then the folder's index.
+    With ``job.progress``, rank 0's worker draws a ``write`` bar of every rank's bytes, its last
+    frame once every rank's pieces are gathered.
 
     Returns:
         On rank 0, the output's size in bytes; ``None`` elsewhere.
@@ -153,34 +152,32 @@ def consolidate_rank(job: ConsolidateJob, rank: int, world_size: int, group: Wor
     with writing(job.tmp_output), ExitStack() as stack:
         fds = _open_files(job, rank, stack)
         jobs = _move_jobs(job, rank, fds)
-        jobs, skipped, log = begin_share(job.tmp_output, job.resume, rank, group, jobs, stack)  # records kept, the log
-        desc = "write" if plan.nproc == 1 else f"write (rank 0's share; {plan.nproc} workers)"
-        bar = stack.enter_context(_bar(desc, sum(j.nbytes for j in jobs), job.progress and rank == 0, 0))
-        lock = threading.Lock()
-
-        def done(moved: MoveJob, written: list[Piece]) -> None:
-            if log is not None:
-                log(moved, written)
-            with lock:
-                bar.update(moved.nbytes)
-
+        bars = worker_bars(job.progress, rank, group)
+        jobs, skipped, log = begin_share(job.tmp_output, job.resume, rank, group, jobs, stack, bars)  # records kept, the log
+        kept_bytes = sum(moved.nbytes for moved, _ in skipped)
+        job_bytes = _tensor_bytes(plan) if job.progress else 0
+        progress = stack.enter_context(bars.step("write", "write", job_bytes, sum(j.nbytes for j in jobs) + kept_bytes))
+        progress.keep(kept_bytes)
         pieces = move_all(
             partial(open_reader, job.checkpoint_id, check_crc=job.check_crc),
             jobs,
             threads=plan.threads,
             piece_bytes=plan.piece_bytes,
             drop_cache=plan.drop_cache,
-            on_done=done,
+            on_done=log if log is not None else _no_log,
+            on_bytes=progress.advance,
         )
         pieces += [piece for _, piece in skipped]
         if log is not None:
             log.flush()  # this share's records are logged before rank 0 writes the headers
         for fd in fds:
             os.fsync(fd)
+        progress.flush()  # every rank's bytes are counted before rank 0 gathers
         rows = [[p.file, p.offset, p.nbytes, p.crc32] for p in pieces]
         gathered = group.gather(rows) if group is not None else [rows]
         if gathered is None:
             return None
+        progress.close()  # rank 0: the last frame, of every rank's bytes
         everything = [Piece(*map(int, row)) for share in gathered for row in share]
         with open_reader(job.checkpoint_id, check_crc=job.check_crc) as reader:
             for f, fd in enumerate(fds):

@@ -20,7 +20,7 @@ import torch
 
 from fsdp_convert.formats import open_reader
 from fsdp_convert.formats.index import BytesEntry, Location, TensorEntry, dcp_key
-from fsdp_convert.launch import WorkerGroup
+from fsdp_convert.launch import WorkerGroup, worker_bars
 from fsdp_convert.move import MoveJob, Piece, move_all, pwrite_all, range_crc
 from fsdp_convert.plan import DEFAULT_MEMORY_BUDGET_BYTES, mover_buffers
 from fsdp_convert.reshard_plan import PayloadPlan, ReshardPlan
@@ -43,6 +43,7 @@ class ReshardJob:
         check_crc: check the CRC-32s of the source payloads.
         resume: a resumable output's (``resume.begin_share``); None: no manifest (object storage).
         files: a wave's (folder, target rank) data files (``ops._waves``); None: all.
+        progress: a ``write`` bar of the whole job's tensor bytes on stderr, drawn by rank 0's worker.
     """
 
     checkpoint_id: Location
@@ -51,6 +52,7 @@ class ReshardJob:
     check_crc: bool
     resume: ResumeState | None = None
     files: frozenset[tuple[int, int]] | None = None
+    progress: bool = False
 
 
 def _payload(value: Any) -> bytes:
@@ -102,7 +104,8 @@ def reshard_rank(
     """Move this worker's chunks into their payloads and write each payload's headers; rank 0 appends the values.
 
     Called on every worker. Every folder of the output (one, or accelerate's two) is written in
-    the same pass, each with its own rank files.
+    the same pass, each with its own rank files. With ``job.progress``, rank 0's worker draws a
+    ``write`` bar of every worker's bytes, its last frame once every worker is done.
 
     Returns:
         On rank 0, per output folder, where every value's payload went (``StoredChunk.to_json``
@@ -132,7 +135,12 @@ def reshard_rank(
             write_tensor_payload_headers(moved.fd, payload.offset, slot, crc)
             return crc
 
-        todo, skipped, log = begin_share(job.tmp_output, job.resume, worker, group, [move for move, _ in mine.values()], stack)
+        bars = worker_bars(job.progress, worker, group)
+        moves = [move for move, _ in mine.values()]
+        todo, skipped, log = begin_share(job.tmp_output, job.resume, worker, group, moves, stack, bars)
+        job_bytes = sum(_move_job(plan, p, -1, 0).nbytes for _, plan in job.plans for p in plan.payloads) if job.progress else 0
+        progress = stack.enter_context(bars.step("write", "write", job_bytes, sum(move.nbytes for move in moves)))
+        progress.keep(sum(moved.nbytes for moved, _ in skipped))
         for moved, piece in skipped:  # kept from an interrupted run: their headers are rewritten
             headers(moved, [piece])
 
@@ -148,6 +156,7 @@ def reshard_rank(
             threads=threads,
             piece_bytes=piece_bytes,
             on_done=write_headers,
+            on_bytes=progress.advance,
         )
         if log is not None:
             log.flush()  # this share's records are logged before rank 0 writes .metadata
@@ -158,6 +167,8 @@ def reshard_rank(
                 values[sub] = [c.to_json() for c in rows]
         for fd in fds.values():
             os.fsync(fd)
+        progress.flush()  # every worker's bytes are counted before the barrier
         if group is not None:
             group.barrier()
+        progress.close()  # rank 0: the last frame, of every worker's bytes
         return values if worker == 0 else None

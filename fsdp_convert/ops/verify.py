@@ -3,11 +3,13 @@
 Each side is seen as flat keys, DCP's flattened keys (``model.layers.0.attn.wq.weight``,
 ``optim.state.<fqn>.exp_avg``, ``optim.param_groups.0.lr``), whose values are loaded one at a time:
 DCP tensors are assembled from their chunks (through ``transform`` items), torch.save files are
-memory-mapped, safetensors are read per tensor (``formats.full_file``).
+memory-mapped, safetensors are read per tensor (``formats.full_file``). With ``dtype``/``optim_dtype``
+both sides are compared after the cast ``consolidate --dtype``/``--optim-dtype`` applies.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,14 +20,15 @@ import torch
 from fsdp_convert.constants import UNCASTABLE_DTYPES
 from fsdp_convert.errors import CheckpointNotFoundError
 from fsdp_convert.formats import check_data_files, detect_format, open_reader, read_index
-from fsdp_convert.formats.full_file import open_full_file
+from fsdp_convert.formats.full_file import MODEL_PREFIX, SafetensorsFiles, open_full_file
 from fsdp_convert.formats.index import BytesEntry, Location, TensorEntry, Url, check_coverage, dcp_key, dtype_name
 from fsdp_convert.items import prepare_items
-from fsdp_convert.launch import Cluster, WorkerGroup, job_world_size, run_ranks
+from fsdp_convert.launch import Cluster, WorkerGroup, job_world_size, run_ranks, worker_bars
 from fsdp_convert.layout import GROUPS, Group, group_of_top
 from fsdp_convert.plan import Only
+from fsdp_convert.progress import StepProgress
 from fsdp_convert.remote import is_url
-from fsdp_convert.transform import OutputItem, TransformOptions
+from fsdp_convert.transform import OutputItem, TransformOptions, parse_dtype
 
 __all__ = ["Source", "open_source", "Difference", "VerifyResult", "verify"]
 
@@ -96,6 +99,10 @@ class _DcpSource:
         # cast as consolidate's writers do, element by element (a 0-dim tensor would take torch's
         # scalar path); NaN bits still vary by torch's code path, so a cast key compares NaNs as NaNs
         return tensor.reshape(-1).to(item.dtype).reshape(tensor.shape)
+
+    def item(self, key: str) -> OutputItem:
+        """``key``'s item: its group as classified (torchtitan's top-level weights are ``model``), its bytes as read."""
+        return self._items[key]
 
     def was_cast(self, key: str) -> bool:
         """True when ``key``'s tensor is read in another dtype than stored (``--dtype``/``--optim-dtype``)."""
@@ -201,6 +208,38 @@ def _was_cast(source: Source, key: str) -> bool:
     return isinstance(source, _DcpSource) and source.was_cast(key)
 
 
+def _tensor_sizes(source: Source, keys: tuple[str, ...]) -> tuple[int, ...]:
+    """Bytes of each key's tensor as ``source.get`` gives it (0 for a plain value), from metadata, headers or a memory map."""
+    known: dict[str, int] = {}  # a key not known here is a torch.save file's (memory-mapped: nothing is read)
+    if isinstance(source, _DcpSource):
+        known = {key: source.item(key).nbytes if source.item(key).is_tensor else 0 for key in keys}
+    elif isinstance(source, SafetensorsFiles):
+        known = {MODEL_PREFIX + name: math.prod(shape) * dtype.itemsize for name, dtype, shape in source.tensors()}
+    values = {key: source.get(key) for key in keys if key not in known}
+    return tuple(known[k] if k in known else values[k].nbytes if isinstance(values[k], torch.Tensor) else 0 for k in keys)
+
+
+def _cast_dtype(key: str, sources: tuple[Source, Source], casts: tuple[torch.dtype | None, ...]) -> torch.dtype | None:
+    """What ``consolidate`` casts ``key``'s floating tensor to (``casts``: dtype, optim_dtype), or None.
+
+    Model weights take the dtype, optimizer state (never ``step``) the optim_dtype; the group is a DCP side's, else the key's.
+    """
+    group = next((s.item(key).group for s in sources if isinstance(s, _DcpSource)), None) or _key_group(key)
+    parts = key.split(".")
+    if group == "optim" and len(parts) > 2 and parts[1] == "state" and parts[-1] != "step":
+        return casts[1]
+    return casts[0] if group == "model" else None
+
+
+def _cast(value: Any, dtype: torch.dtype | None) -> tuple[Any, bool]:
+    """``value`` cast element by element (as consolidate's writers cast), if a castable floating tensor of another dtype."""
+    if not isinstance(value, torch.Tensor) or dtype in (None, value.dtype) or not value.is_floating_point():
+        return value, False
+    if value.dtype in UNCASTABLE_DTYPES:
+        return value, False
+    return value.reshape(-1).to(dtype).reshape(value.shape), True
+
+
 def _compare(a: Any, b: Any, atol: float | None, rtol: float | None, *, any_nan: bool = False) -> str | None:
     """None when equal, else what differs.
 
@@ -261,6 +300,9 @@ def verify(
     nproc: int | None = None,
     cluster: Cluster | None = None,
     in_process: bool = False,
+    dtype: torch.dtype | str | None = None,
+    optim_dtype: torch.dtype | str | None = None,
+    progress: bool = False,
 ) -> VerifyResult:
     """Compare two checkpoints of any formats (DCP, .pt, safetensors, HF folder) key by key.
 
@@ -269,6 +311,10 @@ def verify(
     and, by default, the same bits; with ``atol``/``rtol`` floating tensors may differ within
     ``torch.allclose``. Plain values must be equal and of the same type. One tensor of each side
     is in memory at a time.
+
+    With ``dtype``/``optim_dtype``, floating tensors of a side not already in that dtype are first
+    cast as ``consolidate --dtype``/``--optim-dtype`` casts them, so a ``--dtype bf16`` output equals
+    its fp32 checkpoint bit for bit (NaNs of a cast tensor compare as NaNs, whatever their bits).
 
     Args:
         a: the reference checkpoint.
@@ -284,6 +330,9 @@ def verify(
             the whole result (``owner``), the others an empty one.
         in_process: compare here, one process, even under torchrun (``consolidate --verify``,
             which runs on rank 0 alone).
+        dtype: cast model tensors to this dtype first (a ``torch.dtype``, or ``fp32``/``bf16``/``fp16``).
+        optim_dtype: the same for optimizer state, never ``step``.
+        progress: a ``verify`` bar on stderr of A's tensor bytes compared (every worker's, drawn by rank 0's).
 
     Returns:
         The keys compared and every difference (``missing``: only in A; ``extra``: only in B).
@@ -291,7 +340,9 @@ def verify(
     Raises:
         CheckpointNotFoundError, NotADcpCheckpointError, UnsafeContentError, CorruptChunkError,
         MissingDataFileError, CoverageError: a side cannot be read.
+        InvalidOptionError: ``dtype`` or ``optim_dtype`` names no dtype.
     """
+    casts = tuple(parse_dtype(d) if isinstance(d, str) else d for d in (dtype, optim_dtype))
     source_a = open_source(a, check_crc=check_crc, options=options)
     try:
         source_b = open_source(b, check_crc=check_crc, options=options)
@@ -303,17 +354,29 @@ def verify(
         if source_a.model_only or source_b.model_only:
             keys_a = [k for k in keys_a if _key_group(k) == "model"]
             keys_b = [k for k in keys_b if _key_group(k) == "model"]
+        if only != "all":
+            keys_a = [k for k in keys_a if _key_group(k) == only]
+            keys_b = [k for k in keys_b if _key_group(k) == only]
+        in_b, in_a = set(keys_b), set(keys_a)
+        common = tuple(k for k in keys_a if k in in_b)
+        sizes = _tensor_sizes(source_a, common) if progress else ()
     finally:
         source_a.close()
         source_b.close()
-    if only != "all":
-        keys_a = [k for k in keys_a if _key_group(k) == only]
-        keys_b = [k for k in keys_b if _key_group(k) == only]
-    in_b, in_a = set(keys_b), set(keys_a)
     diffs = [Difference(key=k, kind="missing", detail="only in A") for k in keys_a if k not in in_b]
     diffs += [Difference(key=k, kind="extra", detail="only in B") for k in keys_b if k not in in_a]
-    common = tuple(k for k in keys_a if k in in_b)
-    job = _VerifyJob(a=str(a), b=str(b), keys=common, atol=atol, rtol=rtol, check_crc=check_crc, options=options)
+    job = _VerifyJob(
+        a=str(a),
+        b=str(b),
+        keys=common,
+        atol=atol,
+        rtol=rtol,
+        check_crc=check_crc,
+        options=options,
+        casts=casts,
+        progress=progress,
+        sizes=sizes,
+    )
     if in_process:
         owner, differing = True, _verify_rank(job, 0, 1, None)
     else:
@@ -332,35 +395,54 @@ class _VerifyJob:
     rtol: float | None
     check_crc: bool
     options: TransformOptions | None
+    casts: tuple[torch.dtype | None, ...] = (None, None)  # verify's dtype, optim_dtype
+    progress: bool = False
+    sizes: tuple[int, ...] = ()  # with progress: bytes of A's tensor of each key (``_tensor_sizes``)
 
 
-def _verify_rank(job: _VerifyJob, rank: int, world_size: int, group: WorkerGroup | None) -> list[tuple[str, str]] | None:
-    """Compare keys ``rank, rank + world_size, ...``; rank 0 gathers every rank's differences.
-
-    The differences travel as JSON (``WorkerGroup.gather``), never as pickles.
-
-    Returns:
-        On rank 0, ``(key, detail)`` of every differing key, in key order; None elsewhere.
-    """
+def _compare_keys(job: _VerifyJob, positions: range, progress: StepProgress) -> list[tuple[str, str]]:
+    """``(key, detail)`` of every differing key of ``job.keys[positions]``, after the casts asked."""
     mine: list[tuple[str, str]] = []
     source_a = open_source(job.a, check_crc=job.check_crc, options=job.options)
     try:
         source_b = open_source(job.b, check_crc=job.check_crc, options=job.options)
         try:
-            for key in job.keys[rank::world_size]:
-                any_nan = _was_cast(source_a, key) or _was_cast(source_b, key)
-                detail = _compare(source_a.get(key), source_b.get(key), job.atol, job.rtol, any_nan=any_nan)
+            for i in positions:
+                key = job.keys[i]
+                target = _cast_dtype(key, (source_a, source_b), job.casts)
+                value_a, cast_a = _cast(source_a.get(key), target)
+                value_b, cast_b = _cast(source_b.get(key), target)
+                any_nan = cast_a or cast_b or _was_cast(source_a, key) or _was_cast(source_b, key)
+                detail = _compare(value_a, value_b, job.atol, job.rtol, any_nan=any_nan)
                 if detail is not None:
                     mine.append((key, detail))
+                progress.advance(job.sizes[i] if job.sizes else 0)
         finally:
             source_b.close()
     finally:
         source_a.close()
-    if group is None:
-        return mine
-    gathered = group.gather(mine)
+    return mine
+
+
+def _verify_rank(job: _VerifyJob, rank: int, world_size: int, group: WorkerGroup | None) -> list[tuple[str, str]] | None:
+    """Compare keys ``rank, rank + world_size, ...``; rank 0 gathers every rank's differences.
+
+    The differences travel as JSON (``WorkerGroup.gather``), never as pickles. With
+    ``job.progress``, rank 0's worker draws the ``verify`` bar, its last frame once gathered.
+
+    Returns:
+        On rank 0, ``(key, detail)`` of every differing key, in key order; None elsewhere.
+    """
+    positions = range(rank, len(job.keys), world_size)
+    share = sum(job.sizes[i] for i in positions) if job.sizes else 0
+    with worker_bars(job.progress, rank, group).step("verify", "verify", sum(job.sizes), share) as progress:
+        mine = _compare_keys(job, positions, progress)
+        progress.flush()  # every rank's bytes are counted before rank 0 gathers
+        if group is None:
+            return mine
+        gathered = group.gather(mine)
     if gathered is None:
         return None
-    mine = [(str(k), str(d)) for share in gathered for k, d in share]
+    mine = [(str(k), str(d)) for rows in gathered for k, d in rows]
     order = {key: i for i, key in enumerate(job.keys)}
     return sorted(mine, key=lambda kd: order[kd[0]])

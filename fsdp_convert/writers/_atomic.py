@@ -260,7 +260,9 @@ def atomic_output(
     except OutputWriteError as e:
         _remove(tmp)
         # name the output the user asked for, not its temporary sibling
-        raise OutputWriteError(str(e).replace(str(tmp), str(output))) from e
+        raise OutputWriteError(
+            str(e).replace(str(tmp), str(output)), cli_message=e.cli_text().replace(str(tmp), str(output))
+        ) from e
     except BaseException as e:
         with hold_signals():  # a signal now is raised after the temporary is kept (and noted) or removed
             if not _keep(tmp, e, keep):
