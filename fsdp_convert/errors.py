@@ -52,7 +52,7 @@ FLAG_KEYWORDS: dict[str, str] = {
     "--no-crc": "check_crc=False",
     "--verify": "verify_output=True",
     "--progress": "progress=True",
-    "--quiet": "progress=False",
+    "--no-progress": "progress=False",
     "--nproc": "nproc",
     "--nproc-per-node": "nproc",
     "--only": "only",

@@ -1,4 +1,4 @@
-"""Reusable ``Annotated`` parameters, shared by the commands."""
+"""Reusable ``Annotated`` parameters, shared by the commands, and the help panels that group them."""
 
 from __future__ import annotations
 
@@ -9,28 +9,33 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 import typer
 
 from fsdp_convert.cli._errors import handle_errors
+from fsdp_convert.cli._precheck import dtype_name
 from fsdp_convert.errors import InvalidOptionError
 
-# launch and transform import torch: they are imported where used, so --help and --version start without it
+# transform imports torch: it is imported where used, so --help, --version and usage errors start without it
 if TYPE_CHECKING:
-    from fsdp_convert.launch import Cluster
     from fsdp_convert.transform import TransformOptions
 
 __all__ = [
+    "OUTPUT",
+    "SELECTION",
+    "CASTING",
+    "ADAPTERS",
+    "LORA",
+    "PERFORMANCE",
+    "SAFETY",
+    "MULTI_NODE",
     "Choice",
     "OnlyChoice",
     "FormatChoice",
     "OptimKeysChoice",
     "LayoutChoice",
     "DtypeChoice",
-    "RdzvBackendChoice",
     "choice_option",
     "parse_size",
     "CheckpointArg",
     "OutputArg",
     "JsonOpt",
-    "OverwriteOpt",
-    "NprocOpt",
     "MemoryBudgetOpt",
     "ProgressOpt",
     "NoCrcOpt",
@@ -47,13 +52,17 @@ __all__ = [
     "ModelConfigOpt",
     "AdapterOptionOpt",
     "with_adapter",
-    "NnodesOpt",
-    "NodeRankOpt",
-    "RdzvBackendOpt",
-    "RdzvEndpointOpt",
-    "RdzvIdOpt",
-    "cluster_options",
 ]
+
+# --help's panels, in the order a command first names them (rich_help_panel); the rest is "Options"
+OUTPUT = "Output"
+SELECTION = "Selection & renaming"
+CASTING = "Casting"
+ADAPTERS = "Adapters"
+LORA = "LoRA (PEFT)"
+PERFORMANCE = "Performance"
+SAFETY = "Resume & safety"
+MULTI_NODE = "Multi-node (torchrun's flags)"
 
 C = TypeVar("C", bound="Choice")
 
@@ -124,25 +133,12 @@ class DtypeChoice(Choice):
 
     @classmethod
     def parse(cls: type[C], text: str, flag: str) -> C:
-        """The member for any name ``transform.parse_dtype`` takes.
+        """The member for any name ``transform.parse_dtype`` takes (``cli._precheck.DTYPE_NAMES``, no torch).
 
         Raises:
             InvalidOptionError: not a dtype name.
         """
-        from fsdp_convert.transform import parse_dtype
-
-        try:
-            dtype = parse_dtype(text)
-        except InvalidOptionError as e:
-            raise InvalidOptionError(f"{flag} {e}") from None
-        return next(m for m in cls if parse_dtype(m.value) == dtype)
-
-
-class RdzvBackendChoice(Choice):
-    """``--rdzv-backend``: torchrun's rendezvous backends that need no extra service."""
-
-    c10d = "c10d"
-    static = "static"
+        return cls(dtype_name(text, flag))
 
 
 def choice_option(kind: type[Choice], flag: str, *, help: str, **kwargs: Any) -> Any:
@@ -196,7 +192,7 @@ CheckpointArg = Annotated[
     str,
     typer.Argument(
         metavar="CHECKPOINT_DIR",
-        help="Checkpoint folder: DCP (.metadata), accelerate's parent folder, per-rank files, or s3://... (fsspec).",
+        help="A DCP folder, accelerate's parent folder, per-rank files, or an fsspec URL (s3://...).",
         show_default=False,
     ),
 ]
@@ -204,39 +200,38 @@ OutputArg = Annotated[
     str,
     typer.Argument(
         metavar="OUT",
-        help="Output: a .pt/.pth/.bin file (torch.save), a .safetensors file, or a folder (HF safetensors shards + index).",
+        help="A .pt/.pth/.bin file (torch.save), a .safetensors file, or a folder (HF shards + index).",
         show_default=False,
     ),
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of a table.")]
-OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists (only once the new one is complete).")]
-NprocOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--nproc",
-        "--nproc-per-node",
-        min=1,
-        help="Workers, started with torch's elastic launcher (gloo, CPU); 1 runs in-process. "
-        "(default: one per CPU core; at most one per data file and per 2 GiB)",
-        show_default=False,
-    ),
-]
+JsonOpt = Annotated[bool, typer.Option("--json", metavar="", help="One JSON document on stdout instead of text.")]
 MemoryBudgetOpt = Annotated[
     str,
     typer.Option(
-        "--memory-budget", help="Mover buffers per process (peak is about the interpreter + this, whatever the largest tensor)."
+        "--memory-budget",
+        metavar="SIZE",
+        help="Copy buffers per process: peak memory is the interpreter's plus this, whatever the tensors.",
+        rich_help_panel=PERFORMANCE,
     ),
 ]
 ProgressOpt = Annotated[
     bool | None,
     typer.Option(
-        "--progress/--quiet",
-        help="Progress bars (bytes, rate, ETA) on stderr (default: when stderr is a terminal).",
+        "--progress/--no-progress",
+        metavar="",
+        help="Progress bars on stderr. \\[default: when stderr is a terminal, without --json or -q]",
         show_default=False,
+        rich_help_panel=PERFORMANCE,
     ),
 ]
 NoCrcOpt = Annotated[
-    bool, typer.Option("--no-crc", help="Skip checking the CRC-32 of every payload record (torch itself never checks them).")
+    bool,
+    typer.Option(
+        "--no-crc",
+        metavar="",
+        help="Skip checking payload CRC-32s (torch never checks them).",
+        rich_help_panel=PERFORMANCE,
+    ),
 ]
 
 OptimKeysOpt = Annotated[
@@ -244,8 +239,8 @@ OptimKeysOpt = Annotated[
     choice_option(
         OptimKeysChoice,
         "--optim-keys",
-        help="Key optimizer state by parameter FQN (names, as get_optimizer_state_dict) or by integer id in "
-        "param-group order (ids, as torch.optim.Optimizer.state_dict, for load_state_dict on a plain model).",
+        help="Optimizer state keyed by parameter FQN (names) or by id (ids, as Optimizer.state_dict gives it).",
+        rich_help_panel=OUTPUT,
     ),
 ]
 LayoutOpt = Annotated[
@@ -253,16 +248,17 @@ LayoutOpt = Annotated[
     choice_option(
         LayoutChoice,
         "--layout",
-        help="Top-level keys of a .pt output: producer (as the producer saved them, so its own loader reads the file: "
-        "Lightning's {model, optimizer, <meta.pt entries>}; optimizer stays optimizer) or nested "
-        "({model, optim, ...} for every producer; meta.pt left out).",
+        help="Top-level keys of a .pt: as the producer saved them (its loader reads the file), or nested: {model, optim, ...}.",
+        rich_help_panel=OUTPUT,
     ),
 ]
 KeepWrapperNamesOpt = Annotated[
     bool,
     typer.Option(
         "--keep-wrapper-names",
-        help="Keep _fsdp_wrapped_module., _checkpoint_wrapped_module., _orig_mod. and a leading module. in FQNs.",
+        metavar="",
+        help="Keep wrapper parts (_fsdp_wrapped_module., _orig_mod., ...) and a leading module. in FQNs.",
+        rich_help_panel=SELECTION,
     ),
 ]
 RenameOpt = Annotated[
@@ -270,20 +266,29 @@ RenameOpt = Annotated[
     typer.Option(
         "--rename",
         metavar="REGEX=REPLACEMENT",
-        help="Rename parameter FQNs (model and optimizer) with re.sub; repeatable, applied in order.",
+        help="Rename parameter FQNs with re.sub; repeatable, applied in order.",
         show_default=False,
+        rich_help_panel=SELECTION,
     ),
 ]
 IncludeOpt = Annotated[
     list[str] | None,
     typer.Option(
-        "--include", metavar="GLOB", help="Keep only model FQNs matching a glob (before renames); repeatable.", show_default=False
+        "--include",
+        metavar="GLOB",
+        help="Keep only model FQNs matching GLOB (before renames); repeatable.",
+        show_default=False,
+        rich_help_panel=SELECTION,
     ),
 ]
 ExcludeOpt = Annotated[
     list[str] | None,
     typer.Option(
-        "--exclude", metavar="GLOB", help="Drop model FQNs matching a glob (before renames); repeatable.", show_default=False
+        "--exclude",
+        metavar="GLOB",
+        help="Drop model FQNs matching GLOB (before renames); repeatable.",
+        show_default=False,
+        rich_help_panel=SELECTION,
     ),
 ]
 DtypeOpt = Annotated[
@@ -291,8 +296,9 @@ DtypeOpt = Annotated[
     choice_option(
         DtypeChoice,
         "--dtype",
-        help="Cast floating-point model tensors (float32, bfloat16, float16 or half work too). \\[default: keep]",
+        help="Cast floating-point model tensors (float32, bfloat16, half work too). \\[default: keep]",
         show_default=False,
+        rich_help_panel=CASTING,
     ),
 ]
 OptimDtypeOpt = Annotated[
@@ -302,6 +308,7 @@ OptimDtypeOpt = Annotated[
         "--optim-dtype",
         help="Cast floating-point optimizer state (never step). \\[default: keep]",
         show_default=False,
+        rich_help_panel=CASTING,
     ),
 ]
 
@@ -329,8 +336,8 @@ def transform_options(
         renames=tuple(parse_rename(r) for r in rename or ()),
         include=tuple(include or ()),
         exclude=tuple(exclude or ()),
-        dtype=None if dtype is None else parse_dtype(dtype),
-        optim_dtype=None if optim_dtype is None else parse_dtype(optim_dtype),
+        dtype=None if dtype is None else parse_dtype(dtype.value),
+        optim_dtype=None if optim_dtype is None else parse_dtype(optim_dtype.value),
         layout=layout.value,
     )
 
@@ -340,11 +347,10 @@ AdapterOpt = Annotated[
     typer.Option(
         "--adapter",
         metavar="NAME",
-        help="Map the model weights to another framework's names and layouts, computed as they are copied: "
-        "torchtitan-llama3-to-hf, hf-to-torchtitan-llama3, torchtitan-qwen3-to-hf, hf-to-torchtitan-qwen3, "
-        "or module:function, your own (imports that module). Model weights only.",
+        help="Map model weights to another framework's names and layouts: torchtitan-llama3-to-hf, "
+        "hf-to-torchtitan-llama3, torchtitan-qwen3-to-hf, hf-to-torchtitan-qwen3, or your module:function.",
         show_default=False,
-        rich_help_panel="Model-family adapters",
+        rich_help_panel=ADAPTERS,
     ),
 ]
 ModelConfigOpt = Annotated[
@@ -352,10 +358,9 @@ ModelConfigOpt = Annotated[
     typer.Option(
         "--model-config",
         metavar="FILE",
-        help="The model's config.json (num_attention_heads, num_key_value_heads, tie_word_embeddings) for --adapter; "
-        "default: --hf-assets DIR's config.json.",
+        help="The model's config.json, for --adapter. \\[default: the one in --hf-assets DIR]",
         show_default=False,
-        rich_help_panel="Model-family adapters",
+        rich_help_panel=ADAPTERS,
     ),
 ]
 AdapterOptionOpt = Annotated[
@@ -363,9 +368,9 @@ AdapterOptionOpt = Annotated[
     typer.Option(
         "--adapter-option",
         metavar="KEY=VALUE",
-        help="A config field for --adapter, over --model-config's (VALUE read as JSON when it parses); repeatable.",
+        help="A config field for --adapter, over --model-config's (VALUE as JSON if it parses); repeatable.",
         show_default=False,
-        rich_help_panel="Model-family adapters",
+        rich_help_panel=ADAPTERS,
     ),
 ]
 
@@ -388,63 +393,3 @@ def with_adapter(
 
     bound = configured_adapter(adapter, model_config=model_config, settings=adapter_option or (), hf_assets=hf_assets)
     return options if bound is None else dataclasses.replace(options, adapter=bound)
-
-
-NnodesOpt = Annotated[
-    int,
-    typer.Option(
-        "--nnodes",
-        min=1,
-        help="Nodes taking part (torchrun's flag); run the same command on each.",
-        rich_help_panel="Multi-node (torchrun's flags)",
-    ),
-]
-NodeRankOpt = Annotated[
-    int,
-    typer.Option(
-        "--node-rank",
-        min=0,
-        help="This node's rank (static rendezvous; c10d assigns ranks as nodes join).",
-        rich_help_panel="Multi-node (torchrun's flags)",
-    ),
-]
-RdzvBackendOpt = Annotated[
-    RdzvBackendChoice,
-    choice_option(
-        RdzvBackendChoice, "--rdzv-backend", help="Rendezvous backend.", rich_help_panel="Multi-node (torchrun's flags)"
-    ),
-]
-RdzvEndpointOpt = Annotated[
-    str,
-    typer.Option(
-        "--rdzv-endpoint",
-        metavar="HOST:PORT",
-        help="Rendezvous endpoint every node reaches.",
-        show_default=False,
-        rich_help_panel="Multi-node (torchrun's flags)",
-    ),
-]
-RdzvIdOpt = Annotated[
-    str,
-    typer.Option(
-        "--rdzv-id",
-        help="The run's id, the same on every node.",
-        show_default=False,
-        rich_help_panel="Multi-node (torchrun's flags)",
-    ),
-]
-
-
-def cluster_options(nnodes: int, node_rank: int, rdzv_backend: RdzvBackendChoice, rdzv_endpoint: str, rdzv_id: str) -> Cluster:
-    """The ``Cluster`` torchrun's flags describe.
-
-    Raises:
-        InvalidOptionError: a node rank outside ``--nnodes``.
-    """
-    if node_rank >= nnodes:
-        raise InvalidOptionError(f"--node-rank {node_rank} is not below --nnodes {nnodes}")
-    from fsdp_convert.launch import Cluster
-
-    return Cluster(
-        nnodes=nnodes, node_rank=node_rank, rdzv_backend=rdzv_backend.value, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id
-    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import sys
 from typing import Any
@@ -10,10 +11,24 @@ from typing import Any
 from rich.cells import cell_len
 from rich.console import Console
 
-__all__ = ["console", "err_console", "print_json", "human_bytes", "print_result", "shorten_middle"]
+__all__ = ["console", "err_console", "command_help", "print_json", "human_bytes", "print_result", "shorten_middle"]
 
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
+
+
+def command_help(doc: str | None, examples: str) -> str:
+    """A command's ``--help`` text: its docstring, paragraphs unwrapped, then ``examples`` as they are.
+
+    typer keeps the single line breaks of every paragraph after the first, and rich then wraps
+    each line again at the terminal's width: a docstring's 100-column lines would come out ragged.
+    The examples (one command a line, indented) keep their breaks.
+    """
+    paragraphs = inspect.cleandoc(doc or "").split("\n\n")
+    unwrapped = [" ".join(line.strip() for line in p.splitlines()) for p in paragraphs]
+    # typer dedents what follows the first paragraph by its lines after the first; an empty first
+    # line makes "Examples:" one of those, at column 0, so the examples keep their indent
+    return "\n\n".join(unwrapped) + "\n\n\n" + examples.strip("\n")
 
 
 def print_json(doc: dict[str, Any]) -> None:

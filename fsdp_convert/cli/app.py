@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import sys
@@ -11,24 +10,32 @@ from importlib.metadata import version as distribution_version
 from typing import Annotated
 
 import typer
-from rich.logging import RichHandler
 
 from fsdp_convert._signals import raise_or_defer
+from fsdp_convert.cli import verify_cmd
 from fsdp_convert.cli._errors import set_debug
 from fsdp_convert.cli._output import console, err_console
+from fsdp_convert.cli._precheck import check_argv
+from fsdp_convert.cli._verbosity import QuietOpt, VerboseOpt, set_verbosity
 from fsdp_convert.cli.consolidate_cmd import consolidate_command
 from fsdp_convert.cli.inspect_cmd import inspect_command
 from fsdp_convert.cli.reshard_cmd import reshard_command
-from fsdp_convert.cli.verify_cmd import verify_command
-from fsdp_convert.errors import TerminatedError
+from fsdp_convert.errors import InvalidOptionError, TerminatedError
 
 __all__ = ["app", "main", "EXIT_CODES", "version_line"]
 
-EXIT_CODES = """
-Exit codes: 0 success (verify: equal); 1 conversion failed, checkpoints differ, or unexpected
-error; 2 usage error; 3 input missing or not a DCP checkpoint; 4 output exists and --overwrite
-was not given; 130/143 interrupted by SIGINT/SIGTERM.
-"""
+# typer keeps single line breaks of an epilog: one line per code, each under 78 columns; the last
+# line starts at column 0 so the codes keep their indent
+EXIT_CODES = """Exit codes:
+  0    success
+  1    failed: corrupt data, no space left, a worker died, ...
+  2    usage error: a bad option or argument, OUT's suffix
+  3    input missing or not a checkpoint, or a data file missing
+  4    OUT exists (--overwrite replaces it), another run is writing it,
+       or an earlier run's temporary of it is left (--resume finishes it)
+  70   internal error: a bug, please report it
+  130  interrupted (143: SIGTERM, 129: SIGHUP)
+Errors are one line on stderr; --debug adds the traceback."""
 
 app = typer.Typer(
     name="fsdp-convert",
@@ -61,22 +68,24 @@ def _print_version(value: bool) -> None:
 def _global_options(
     version: Annotated[
         bool,
-        typer.Option("--version", is_eager=True, callback=_print_version, help="Print the fsdp-convert and torch versions."),
+        typer.Option(
+            "--version", metavar="", is_eager=True, callback=_print_version, help="Print the fsdp-convert and torch versions."
+        ),
     ] = False,
-    verbose: Annotated[int, typer.Option("--verbose", "-v", count=True, help="More log output on stderr.")] = 0,
-    debug: Annotated[bool, typer.Option("--debug", envvar="FSDP_CONVERT_DEBUG", help="Show tracebacks on errors.")] = False,
+    verbose: VerboseOpt = 0,
+    quiet: QuietOpt = 0,
+    debug: Annotated[
+        bool, typer.Option("--debug", metavar="", envvar="FSDP_CONVERT_DEBUG", help="Show tracebacks on errors.")
+    ] = False,
 ) -> None:
     set_debug(debug)
-    level = logging.DEBUG if verbose > 1 else logging.INFO if verbose == 1 else logging.WARNING
-    root = logging.getLogger("fsdp_convert")
-    root.handlers[:] = [RichHandler(console=err_console, show_path=False, show_time=False)]
-    root.setLevel(level)
+    set_verbosity(verbose, quiet, reset=True)
 
 
 app.command("inspect", epilog=EXIT_CODES)(inspect_command)
 app.command("consolidate", epilog=EXIT_CODES)(consolidate_command)
 app.command("reshard", epilog=EXIT_CODES)(reshard_command)
-app.command("verify", epilog=EXIT_CODES)(verify_command)
+app.command("verify", epilog=verify_cmd.EXIT_CODES)(verify_cmd.verify_command)
 
 
 _SIGNAL_EXIT_CODES = frozenset({128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGHUP})
@@ -99,6 +108,11 @@ def main() -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_terminate)
     signal.signal(signal.SIGINT, _on_interrupt)
+    try:
+        check_argv(sys.argv[1:])
+    except InvalidOptionError as e:
+        err_console.print(f"error: {e.cli_text()}", markup=False, highlight=False)
+        sys.exit(e.exit_code)
     try:
         app()
     except SystemExit as e:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from fsdp_convert.cli._errors import handle_errors, rank_prefix
+from fsdp_convert.cli._errors import handle_errors, rank_prefix, torch_ready
 from fsdp_convert.cli._options import (
+    LORA,
+    OUTPUT,
+    SAFETY,
     AdapterOpt,
     AdapterOptionOpt,
     CheckpointArg,
@@ -22,65 +24,69 @@ from fsdp_convert.cli._options import (
     LayoutOpt,
     MemoryBudgetOpt,
     ModelConfigOpt,
-    NnodesOpt,
     NoCrcOpt,
-    NodeRankOpt,
-    NprocOpt,
     OnlyChoice,
     OptimDtypeOpt,
     OptimKeysChoice,
     OptimKeysOpt,
     OutputArg,
-    OverwriteOpt,
     ProgressOpt,
-    RdzvBackendChoice,
-    RdzvBackendOpt,
-    RdzvEndpointOpt,
-    RdzvIdOpt,
     RenameOpt,
     choice_option,
-    cluster_options,
     parse_size,
     transform_options,
     with_adapter,
 )
-from fsdp_convert.cli._output import human_bytes, print_result
-from fsdp_convert.cli._run_options import NoSpaceCheckOpt, ResumeOpt
-from fsdp_convert.errors import InvalidOptionError
+from fsdp_convert.cli._output import command_help, human_bytes, print_result
+from fsdp_convert.cli._precheck import check_consolidate, check_lora_flags, check_nodes, check_rename
+from fsdp_convert.cli._run_options import (
+    NPROC_DEFAULT,
+    NnodesOpt,
+    NodeRankOpt,
+    NoSpaceCheckOpt,
+    NprocPerNodeOpt,
+    OverwriteOpt,
+    RdzvBackendChoice,
+    RdzvBackendOpt,
+    RdzvEndpointOpt,
+    RdzvIdOpt,
+    ResumeOpt,
+    cluster_options,
+    nproc_option,
+    workers,
+)
+from fsdp_convert.cli._verbosity import QuietOpt, VerboseOpt, set_verbosity, show_progress
 
 if TYPE_CHECKING:
     from fsdp_convert.ops.consolidate import ConsolidateResult
     from fsdp_convert.transform import TransformOptions
 
+# one line each, under 78 columns, so --help never breaks a command in two
 EXAMPLES = """
 Examples:
 
   fsdp-convert consolidate ckpt/step-1000 full.pt
-
   fsdp-convert consolidate ckpt/step-1000 model.safetensors --nproc 4
-
-  fsdp-convert consolidate ckpt/step-1000 hf-model/ --max-shard-size 2GB
-
+  fsdp-convert consolidate ckpt/step-1000 hf-model/ --hf-assets base-model/
   fsdp-convert consolidate ckpt/step-1000 optim.pt --only optim --overwrite
-
-  fsdp-convert consolidate peft-ckpt/ merged/ --merge-lora --lora-config adapter/adapter_config.json
-
+  fsdp-convert consolidate ckpt/step-1000 plain.pt --optim-keys ids
+  fsdp-convert consolidate ckpt/step-1000 hf-model/ --rename '^=model.'
+  fsdp-convert consolidate fabric-ckpt/ full.pt --layout nested --dtype bf16
+  fsdp-convert consolidate peft-ckpt/ merged/ --merge-lora --lora-alpha 16
   fsdp-convert consolidate peft-ckpt/ adapter/ --lora-only --lora-alpha 16
-
-  fsdp-convert consolidate ckpt/step-1000 plain.pt --optim-keys ids --dtype bf16
-
-  fsdp-convert consolidate fabric-ckpt/ full.pt --layout nested
-
-  fsdp-convert consolidate ckpt/step-1000 hf-model/ --rename '^=model.' --exclude 'lm_head.weight'
-
-  fsdp-convert consolidate ckpt/step-1000 hf-model/ --only model --hf-assets base-model/
 """
 
+NprocOpt = Annotated[
+    int | None,
+    nproc_option(f"Worker processes (alias: --nproc-per-node); 1 runs in-process. \\[default: {NPROC_DEFAULT}]"),
+]
 MaxShardSizeOpt = Annotated[
     str,
     typer.Option(
         "--max-shard-size",
-        help="Largest shard of a folder output (decimal GB as in transformers, or GiB); the default is transformers 5's.",
+        metavar="SIZE",
+        help="Largest shard of a folder OUT (GB as in transformers, or GiB).",
+        rich_help_panel=OUTPUT,
     ),
 ]
 FormatOpt = Annotated[
@@ -88,7 +94,8 @@ FormatOpt = Annotated[
     choice_option(
         FormatChoice,
         "--format",
-        help="auto (by OUT's suffix: .pt/.pth/.bin torch.save, .safetensors, folder = HF shards), torch, or safetensors.",
+        help="auto: by OUT's suffix. torch or safetensors override the suffix (e.g. Lightning's .ckpt).",
+        rich_help_panel=OUTPUT,
     ),
 ]
 OnlyOpt = Annotated[
@@ -96,8 +103,8 @@ OnlyOpt = Annotated[
     choice_option(
         OnlyChoice,
         "--only",
-        help="Which part to write (a .safetensors file holds the model only; "
-        "a folder holds the model as shards, the optimizer state in optimizer.pt).",
+        help="What to write (a .safetensors file holds the model only).",
+        rich_help_panel=OUTPUT,
     ),
 ]
 HfAssetsOpt = Annotated[
@@ -105,8 +112,18 @@ HfAssetsOpt = Annotated[
     typer.Option(
         "--hf-assets",
         metavar="DIR",
-        help="Copy config.json, generation_config.json and the tokenizer files of this model folder (local or URL) "
-        "beside a folder output's shards, so from_pretrained(OUT) loads it; a tied lm_head.weight is left out.",
+        help="Copy this model folder's config and tokenizer files beside a folder OUT's shards, so "
+        "from_pretrained(OUT) loads it.",
+        rich_help_panel=OUTPUT,
+    ),
+]
+VerifyOutputOpt = Annotated[
+    bool,
+    typer.Option(
+        "--verify",
+        metavar="",
+        help="Read OUT back and compare it with the checkpoint before moving it in place.",
+        rich_help_panel=SAFETY,
     ),
 ]
 
@@ -115,18 +132,18 @@ MergeLoraOpt = Annotated[
     bool,
     typer.Option(
         "--merge-lora",
-        help="Merge a PEFT LoRA adapter into its base weights (W + alpha/r * B @ A, in fp32) under the base names, "
-        "as PEFT's merge_and_unload: plain transformers loads OUT. Model weights only.",
-        rich_help_panel="LoRA (PEFT)",
+        metavar="",
+        help="Merge a PEFT LoRA adapter into its base weights (W + alpha/r * B @ A, in fp32), as merge_and_unload.",
+        rich_help_panel=LORA,
     ),
 ]
 LoraOnlyOpt = Annotated[
     bool,
     typer.Option(
         "--lora-only",
-        help="Write only the LoRA adapter, as a PEFT folder OUT (adapter_model.safetensors + adapter_config.json) "
-        "that PeftModel.from_pretrained(base, OUT) loads.",
-        rich_help_panel="LoRA (PEFT)",
+        metavar="",
+        help="Write only the adapter, as a folder OUT that PeftModel.from_pretrained(base, OUT) loads.",
+        rich_help_panel=LORA,
     ),
 ]
 LoraConfigOpt = Annotated[
@@ -134,23 +151,26 @@ LoraConfigOpt = Annotated[
     typer.Option(
         "--lora-config",
         metavar="FILE",
-        help="The adapter's adapter_config.json (r, lora_alpha, use_rslora); --lora-only writes it beside the weights.",
+        help="adapter_config.json (r, lora_alpha, use_rslora); --lora-only writes it to OUT.",
         show_default=False,
-        rich_help_panel="LoRA (PEFT)",
+        rich_help_panel=LORA,
     ),
 ]
 LoraAlphaOpt = Annotated[
     float | None,
-    typer.Option("--lora-alpha", help="lora_alpha, without --lora-config.", show_default=False, rich_help_panel="LoRA (PEFT)"),
+    typer.Option(
+        "--lora-alpha", metavar="FLOAT", help="lora_alpha, without --lora-config.", show_default=False, rich_help_panel=LORA
+    ),
 ]
 LoraROpt = Annotated[
     int | None,
     typer.Option(
         "--lora-r",
+        metavar="N",
         min=1,
-        help="The LoRA rank r, without --lora-config (default: read from the lora_A shapes).",
+        help="LoRA rank r, without --lora-config. \\[default: from lora_A's shape]",
         show_default=False,
-        rich_help_panel="LoRA (PEFT)",
+        rich_help_panel=LORA,
     ),
 ]
 
@@ -164,11 +184,10 @@ def _with_lora(
         InvalidOptionError: both flags, a LoRA flag without either, beside ``--adapter``, or a bad
             config (``lora.lora_options``).
     """
-    if merge and only:
-        raise InvalidOptionError("--merge-lora and --lora-only exclude each other: merge the adapter, or write it alone")
+    from fsdp_convert.errors import InvalidOptionError
+
+    check_lora_flags(merge, only, config, alpha, r)
     if not (merge or only):
-        if config is not None or alpha is not None or r is not None:
-            raise InvalidOptionError("--lora-config, --lora-alpha and --lora-r go with --merge-lora or --lora-only")
         return options
     if options.adapter is not None:
         raise InvalidOptionError("--merge-lora / --lora-only cannot be combined with --adapter")
@@ -190,15 +209,16 @@ def consolidate(*args: Any, **kwargs: Any) -> ConsolidateResult:
 def consolidate_command(
     checkpoint: CheckpointArg,
     output: OutputArg,
-    nproc: NprocOpt = None,
     only: OnlyOpt = OnlyChoice.all,
     output_format: FormatOpt = FormatChoice.auto,
-    optim_keys: OptimKeysOpt = OptimKeysChoice.names,
     layout: LayoutOpt = LayoutChoice.producer,
-    keep_wrapper_names: KeepWrapperNamesOpt = False,
-    rename: RenameOpt = None,
+    optim_keys: OptimKeysOpt = OptimKeysChoice.names,
+    max_shard_size: MaxShardSizeOpt = "50GB",
+    hf_assets: HfAssetsOpt = None,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
+    rename: RenameOpt = None,
+    keep_wrapper_names: KeepWrapperNamesOpt = False,
     dtype: DtypeOpt = None,
     optim_dtype: OptimDtypeOpt = None,
     adapter: AdapterOpt = None,
@@ -209,32 +229,48 @@ def consolidate_command(
     lora_config: LoraConfigOpt = None,
     lora_alpha: LoraAlphaOpt = None,
     lora_r: LoraROpt = None,
+    nproc: NprocOpt = None,
+    nproc_per_node: NprocPerNodeOpt = None,
+    memory_budget: MemoryBudgetOpt = "256MiB",
+    no_crc: NoCrcOpt = False,
+    progress: ProgressOpt = None,
     overwrite: OverwriteOpt = False,
     resume: ResumeOpt = False,
-    memory_budget: MemoryBudgetOpt = "256MiB",
-    max_shard_size: MaxShardSizeOpt = "50GB",
-    no_crc: NoCrcOpt = False,
+    verify_output: VerifyOutputOpt = False,
     no_space_check: NoSpaceCheckOpt = False,
-    verify_output: Annotated[
-        bool,
-        typer.Option("--verify", help="Read the output back and compare it with the checkpoint before moving it in place."),
-    ] = False,
-    hf_assets: HfAssetsOpt = None,
-    progress: ProgressOpt = None,
-    json_output: JsonOpt = False,
     nnodes: NnodesOpt = 1,
     node_rank: NodeRankOpt = 0,
     rdzv_backend: RdzvBackendOpt = RdzvBackendChoice.c10d,
     rdzv_endpoint: RdzvEndpointOpt = "",
     rdzv_id: RdzvIdOpt = "",
+    json_output: JsonOpt = False,
+    verbose: VerboseOpt = 0,
+    quiet: QuietOpt = 0,
 ) -> None:
-    """Write the full (unsharded) model and optimizer state of CHECKPOINT_DIR into one file OUT."""
-    show_progress = progress if progress is not None else (not json_output and sys.stderr.isatty())
+    """Write the full (unsharded) model and optimizer state of CHECKPOINT_DIR into OUT."""
+    set_verbosity(verbose, quiet)
     with handle_errors():
+        # what needs no torch first (cli._precheck), so a usage mistake is told at once
+        memory_budget_bytes, max_shard_bytes = parse_size(memory_budget), parse_size(max_shard_size)
+        for rule in rename or ():
+            check_rename(rule)
+        check_lora_flags(merge_lora, lora_only, lora_config, lora_alpha, lora_r)
+        check_nodes(nnodes, node_rank)
+        nproc = workers(nproc, nproc_per_node)
+        check_consolidate(
+            checkpoint,
+            output,
+            output_format=output_format.value,
+            only=only.value,
+            lora_only=lora_only,
+            verify_output=verify_output,
+            overwrite=overwrite,
+            resume=resume,
+        )
+        torch_ready()
         options = transform_options(optim_keys, keep_wrapper_names, rename, include, exclude, dtype, optim_dtype, layout)
         options = with_adapter(options, adapter, model_config, adapter_option, hf_assets)
         options = _with_lora(options, merge_lora, lora_only, lora_config, lora_alpha, lora_r)
-        cluster = cluster_options(nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id)
         result = consolidate(
             checkpoint,
             output,
@@ -244,13 +280,13 @@ def consolidate_command(
             output_format=output_format.value,
             overwrite=overwrite,
             resume=resume,
-            memory_budget_bytes=parse_size(memory_budget),
-            max_shard_bytes=parse_size(max_shard_size),
+            memory_budget_bytes=memory_budget_bytes,
+            max_shard_bytes=max_shard_bytes,
             check_crc=not no_crc,
             space_check=not no_space_check,
             verify_output=verify_output,
-            progress=show_progress,
-            cluster=cluster,
+            progress=show_progress(progress, json_output),
+            cluster=cluster_options(nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id),
             hf_assets=hf_assets,
         )
     print_result(
@@ -263,4 +299,4 @@ def consolidate_command(
     )
 
 
-consolidate_command.__doc__ = (consolidate_command.__doc__ or "") + "\n\n" + EXAMPLES
+consolidate_command.__doc__ = command_help(consolidate_command.__doc__, EXAMPLES)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
+import typer
 from rich.console import Console
 from rich.table import Table
 
-from fsdp_convert.cli._errors import handle_errors
+from fsdp_convert.cli._errors import handle_errors, torch_ready
 from fsdp_convert.cli._options import CheckpointArg, JsonOpt
-from fsdp_convert.cli._output import console, human_bytes, print_json, shorten_middle
+from fsdp_convert.cli._output import command_help, console, human_bytes, print_json, shorten_middle
+from fsdp_convert.cli._precheck import check_checkpoint
+from fsdp_convert.cli._verbosity import QuietOpt, VerboseOpt, set_verbosity
 
 if TYPE_CHECKING:
     from fsdp_convert.ops.inspect import EntrySummary, InspectResult
@@ -19,13 +22,18 @@ EXAMPLES = """
 Examples:
 
   fsdp-convert inspect ckpt/step-1000
-
+  fsdp-convert inspect ckpt/step-1000 --wide | less -S
   fsdp-convert inspect ckpt/step-1000 --json | jq '.groups.model[].fqn'
 """
 
 
 _COLUMNS = (("shape", "left"), ("dtype", "left"), ("chunks", "right"), ("bytes", "right"))
 _MIN_FQN_WIDTH = 20
+
+WideOpt = Annotated[
+    bool,
+    typer.Option("--wide", metavar="", help="Whole FQNs, however wide the table (always so when stdout is not a terminal)."),
+]
 
 
 def inspect_checkpoint(checkpoint_id: str) -> InspectResult:
@@ -77,7 +85,13 @@ def cuts_lines(result: InspectResult, width: int) -> list[str]:
     return lines
 
 
-def _render(result: InspectResult, out: Console = console) -> None:
+def _stdout_is_terminal() -> bool:
+    """Whether stdout is a terminal (rich's view: ``FORCE_COLOR``, ``TTY_COMPATIBLE`` and the like count)."""
+    return console.is_terminal
+
+
+def _render(result: InspectResult, out: Console = console, *, whole: bool = False) -> None:
+    """The header lines and one table per group; ``whole``: FQNs never shortened, the table as wide as they need."""
     out.print(f"checkpoint: {result.checkpoint_id}", highlight=False)
     out.print(
         f"producer: {result.producer}   world size: {result.world_size}   "
@@ -97,30 +111,45 @@ def _render(result: InspectResult, out: Console = console) -> None:
         widths = [max(len(name), *(len(c[i]) for c in cells)) for i, (name, _) in enumerate(_COLUMNS)]
         # one line per row: the FQN column gets what the others and the borders leave, and long FQNs
         # are shortened in the middle to fit it instead of wrapping mid-word
-        fqn_width = max(_MIN_FQN_WIDTH, out.width - sum(widths) - 3 * (len(_COLUMNS) + 1) - 1)
+        borders = 3 * (len(_COLUMNS) + 1) + 1
+        fqn_width = max(len(r.fqn) for r in rows) if whole else max(_MIN_FQN_WIDTH, out.width - sum(widths) - borders)
         table = Table(title=f"{group}: {len(rows)} entries, {human_bytes(sum(r.nbytes for r in rows))}", title_justify="left")
         table.add_column("FQN", no_wrap=True)
         for name, justify in _COLUMNS:
             table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
         for r, c in zip(rows, cells):
             table.add_row(shorten_middle(r.fqn, fqn_width), *c)
-        out.print(table)
+        if whole and sum(widths) + borders + fqn_width > out.width:
+            # the rows, not the terminal, set a whole table's width (a pipe or a file takes any line length)
+            Console(file=out.file, width=sum(widths) + borders + fqn_width, no_color=out.no_color).print(table)
+        else:
+            out.print(table)
 
 
-def inspect_command(checkpoint: CheckpointArg, json_output: JsonOpt = False) -> None:
+def inspect_command(
+    checkpoint: CheckpointArg,
+    wide: WideOpt = False,
+    json_output: JsonOpt = False,
+    verbose: VerboseOpt = 0,
+    quiet: QuietOpt = 0,
+) -> None:
     """Show FQNs, global shapes, dtypes, chunks and bytes of a DCP checkpoint, and who wrote it.
 
     Chunks cut on dim 0 (FSDP) show as a count; other cuts say how, e.g. 2 x 2 (dim 0, dim 1)
     for tensor parallelism under FSDP (--json: chunks_per_dim).
 
-    FQNs too long for the terminal lose parts from their middle (model.….17.mlp.weight); --json has them whole.
+    In a terminal, FQNs too long for it lose parts from their middle (model.….17.mlp.weight);
+    --wide, --json and a pipe or file have them whole.
     """
+    set_verbosity(verbose, quiet)
     with handle_errors():
+        check_checkpoint(checkpoint)  # no torch yet (cli._precheck)
+        torch_ready()
         result = inspect_checkpoint(checkpoint)
     if json_output:
         print_json(result.to_json_dict())
     else:
-        _render(result)
+        _render(result, whole=wide or not _stdout_is_terminal())
 
 
-inspect_command.__doc__ = (inspect_command.__doc__ or "") + "\n\n" + EXAMPLES
+inspect_command.__doc__ = command_help(inspect_command.__doc__, EXAMPLES)

@@ -6,8 +6,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from fsdp_convert.cli._errors import handle_errors, rank_prefix
+from fsdp_convert.cli._errors import handle_errors, rank_prefix, torch_ready
 from fsdp_convert.cli._options import (
+    OUTPUT,
     AdapterOpt,
     AdapterOptionOpt,
     CheckpointArg,
@@ -18,51 +19,58 @@ from fsdp_convert.cli._options import (
     JsonOpt,
     KeepWrapperNamesOpt,
     ModelConfigOpt,
-    NnodesOpt,
     NoCrcOpt,
-    NodeRankOpt,
     OptimDtypeOpt,
     OptimKeysChoice,
     OptimKeysOpt,
+    ProgressOpt,
+    RenameOpt,
+    choice_option,
+    transform_options,
+    with_adapter,
+)
+from fsdp_convert.cli._output import command_help, human_bytes, print_result
+from fsdp_convert.cli._precheck import check_nodes, check_rename, check_reshard
+from fsdp_convert.cli._run_options import (
+    NPROC_DEFAULT,
+    NnodesOpt,
+    NodeRankOpt,
+    NoSpaceCheckOpt,
+    NprocPerNodeOpt,
     OverwriteOpt,
     RdzvBackendChoice,
     RdzvBackendOpt,
     RdzvEndpointOpt,
     RdzvIdOpt,
-    RenameOpt,
-    choice_option,
+    ResumeOpt,
     cluster_options,
-    transform_options,
-    with_adapter,
+    nproc_option,
+    workers,
 )
-from fsdp_convert.cli._output import human_bytes, print_result
-from fsdp_convert.cli._run_options import NoSpaceCheckOpt, ResumeOpt
+from fsdp_convert.cli._verbosity import QuietOpt, VerboseOpt, set_verbosity, show_progress
 
 if TYPE_CHECKING:
     from fsdp_convert.ops.reshard import ReshardResult
 
+# one line each, under 78 columns, so --help never breaks a command in two
 EXAMPLES = """
 Examples:
 
   fsdp-convert reshard ckpt/step-1000 ckpt/step-1000-ws4 --world-size 4
+  fsdp-convert reshard ckpt/step-1000 ckpt/ws1 --world-size 1 --overwrite
+  fsdp-convert reshard ckpt/step-1000 ckpt/ws8 --world-size 8 --compress zstd
+  fsdp-convert reshard accelerate-ckpt/ accelerate-ws8/ --world-size 8
 
-  fsdp-convert reshard ckpt/step-1000 ckpt/step-1000-ws1 --world-size 1 --overwrite
-
-  fsdp-convert reshard ckpt/step-1000 ckpt/step-1000-ws8 --world-size 8 --compress zstd
-
-  fsdp-convert reshard accelerate-ckpt/ accelerate-ckpt-ws8/ --world-size 8   # both DCP folders; RNG pickles left out
+An accelerate checkpoint's folders are both resharded; its RNG pickles are left out.
 """
 
-OutDirArg = Annotated[str, typer.Argument(metavar="OUT", help="Output DCP folder (or s3://... via fsspec).", show_default=False)]
-WorldSizeOpt = Annotated[int, typer.Option("--world-size", min=1, help="Target world size (ranks of the new layout).")]
-WritersOpt = Annotated[
+OutDirArg = Annotated[str, typer.Argument(metavar="OUT", help="The output DCP folder (or an fsspec URL).", show_default=False)]
+WorldSizeOpt = Annotated[
+    int, typer.Option("--world-size", metavar="N", min=1, help="Ranks of the new layout.", rich_help_panel=OUTPUT)
+]
+NprocOpt = Annotated[
     int | None,
-    typer.Option(
-        "--nproc",
-        "--nproc-per-node",
-        min=1,
-        help="Workers writing rank files in parallel (torch's elastic launcher, gloo). \\[default: 1]",
-    ),
+    nproc_option(f"Worker processes writing rank files (alias: --nproc-per-node). \\[default: {NPROC_DEFAULT}]"),
 ]
 
 
@@ -77,9 +85,10 @@ CompressOpt = Annotated[
     choice_option(
         CompressChoice,
         "--compress",
-        help="Write every payload as a zstd stream, as FileSystemWriter(_extensions=[ZStandard()]) does "
-        "(needs the zstandard package: pip install 'fsdp-convert[zstd]'). Default: uncompressed, whatever the source.",
+        help="Write every payload as a zstd stream, as torch's FileSystemWriter with ZStandard() does; needs "
+        "pip install 'fsdp-convert\\[zstd]'. \\[default: uncompressed, whatever the source]",
         show_default=False,
+        rich_help_panel=OUTPUT,
     ),
 ]
 
@@ -95,34 +104,45 @@ def reshard_command(
     checkpoint: CheckpointArg,
     output: OutDirArg,
     world_size: WorldSizeOpt,
-    nproc: WritersOpt = None,
+    compress: CompressOpt = None,
     optim_keys: OptimKeysOpt = OptimKeysChoice.names,
-    keep_wrapper_names: KeepWrapperNamesOpt = False,
-    rename: RenameOpt = None,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
+    rename: RenameOpt = None,
+    keep_wrapper_names: KeepWrapperNamesOpt = False,
     dtype: DtypeOpt = None,
     optim_dtype: OptimDtypeOpt = None,
     adapter: AdapterOpt = None,
     model_config: ModelConfigOpt = None,
     adapter_option: AdapterOptionOpt = None,
-    compress: CompressOpt = None,
+    nproc: NprocOpt = None,
+    nproc_per_node: NprocPerNodeOpt = None,
+    no_crc: NoCrcOpt = False,
+    progress: ProgressOpt = None,
     overwrite: OverwriteOpt = False,
     resume: ResumeOpt = False,
-    no_crc: NoCrcOpt = False,
     no_space_check: NoSpaceCheckOpt = False,
-    json_output: JsonOpt = False,
     nnodes: NnodesOpt = 1,
     node_rank: NodeRankOpt = 0,
     rdzv_backend: RdzvBackendOpt = RdzvBackendChoice.c10d,
     rdzv_endpoint: RdzvEndpointOpt = "",
     rdzv_id: RdzvIdOpt = "",
+    json_output: JsonOpt = False,
+    verbose: VerboseOpt = 0,
+    quiet: QuietOpt = 0,
 ) -> None:
     """Write CHECKPOINT_DIR as a DCP checkpoint for --world-size ranks, each rank's chunks in its own file."""
+    set_verbosity(verbose, quiet)
     with handle_errors():
+        # what needs no torch first (cli._precheck), so a usage mistake is told at once
+        for rule in rename or ():
+            check_rename(rule)
+        check_nodes(nnodes, node_rank)
+        nproc = workers(nproc, nproc_per_node)
+        check_reshard(checkpoint, output, overwrite=overwrite, resume=resume)
+        torch_ready()
         options = transform_options(optim_keys, keep_wrapper_names, rename, include, exclude, dtype, optim_dtype)
         options = with_adapter(options, adapter, model_config, adapter_option)
-        cluster = cluster_options(nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id)
         result = reshard(
             checkpoint,
             output,
@@ -133,8 +153,9 @@ def reshard_command(
             resume=resume,
             check_crc=not no_crc,
             space_check=not no_space_check,
-            cluster=cluster,
+            cluster=cluster_options(nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id),
             compress=None if compress is None else compress.value,
+            progress=show_progress(progress, json_output),
         )
     print_result(
         result,
@@ -146,4 +167,4 @@ def reshard_command(
     )
 
 
-reshard_command.__doc__ = (reshard_command.__doc__ or "") + "\n\n" + EXAMPLES
+reshard_command.__doc__ = command_help(reshard_command.__doc__, EXAMPLES)

@@ -7,39 +7,114 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
-from fsdp_convert.cli._errors import handle_errors, rank_prefix
+from fsdp_convert.cli._errors import handle_errors, rank_prefix, torch_ready
 from fsdp_convert.cli._options import (
+    CASTING,
+    DtypeChoice,
     JsonOpt,
-    NnodesOpt,
     NoCrcOpt,
+    ProgressOpt,
+    choice_option,
+)
+from fsdp_convert.cli._output import command_help, console, err_console, print_json
+from fsdp_convert.cli._precheck import check_nodes, check_verify
+from fsdp_convert.cli._run_options import (
+    NnodesOpt,
     NodeRankOpt,
+    NprocPerNodeOpt,
     RdzvBackendChoice,
     RdzvBackendOpt,
     RdzvEndpointOpt,
     RdzvIdOpt,
     cluster_options,
+    nproc_option,
+    workers,
 )
-from fsdp_convert.cli._output import console, print_json
+from fsdp_convert.cli._verbosity import QuietOpt, VerboseOpt, set_verbosity, show_progress
 
 if TYPE_CHECKING:
     from fsdp_convert.ops.verify import VerifyResult
 
+# one line each, under 78 columns, so --help never breaks a command in two
 EXAMPLES = """
 Examples:
 
   fsdp-convert verify ckpt/step-1000 full.pt
-
+  fsdp-convert verify ckpt/step-1000 bf16.pt --dtype bf16
   fsdp-convert verify full.pt hf-model/ --json
-
   fsdp-convert verify model-a.safetensors model-b.safetensors --atol 1e-3
 """
 
-SourceArg = Annotated[
+# verify's own: 2 is any trouble, as for cmp and diff (scripts tell "different" from "could not compare")
+EXIT_CODES = """Exit codes, as cmp and diff:
+  0    the two are equal
+  1    they differ (a table of the differences on stdout)
+  2    trouble: an input missing or unreadable, or a usage error
+  70   internal error: a bug, please report it
+  130  interrupted (143: SIGTERM, 129: SIGHUP)
+Errors are one line on stderr; --debug adds the traceback."""
+
+_COMPARISON = "Comparison"
+SourceAArg = Annotated[
     str,
-    typer.Argument(help="A DCP folder, a .pt/.pth/.bin file, a .safetensors file or a Hugging Face folder.", show_default=False),
+    typer.Argument(
+        metavar="A",
+        help="The reference: a DCP folder, a .pt/.pth/.bin or .safetensors file, or a Hugging Face folder.",
+        show_default=False,
+    ),
 ]
-AtolOpt = Annotated[float | None, typer.Option("--atol", help="Absolute tolerance for floating tensors (default: bitwise).")]
-RtolOpt = Annotated[float | None, typer.Option("--rtol", help="Relative tolerance for floating tensors (default: bitwise).")]
+SourceBArg = Annotated[
+    str, typer.Argument(metavar="B", help="The checkpoint to compare with A, of any of the same kinds.", show_default=False)
+]
+AtolOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--atol",
+        metavar="FLOAT",
+        help="Absolute tolerance for floating tensors. \\[default: bitwise]",
+        rich_help_panel=_COMPARISON,
+    ),
+]
+RtolOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--rtol",
+        metavar="FLOAT",
+        help="Relative tolerance for floating tensors. \\[default: bitwise]",
+        rich_help_panel=_COMPARISON,
+    ),
+]
+AsConsolidatedOpt = Annotated[
+    bool,
+    typer.Option(
+        "--as-consolidated",
+        metavar="",
+        help="See a DCP side as consolidate writes it by default (wrapper names removed, optimizer as optim, "
+        "a flattened optimizer state nested), not with its keys as saved.",
+        rich_help_panel=_COMPARISON,
+    ),
+]
+DtypeOpt = Annotated[
+    DtypeChoice | None,
+    choice_option(
+        DtypeChoice,
+        "--dtype",
+        help="See a DCP side's floating-point model tensors cast, as consolidate --dtype writes them. \\[default: keep]",
+        show_default=False,
+        rich_help_panel=CASTING,
+    ),
+]
+OptimDtypeOpt = Annotated[
+    DtypeChoice | None,
+    choice_option(
+        DtypeChoice,
+        "--optim-dtype",
+        help="See a DCP side's floating-point optimizer state cast, as consolidate --optim-dtype writes it. \\[default: keep]",
+        show_default=False,
+        rich_help_panel=CASTING,
+    ),
+]
+NprocOpt = Annotated[int | None, nproc_option("Worker processes comparing keys (alias: --nproc-per-node). \\[default: 1]")]
 
 
 def verify(*args: Any, **kwargs: Any) -> VerifyResult:
@@ -65,37 +140,49 @@ def _render(result: VerifyResult) -> None:
 
 
 def verify_command(
-    a: SourceArg,
-    b: SourceArg,
+    a: SourceAArg,
+    b: SourceBArg,
     atol: AtolOpt = None,
     rtol: RtolOpt = None,
+    as_consolidated: AsConsolidatedOpt = False,
+    dtype: DtypeOpt = None,
+    optim_dtype: OptimDtypeOpt = None,
+    nproc: NprocOpt = None,
+    nproc_per_node: NprocPerNodeOpt = None,
     no_crc: NoCrcOpt = False,
-    as_consolidated: Annotated[
-        bool,
-        typer.Option(
-            "--as-consolidated",
-            help="See a DCP side as consolidate writes it by default (wrapper names removed, optimizer as optim, "
-            "a flattened optimizer state nested), not with its keys as saved.",
-        ),
-    ] = False,
-    json_output: JsonOpt = False,
-    nproc: Annotated[
-        int | None,
-        typer.Option("--nproc", "--nproc-per-node", min=1, help="Workers comparing keys in parallel. \\[default: 1]"),
-    ] = None,
+    progress: ProgressOpt = None,
     nnodes: NnodesOpt = 1,
     node_rank: NodeRankOpt = 0,
     rdzv_backend: RdzvBackendOpt = RdzvBackendChoice.c10d,
     rdzv_endpoint: RdzvEndpointOpt = "",
     rdzv_id: RdzvIdOpt = "",
+    json_output: JsonOpt = False,
+    verbose: VerboseOpt = 0,
+    quiet: QuietOpt = 0,
 ) -> None:
-    """Compare two checkpoints of any formats; exit 0 when equal, 1 with a table of differences."""
-    with handle_errors():
-        from fsdp_convert.transform import TransformOptions
+    """Compare two checkpoints of any formats, key by key; tensors bit for bit unless --atol/--rtol."""
+    set_verbosity(verbose, quiet)
+    with handle_errors(trouble=2):
+        check_nodes(nnodes, node_rank)  # what needs no torch first (cli._precheck)
+        nproc = workers(nproc, nproc_per_node)
+        check_verify(a, b)
+        torch_ready()
+        from fsdp_convert.transform import TransformOptions, parse_dtype
 
         options = TransformOptions() if as_consolidated else None
-        cluster = cluster_options(nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id)
-        result = verify(a, b, atol=atol, rtol=rtol, check_crc=not no_crc, options=options, nproc=nproc, cluster=cluster)
+        result = verify(
+            a,
+            b,
+            atol=atol,
+            rtol=rtol,
+            check_crc=not no_crc,
+            options=options,
+            nproc=nproc,
+            cluster=cluster_options(nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id),
+            dtype=None if dtype is None else parse_dtype(dtype.value),
+            optim_dtype=None if optim_dtype is None else parse_dtype(optim_dtype.value),
+            progress=show_progress(progress, json_output),
+        )
     if not result.owner:
         console.print(f"{rank_prefix()}compared this node's share; rank 0 reports the result", markup=False, highlight=False)
         return
@@ -105,11 +192,13 @@ def verify_command(
         _render(result)
         kinds = {d.kind for d in result.differences}
         if {"missing", "extra"} <= kinds and not as_consolidated:
-            console.print(
-                "hint: the two sides name keys differently; --as-consolidated compares a DCP side as consolidate writes it"
+            err_console.print(  # a hint is not the result: stderr
+                "hint: the two sides name keys differently; --as-consolidated compares a DCP side as consolidate writes it",
+                markup=False,
+                highlight=False,
             )
     if not result.equal:
         raise typer.Exit(1)
 
 
-verify_command.__doc__ = (verify_command.__doc__ or "") + "\n\n" + EXAMPLES
+verify_command.__doc__ = command_help(verify_command.__doc__, EXAMPLES)

@@ -214,7 +214,7 @@ def test_verify_refuses_a_pt_that_would_run_code(runner: CliRunner, ws3_ckpt: Sa
     bad = tmp_path / "bad.pt"
     torch.save({"model": {"w": torch.zeros(2)}, "x": Evil(tmp_path / "pwned")}, bad)
     result = runner.invoke(app, ["verify", str(ws3_ckpt.checkpoint), str(bad)])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # verify: 1 is "different", 2 any trouble (as cmp and diff)
     assert result.stderr.startswith("error: ") and "would run code" in result.stderr and str(bad) in result.stderr
     assert not (tmp_path / "pwned").exists()
 

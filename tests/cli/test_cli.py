@@ -195,7 +195,10 @@ def test_consolidate_reports_corrupt_payload_and_leaves_nothing(runner: CliRunne
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
 
-def test_unexpected_error_is_one_line_with_debug_hint(runner: CliRunner, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_unexpected_error_is_an_internal_error_exit_70(
+    runner: CliRunner, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An exception that is no CheckpointError is a bug: one line asking for a report, exit 70 (EX_SOFTWARE)."""
     import fsdp_convert.cli.inspect_cmd as inspect_cmd
 
     def boom(_: object) -> None:
@@ -203,6 +206,6 @@ def test_unexpected_error_is_one_line_with_debug_hint(runner: CliRunner, monkeyp
 
     monkeypatch.setattr(inspect_cmd, "inspect_checkpoint", boom)
     result = runner.invoke(app, ["inspect", str(tmp_path)])
-    _assert_one_line_error(result, 1, "ValueError: kaput", "--debug")
+    _assert_one_line_error(result, 70, "error: internal error: ValueError: kaput", "please report this", "--debug")
     result = runner.invoke(app, ["--debug", "inspect", str(tmp_path)])
-    assert result.exit_code == 1 and "Traceback" in result.stderr
+    assert result.exit_code == 70 and "Traceback" in result.stderr

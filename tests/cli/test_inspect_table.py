@@ -10,7 +10,7 @@ import pytest
 from rich.cells import cell_len
 from typer.testing import CliRunner
 
-from fsdp_convert.cli import app
+from fsdp_convert.cli import app, inspect_cmd
 from fsdp_convert.cli._output import shorten_middle
 from fsdp_convert.cli.inspect_cmd import chunks_cell, cuts_lines
 from fsdp_convert.ops.inspect import EntrySummary, InspectResult
@@ -46,8 +46,11 @@ def _pattern(cell: str) -> re.Pattern[str]:
 
 
 @pytest.mark.parametrize("columns", [80, 100, 200])
-def test_every_row_is_one_line_and_names_its_fqn(runner: CliRunner, ws3_ckpt: Sample, columns: int) -> None:
+def test_every_row_is_one_line_and_names_its_fqn(
+    runner: CliRunner, ws3_ckpt: Sample, columns: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     doc = json.loads(runner.invoke(app, ["inspect", str(ws3_ckpt.checkpoint), "--json"]).stdout)
+    monkeypatch.setattr(inspect_cmd, "_stdout_is_terminal", lambda: True)  # CliRunner's stdout is no terminal
     result = runner.invoke(app, ["inspect", str(ws3_ckpt.checkpoint)], env={"COLUMNS": str(columns)})
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -100,3 +103,21 @@ def test_cuts_lines_count_tensors_and_wrap_between_items() -> None:
         "      2 tensors whole,",
         "      1 tensor 2 x 2 (dim 0, dim 1)",
     ]
+
+
+@pytest.mark.parametrize("args", [[], ["--wide"]])
+def test_whole_fqns_in_a_pipe_and_with_wide(
+    runner: CliRunner, ws3_ckpt: Sample, monkeypatch: pytest.MonkeyPatch, args: list[str]
+) -> None:
+    """Not a terminal (CliRunner, a pipe, a file), or --wide in one: every FQN whole, each row one line."""
+    if args:
+        monkeypatch.setattr(inspect_cmd, "_stdout_is_terminal", lambda: True)
+    doc = json.loads(runner.invoke(app, ["inspect", str(ws3_ckpt.checkpoint), "--json"]).stdout)
+    fqns = [row["fqn"] for group in doc["groups"].values() for row in group]
+    longest = max(fqns, key=len)
+    assert len(longest) > 40  # too long for the FQN column of an 80-column table: the case that gets shortened
+    result = runner.invoke(app, ["inspect", str(ws3_ckpt.checkpoint), *args], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("│")]
+    assert [row.split("│")[1].strip() for row in rows] == fqns
+    assert "…" not in result.stdout

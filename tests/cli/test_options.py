@@ -126,7 +126,9 @@ def test_the_library_gets_its_own_types(runner: CliRunner, monkeypatch: pytest.M
         raise KeyboardInterrupt  # stop before rendering a result
 
     monkeypatch.setattr(consolidate_cmd, "consolidate", fake_consolidate)
-    args = ["consolidate", "ck", str(tmp_path / "o.pt"), "--only", "model", "--format", "torch", "--optim-keys", "ids"]
+    (tmp_path / "ck").mkdir()  # the command checks that it exists before it calls the library
+    args = ["consolidate", str(tmp_path / "ck"), str(tmp_path / "o.pt"), "--only", "model", "--format", "torch"]
+    args += ["--optim-keys", "ids"]
     args += [
         "--dtype",
         "half",

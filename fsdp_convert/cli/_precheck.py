@@ -1,0 +1,206 @@
+"""The command line's own checks that need no torch: option values, OUT's suffix, which paths exist.
+
+They run before torch is imported (seconds on a cold cache), so a usage mistake is told at once.
+Each repeats a rule the library applies again later, in the same words, for callers of the
+library: ``transform.parse_dtype`` (``constants.DTYPE_NAMES``) and ``transform.parse_rename``; ``plan.output_format`` (an
+auto format, by OUT's suffix) and ``plan.groups_for``; the ``--lora-only`` checks of
+``ops.consolidate``; ``formats.dcp.read_dcp_index`` and ``ops.verify.open_source`` (a missing
+input); ``writers._atomic.check_output_free`` (OUT exists). tests/cli/test_precheck.py checks
+that each pair agrees. An fsspec URL (``scheme://``) is left to the library; ``file://`` is local.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from fsdp_convert.errors import CheckpointNotFoundError, InvalidOptionError, OutputExistsError
+
+__all__ = [
+    "DTYPE_NAMES",
+    "dtype_name",
+    "check_rename",
+    "check_nodes",
+    "check_lora_flags",
+    "check_checkpoint",
+    "check_consolidate",
+    "check_reshard",
+    "check_verify",
+    "check_argv",
+]
+
+# constants.DTYPE_NAMES (which maps to torch dtypes): every spelling, to the --dtype choice it means
+DTYPE_NAMES = {
+    "fp32": "fp32", "float32": "fp32",
+    "bf16": "bf16", "bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16",
+}  # fmt: skip
+# constants.TORCH_SAVE_SUFFIXES and SAFETENSORS_SUFFIXES (constants imports torch)
+_TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin")
+_SAFETENSORS_SUFFIXES = (".safetensors",)
+_COUNTED = re.compile(r"-[vq]+|--verbose|--quiet")  # -v, -vv, -q, ...: counts, not levels
+
+
+def dtype_name(text: str, flag: str) -> str:
+    """The ``--dtype`` choice (``fp32``, ``bf16`` or ``fp16``) that ``text`` spells, in any case.
+
+    Raises:
+        InvalidOptionError: not a dtype name (``transform.parse_dtype``'s words after the flag).
+    """
+    name = DTYPE_NAMES.get(text.strip().lower())
+    if name is None:
+        raise InvalidOptionError(f"{flag} {text!r} is not a dtype; use fp32, bf16 or fp16")
+    return name
+
+
+def check_rename(text: str) -> None:
+    r"""Check one ``--rename REGEX=REPLACEMENT`` (``transform.parse_rename``: the last ``=`` splits).
+
+    Raises:
+        InvalidOptionError: no ``=``, nothing before it, or a regex that does not compile.
+    """
+    pattern, sep, _ = text.rpartition("=")
+    if not sep or not pattern:
+        raise InvalidOptionError(f"--rename {text!r}: expected REGEX=REPLACEMENT, e.g. '^layers\\.=model.layers.'")
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise InvalidOptionError(f"--rename {text!r}: bad regex ({e})") from e
+
+
+def check_nodes(nnodes: int, node_rank: int) -> None:
+    """Check torchrun's ``--node-rank`` against ``--nnodes``.
+
+    Raises:
+        InvalidOptionError: a node rank outside ``--nnodes``.
+    """
+    if node_rank >= nnodes:
+        raise InvalidOptionError(f"--node-rank {node_rank} is not below --nnodes {nnodes}")
+
+
+def check_lora_flags(merge: bool, only: bool, config: str | None, alpha: float | None, r: int | None) -> None:
+    """Check that the LoRA flags of ``consolidate`` go together.
+
+    Raises:
+        InvalidOptionError: ``--merge-lora`` with ``--lora-only``, or a LoRA setting without either.
+    """
+    if merge and only:
+        raise InvalidOptionError("--merge-lora and --lora-only exclude each other: merge the adapter, or write it alone")
+    if not (merge or only) and (config is not None or alpha is not None or r is not None):
+        raise InvalidOptionError("--lora-config, --lora-alpha and --lora-r go with --merge-lora or --lora-only")
+
+
+def _local(location: str) -> Path | None:
+    """``remote.as_location`` for a local path (``file://`` removed); None for an fsspec URL."""
+    if "://" in location and not location.startswith("file://"):
+        return None
+    return Path(location.removeprefix("file://"))
+
+
+def _auto_format(output: Path) -> str:
+    """``plan.output_format(output, "auto")``: ``torch_save``, ``safetensors`` or ``hf_dir``."""
+    suffix = output.suffix.lower()
+    if suffix in _TORCH_SAVE_SUFFIXES:
+        return "torch_save"
+    if suffix in _SAFETENSORS_SUFFIXES:
+        return "safetensors"
+    if suffix == "" or output.is_dir():
+        return "hf_dir"
+    known = ", ".join(_TORCH_SAVE_SUFFIXES + _SAFETENSORS_SUFFIXES)
+    raise InvalidOptionError(
+        f"{output}: unknown output suffix {output.suffix!r}; use one of {known} or a folder name, "
+        "or --format torch to write a torch.save file under this name"
+    )
+
+
+def check_checkpoint(checkpoint: str) -> None:
+    """Check that a local checkpoint path exists (``formats.dcp.read_dcp_index``'s first check).
+
+    Raises:
+        CheckpointNotFoundError: no such local path.
+    """
+    root = _local(checkpoint)
+    if root is not None and not root.exists():
+        raise CheckpointNotFoundError(f"{root} does not exist")
+
+
+def _check_output_free(output: Path | None, *, overwrite: bool, resume: bool) -> None:
+    # with --resume the library decides (a run's temporary beside OUT, its lock)
+    if output is not None and not (overwrite or resume) and (output.exists() or output.is_symlink()):
+        raise OutputExistsError(f"{output} already exists; pass --overwrite to replace it")
+
+
+def check_consolidate(
+    checkpoint: str,
+    output: str,
+    *,
+    output_format: str,
+    only: str,
+    lora_only: bool,
+    verify_output: bool,
+    overwrite: bool,
+    resume: bool,
+) -> None:
+    """What ``ops.consolidate.consolidate`` checks first, in its order, without reading the checkpoint.
+
+    The checkpoint exists; with ``--format auto``, OUT's suffix names a format, ``--lora-only``
+    has a folder OUT and ``--only`` fits that format; OUT is free. An explicit ``--format`` is left
+    to the library, which decides which names it takes.
+
+    Raises:
+        CheckpointNotFoundError: no such local checkpoint path.
+        InvalidOptionError: an unknown suffix, ``--lora-only`` with a file OUT or ``--verify``,
+            optimizer state into a ``.safetensors`` file.
+        OutputExistsError: a local OUT exists, without ``--overwrite`` or ``--resume``.
+    """
+    check_checkpoint(checkpoint)
+    out = _local(output)
+    if out is not None and output_format == "auto":
+        fmt = _auto_format(out)
+        if lora_only and fmt != "hf_dir":
+            raise InvalidOptionError(f"{out}: --lora-only writes a PEFT adapter folder; name OUT without a suffix")
+        if lora_only and verify_output:
+            raise InvalidOptionError("--verify does not read a PEFT adapter folder back; load it with PeftModel.from_pretrained")
+        if fmt == "safetensors" and only == "optim":
+            raise InvalidOptionError(
+                "a .safetensors file holds model weights only; use a .pt file or a folder for optimizer state"
+            )
+    _check_output_free(out, overwrite=overwrite, resume=resume)
+
+
+def check_reshard(checkpoint: str, output: str, *, overwrite: bool, resume: bool) -> None:
+    """What ``ops.reshard.reshard`` checks first: the checkpoint exists and the output folder is free.
+
+    Raises:
+        CheckpointNotFoundError: no such local checkpoint path.
+        OutputExistsError: a local OUT exists, without ``--overwrite`` or ``--resume``.
+    """
+    check_checkpoint(checkpoint)
+    _check_output_free(_local(output), overwrite=overwrite, resume=resume)
+
+
+def check_verify(a: str, b: str) -> None:
+    """What ``ops.verify.open_source`` checks first: both local paths exist (taken as given, as it does).
+
+    Raises:
+        CheckpointNotFoundError: A or B does not exist.
+    """
+    for path in (a, b):
+        if not ("://" in path and not path.startswith("file://")) and not Path(path).exists():
+            raise CheckpointNotFoundError(f"{Path(path)} does not exist")
+
+
+def check_argv(args: list[str]) -> None:
+    """Catch ``-v 2`` before the command, which would otherwise read as the command ``2``.
+
+    ``-v`` and ``-q`` count (``-vv``); a number is never a command, so one right after them is
+    taken as a level the user meant.
+
+    Raises:
+        InvalidOptionError: a number right after ``-v``/``-q``, before the command.
+    """
+    for previous, arg in zip(args, args[1:]):
+        if not previous.startswith("-"):
+            return  # the command: what follows is its own
+        if _COUNTED.fullmatch(previous) and arg.isdigit():
+            raise InvalidOptionError(f"{previous} {arg}: {previous} takes no number; -v logs info, -vv debug, -q errors only")

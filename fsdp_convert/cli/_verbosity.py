@@ -1,0 +1,64 @@
+"""``-v`` / ``-q``: how much the CLI logs on stderr, given before the command or after it (as pip and hf take them)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Annotated
+
+import typer
+from rich.logging import RichHandler
+
+from fsdp_convert.cli._output import err_console
+
+__all__ = ["VerboseOpt", "QuietOpt", "set_verbosity", "quiet_requested", "show_progress"]
+
+_COUNTS = {"verbose": 0, "quiet": 0}
+
+VerboseOpt = Annotated[
+    int,
+    typer.Option(
+        "--verbose", "-v", count=True, metavar="", show_default=False, help="More log lines on stderr: -v info, -vv debug."
+    ),
+]
+QuietOpt = Annotated[
+    int,
+    typer.Option("--quiet", "-q", count=True, metavar="", show_default=False, help="Errors only on stderr, no progress bars."),
+]
+
+
+def set_verbosity(verbose: int, quiet: int, *, reset: bool = False) -> None:
+    """Add ``-v``/``-q`` counts (``reset``: the app's, given before the command, come first) and set the log level.
+
+    The level of the ``fsdp_convert`` logger, whose records a rich handler writes to stderr:
+    ``-vv`` DEBUG, ``-v`` INFO, WARNING by default, ``-q`` ERROR; one ``-v`` and one ``-q`` cancel.
+    """
+    if reset:
+        _COUNTS.update(verbose=0, quiet=0)
+    _COUNTS["verbose"] += verbose
+    _COUNTS["quiet"] += quiet
+    net = _COUNTS["verbose"] - _COUNTS["quiet"]
+    level = logging.DEBUG if net > 1 else logging.INFO if net == 1 else logging.WARNING if net == 0 else logging.ERROR
+    root = logging.getLogger("fsdp_convert")
+    root.handlers[:] = [RichHandler(console=err_console, show_path=False, show_time=False)]
+    root.setLevel(level)
+
+
+def quiet_requested() -> bool:
+    """Whether ``-q`` was given, before or after the command (no progress bars unless ``--progress``)."""
+    return _COUNTS["quiet"] > 0
+
+
+def _stderr_is_terminal() -> bool:
+    return sys.stderr.isatty()
+
+
+def show_progress(progress: bool | None, json_output: bool) -> bool:
+    """Whether the library shows progress bars.
+
+    ``--progress`` or ``--no-progress`` as given; else when stderr is a terminal, without ``--json``
+    or ``-q``. Called by the command, after ``set_verbosity``.
+    """
+    if progress is not None:
+        return progress
+    return not json_output and not quiet_requested() and _stderr_is_terminal()
