@@ -55,17 +55,22 @@ def prepare_items(
         keep_layout: keep the producer's nesting (``reshard``; see ``transform.build_items``).
 
     Raises:
+        UnsupportedTransformError: a ``params`` list, or a field of a flattened optimizer state
+            dict, stored as a tensor.
         As ``transform.build_items``, and the read errors of ``Reader.read_value``
         (MissingDataFileError, CorruptChunkError, UnsafeContentError).
     """
     slots = classify(index)
     wanted = needs_group_values(slots) if "optim" in groups else []
+    tensor = next((index.entries[i] for i in wanted if not isinstance(index.entries[i], BytesEntry)), None)
+    if tensor is not None:  # params lists, and a flattened state dict's fields, are regrouped by value
+        raise UnsupportedTransformError(f"{tensor.fqn}: a tensor, where this tool reads a param group field as a plain value")
     values: dict[int, Any] = {}
     if wanted:
         with _value_reader(index, check_crc) as reader:
             for i in wanted:
                 entry = index.entries[i]
-                assert isinstance(entry, BytesEntry)
+                assert isinstance(entry, BytesEntry)  # checked above
                 values[i] = reader.read_value(entry)
     items = build_items(
         index,

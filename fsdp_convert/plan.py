@@ -68,21 +68,22 @@ def output_format(output: Path, requested: RequestedFormat = "auto") -> OutputFo
 
     ``auto``: ``.pt``/``.pth``/``.bin`` is one torch.save file; ``.safetensors`` one safetensors
     file; no suffix, or an existing folder, a Hugging Face folder (safetensors shards plus index).
-    ``safetensors``: a ``.safetensors`` file, or else a Hugging Face folder. ``torch``: a torch.save
-    file, which needs one of the torch suffixes.
+    ``torch``: one torch.save file, whatever the name (Lightning's ``.ckpt``), unless it names a
+    folder or a ``.safetensors`` file. ``safetensors``: a ``.safetensors`` file, or else a Hugging
+    Face folder.
 
     Raises:
-        InvalidOptionError: an unknown suffix, or one that contradicts ``requested``.
+        InvalidOptionError: an unknown suffix with ``auto`` (the message suggests ``--format
+            torch``), or a name that contradicts ``requested``.
     """
     suffix = output.suffix.lower()
     known = ", ".join(TORCH_SAVE_SUFFIXES + SAFETENSORS_SUFFIXES)
     if requested not in ("auto", "torch", "safetensors"):
         raise InvalidOptionError(f"--format {requested!r}: use auto, torch or safetensors")
     if requested == "torch":
-        if suffix not in TORCH_SAVE_SUFFIXES:
-            raise InvalidOptionError(
-                f"{output}: --format torch writes one torch.save file; name it with {', '.join(TORCH_SAVE_SUFFIXES)}"
-            )
+        if suffix in SAFETENSORS_SUFFIXES or output.is_dir():
+            what = "an existing folder" if output.is_dir() else f"a {output.suffix} name"
+            raise InvalidOptionError(f"{output}: --format torch writes one torch.save file, not {what}")
         return "torch_save"
     if requested == "safetensors":
         if suffix in TORCH_SAVE_SUFFIXES:
@@ -96,7 +97,10 @@ def output_format(output: Path, requested: RequestedFormat = "auto") -> OutputFo
         return "safetensors"
     if suffix == "" or output.is_dir():
         return "hf_dir"
-    raise InvalidOptionError(f"{output}: unknown output suffix {output.suffix!r}; use one of {known}, or a folder name")
+    raise InvalidOptionError(
+        f"{output}: unknown output suffix {output.suffix!r}; use one of {known} or a folder name, "
+        "or --format torch to write a torch.save file under this name"
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -8,8 +8,9 @@ builds a ``CheckpointIndex`` (``formats/index.py``, the data model, no I/O) and 
   accelerate's parent folder of two DCP folders;
 - ``rank_files``: one torch.save file of a sharded state dict per rank (verl, FSDP1);
 - ``hf_storage``: torch's ``HuggingFaceStorageWriter`` safetensors shards;
-- ``full_file``: a full (unsharded) checkpoint: one torch.save or safetensors file, or a Hugging
-  Face folder (what ``reshard`` and ``verify`` take besides the sharded formats).
+- ``full_file``: a full (unsharded) checkpoint: one torch.save or safetensors file (told apart by
+  their first bytes, whatever the name), or a Hugging Face or PEFT folder: every output of
+  ``consolidate``, which ``consolidate``, ``reshard`` and ``verify`` take besides the sharded formats.
 
 ``open_checkpoint`` is the one place that decides what a path is. Submodules are imported where
 used, so that importing ``formats.index`` loads nothing else.
@@ -79,8 +80,8 @@ class Reader(Protocol):
 def detect_format(checkpoint_id: str | os.PathLike[str], *, full_files: bool = False) -> SourceFormat:
     """Which source format a path holds, from its file names (and safetensors headers) alone.
 
-    With ``full_files``, a local file or a Hugging Face folder (``model.safetensors.index.json``
-    or ``model.safetensors``, no ``.metadata``) is ``full_file``. Otherwise a remote URL, a folder
+    With ``full_files``, a local file or a Hugging Face or PEFT folder (no ``.metadata``; see
+    ``full_file.is_hf_folder``) is ``full_file``. Otherwise a remote URL, a folder
     with ``.metadata`` or with DCP folders inside is ``dcp`` (whose reader also names what is
     wrong with any other path); a folder of ``*rank*.pt`` files is ``rank_files``; one of
     safetensors files carrying DCP sharding info is ``hf_storage``.
@@ -135,15 +136,17 @@ def read_index(checkpoint_id: str | os.PathLike[str], *, full_files: bool = Fals
     return dcp.read_dcp_index(checkpoint_id)
 
 
-def open_reader(checkpoint_id: str | os.PathLike[str] | Location, *, check_crc: bool = True, full_files: bool = False) -> Reader:
+def open_reader(checkpoint_id: str | os.PathLike[str] | Location, *, check_crc: bool = True, full_files: bool = True) -> Reader:
     """A reader for the checkpoint at ``checkpoint_id``, of the format ``detect_format`` finds.
 
-    Opens nothing until the first read; workers call this with the path the index was read from.
+    Opens nothing until the first read (a full file: its header or pickle); workers call this
+    with the path the index was read from, so whatever ``read_index`` accepted is read.
 
     Args:
         checkpoint_id: as for ``read_index``.
         check_crc: check the CRC-32s the format stores (DCP payloads' zip records) on every read.
-        full_files: as for ``read_index``.
+        full_files: as for ``read_index``; by default a full file is read as one (``read_index``
+            has already decided whether it is accepted).
 
     Raises:
         As ``detect_format``; for a full file, as ``formats.full_file.open_full_file``.

@@ -11,19 +11,82 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 import torch
 
 from fsdp_convert.constants import READ_LOG_ENV
-from fsdp_convert.errors import CorruptChunkError, MissingDataFileError, ShapeMismatchError
+from fsdp_convert.errors import CorruptChunkError, MissingDataFileError, ShapeMismatchError, UnsafeContentError
 from fsdp_convert.formats.index import BytesEntry, ChunkEntry, Location, TensorEntry, Url
 from fsdp_convert.remote import as_location, read_range, size_of
 
-__all__ = ["ChunkedReader", "StoredBytes", "check_payload"]
+__all__ = [
+    "ChunkedReader",
+    "StoredBytes",
+    "check_payload",
+    "read_safetensors_header",
+    "sniff_file",
+    "load_torch_save",
+    "short_message",
+]
+
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors refuses larger headers
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default (zip) format: a local file header first
+# torch.save's legacy format (_use_new_zipfile_serialization=False): pickle protocol 2, then the
+# magic number 0x1950a86a20f9469cfc6c as a 10-byte LONG1 (torch/serialization.py MAGIC_NUMBER)
+_LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    """The JSON header of a safetensors file and where its data starts, in bytes.
+
+    Format: an 8-byte little-endian header length N, N bytes of JSON, then the data.
+
+    Raises:
+        CorruptChunkError: truncated file, oversized or malformed header.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise CorruptChunkError(f"{path}: truncated safetensors file (no header length)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise CorruptChunkError(f"{path}: safetensors header length {n} does not fit the file ({size} bytes)")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as e:
+        raise CorruptChunkError(f"{path}: not a readable safetensors file ({e})") from e
+    if not isinstance(header, dict):
+        raise CorruptChunkError(f"{path}: safetensors header is not a JSON object")
+    return header, 8 + n
+
+
+def sniff_file(path: Path) -> Literal["torch_save", "legacy_torch_save", "safetensors"] | None:
+    """What a file holds, from its first bytes: a torch.save zip, a legacy torch.save pickle, safetensors, or None.
+
+    Reads at most 9 bytes (a safetensors file: an 8-byte header length that fits the file, then ``{``).
+
+    Raises:
+        CorruptChunkError: the file cannot be read.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(len(_LEGACY_TORCH_MAGIC))
+    except OSError as e:
+        raise CorruptChunkError(f"cannot read {path}: {e.strerror}") from e
+    if head.startswith(_ZIP_MAGIC):
+        return "torch_save"
+    if head.startswith(_LEGACY_TORCH_MAGIC):
+        return "legacy_torch_save"
+    if len(head) >= 9 and head[8:9] == b"{" and 8 + struct.unpack("<Q", head[:8])[0] <= size:
+        return "safetensors"
+    return None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,6 +110,31 @@ class StoredBytes:
     nbytes: int
     crc32: int | None
     where: str
+
+
+def short_message(e: BaseException) -> str:
+    """The first line of an exception's message (its type's name if it has none), for one-line errors."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def load_torch_save(path: Path) -> Any:
+    """``torch.load`` of a whole torch.save file with ``weights_only=True``, memory-mapped.
+
+    The legacy (non-zip) format cannot be memory-mapped; it is read into memory.
+
+    Raises:
+        UnsafeContentError: a pickle that would run code.
+        CorruptChunkError: not a readable torch.save file.
+    """
+    legacy = sniff_file(path) == "legacy_torch_save"
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=not legacy)
+    except Exception as e:
+        detail = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln), None)
+        if detail is not None:
+            raise UnsafeContentError(f"{path}: would run code when loaded, refused ({detail})") from e
+        raise CorruptChunkError(f"{path}: not a readable torch.save file ({type(e).__name__}: {short_message(e)})") from e
 
 
 def check_payload(entry: TensorEntry, chunk: ChunkEntry, tensor: Any, where: str) -> torch.Tensor:

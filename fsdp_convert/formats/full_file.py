@@ -1,12 +1,12 @@
-"""Read stage for full (unsharded) checkpoints: a torch.save file, a safetensors file, a Hugging Face folder.
+"""Read stage for full (unsharded) checkpoints: a torch.save or safetensors file, a Hugging Face or PEFT folder.
 
-Each is indexed as one whole-tensor chunk per tensor (``file_index``) and read through
-``FileBoxReader``, which slices the memory-mapped tensor, so ``reshard`` can lay a full
-checkpoint out for any world size. Keys follow DCP's flattening
-(``torch/distributed/checkpoint/_traverse.py``: dicts always, lists only when they hold tensors or
-containers); safetensors names get a ``model.`` prefix in the flat view (``TorchSaveFile``,
-``SafetensorsFiles``), which ``file_index`` drops. Nothing is loaded whole: torch.save files are
-memory-mapped, safetensors are read per tensor.
+Every output of ``consolidate`` is one; each is indexed as one whole-tensor chunk per tensor
+(``file_index``) and read through ``FileBoxReader``, which slices the stored tensor. Keys follow
+DCP's flattening (``formats.index.flatten_with_paths``). Safetensors names get a ``model.`` prefix
+in the flat view (``SafetensorsFiles``), which ``file_index`` drops for weights alone (as
+``model.state_dict()`` has them) and keeps beside a folder's ``optimizer.pt``. Nothing is loaded
+whole: torch.save files are memory-mapped, safetensors read per tensor. A file's format comes
+from its first bytes (``_reader.sniff_file``), so a torch.save file under any name (``.ckpt``) is read.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +29,12 @@ from fsdp_convert.constants import (
     OPTIMIZER_FILENAME,
     SAFETENSORS_SUFFIXES,
     SAFETENSORS_TO_TORCH,
+    SUPPORTED_DTYPES,
     TORCH_SAVE_SUFFIXES,
     torch_shape,
 )
-from fsdp_convert.errors import CheckpointNotFoundError, CorruptChunkError, NotADcpCheckpointError, UnsafeContentError
+from fsdp_convert.errors import CheckpointNotFoundError, CorruptChunkError, NotADcpCheckpointError
+from fsdp_convert.formats._reader import load_torch_save, read_safetensors_header, short_message, sniff_file
 from fsdp_convert.formats.index import (
     BytesEntry,
     CheckpointIndex,
@@ -41,15 +43,16 @@ from fsdp_convert.formats.index import (
     Location,
     ObjPath,
     TensorEntry,
-    dcp_key,
+    flatten_with_paths,
 )
 
 __all__ = [
     "MODEL_PREFIX",
+    "ADAPTER_WEIGHTS_FILENAME",
     "TorchSaveFile",
     "SafetensorsFiles",
     "FullFile",
-    "flatten_with_paths",
+    "flatten_with_paths",  # from formats.index
     "is_hf_folder",
     "is_full_checkpoint",
     "open_full_file",
@@ -58,39 +61,31 @@ __all__ = [
 ]
 
 MODEL_PREFIX = "model."
+ADAPTER_WEIGHTS_FILENAME = "adapter_model.safetensors"  # a PEFT adapter folder's (save_pretrained; lora.py writes it)
+# a folder's files beside its safetensors, and the path each one's dict is nested under
+SIDE_FILES: tuple[tuple[str, tuple[str, ...]], ...] = ((OPTIMIZER_FILENAME, ("optim",)), (EXTRA_STATE_FILENAME, ()))
+_FOLDER_FILES = (HF_INDEX_FILENAME, HF_SINGLE_FILENAME, ADAPTER_WEIGHTS_FILENAME, OPTIMIZER_FILENAME, EXTRA_STATE_FILENAME)
 
 
-def flatten_with_paths(obj: Mapping[str, Any]) -> dict[str, tuple[ObjPath, Any]]:
-    """Flatten a nested state dict as DCP's ``flatten_state_dict`` does: dotted key -> (path, value).
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    inside = isinstance(value, (list, tuple, set, frozenset)) and any(map(_holds_tensor, value))
+    return inside or isinstance(value, torch.Tensor)
 
-    The path is the value's place in the nested dict, as DCP records it in ``planner_data``.
-    """
-    flat: dict[str, tuple[ObjPath, Any]] = {}
 
-    def terminal(value: Any) -> bool:
-        if isinstance(value, Mapping):
-            return False
-        if not isinstance(value, list):
-            return True
-        return not any(isinstance(v, torch.Tensor) or (isinstance(v, (Mapping, list)) and not terminal(v)) for v in value)
-
-    def visit(path: ObjPath, value: Any) -> None:
-        if isinstance(value, Mapping):
-            for k, v in value.items():
-                visit((*path, str(k)), v)
-        elif terminal(value):
-            flat[dcp_key(path)] = (path, value)
-        else:
-            for i, v in enumerate(value):
-                visit((*path, i), v)
-
-    for key, value in obj.items():
-        visit((str(key),), value)
-    return flat
+def _unreadable(value: Any) -> str | None:
+    """Why a loaded value cannot be indexed, or None."""
+    if isinstance(value, torch.Tensor):
+        if value.layout == torch.strided and value.device.type == "cpu" and value.dtype in SUPPORTED_DTYPES:
+            return None
+        return f"is a {value.dtype} {value.layout} tensor on {value.device}"
+    # a plain value is written back by pickle, and weights_only cannot load a tensor pickled inside it
+    return f"holds a tensor inside a {type(value).__name__}" if _holds_tensor(value) else None
 
 
 class TorchSaveFile:
-    """A torch.save file as flat keys, loaded with ``weights_only=True, mmap=True`` (nothing is copied).
+    """A torch.save file as flat keys, loaded by ``_reader.load_torch_save`` (``weights_only=True``, memory-mapped).
 
     Args:
         path: the file.
@@ -100,7 +95,9 @@ class TorchSaveFile:
     Raises:
         UnsafeContentError: a pickle that would run code.
         CorruptChunkError: not a readable torch.save file.
-        NotADcpCheckpointError: it holds something other than a dict.
+        NotADcpCheckpointError: it holds something other than a dict, a key that is neither a
+            string nor an integer, two keys that flatten alike, or a tensor this tool cannot read
+            (sparse, quantized, not on the CPU).
     """
 
     kind = "torch_save"
@@ -108,18 +105,18 @@ class TorchSaveFile:
 
     def __init__(self, path: Path, prefix: tuple[str, ...] = ()) -> None:
         self.path = path
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as e:
-            detail = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln), None)
-            if detail is not None:
-                raise UnsafeContentError(f"{path}: would run code when loaded, refused ({detail})") from e
-            raise CorruptChunkError(f"{path}: not a readable torch.save file ({type(e).__name__})") from e
+        obj = load_torch_save(path)
         if not isinstance(obj, Mapping):
             raise NotADcpCheckpointError(f"{path} holds a {type(obj).__name__}, not a state dict")
         for top in reversed(prefix):  # optimizer.pt holds the optimizer state dict itself
             obj = {top: obj}
-        self.flat_with_paths = flatten_with_paths(obj)
+        try:
+            self.flat_with_paths = flatten_with_paths(obj)
+        except ValueError as e:
+            raise NotADcpCheckpointError(f"{path}: {e}") from e
+        for key, (_, value) in self.flat_with_paths.items():
+            if (why := _unreadable(value)) is not None:
+                raise NotADcpCheckpointError(f"{path}: {key} {why}, which this tool does not read")
         self._flat = {key: value for key, (_, value) in self.flat_with_paths.items()}
 
     def keys(self) -> list[str]:
@@ -130,7 +127,13 @@ class TorchSaveFile:
         return key in self._flat
 
     def get(self, key: str) -> Any:
-        """The value of ``key``: a memory-mapped CPU tensor or a plain value."""
+        """The value of ``key``: a memory-mapped CPU tensor or a plain value.
+
+        Raises:
+            CorruptChunkError: no such key (the file changed since it was indexed).
+        """
+        if key not in self._flat:
+            raise CorruptChunkError(f"{self.path}: {key} is not in the file; did it change while it was read?")
         return self._flat[key]
 
     def close(self) -> None:
@@ -140,107 +143,157 @@ class TorchSaveFile:
 
 
 class SafetensorsFiles:
-    """One safetensors file, or a Hugging Face folder's shards, as flat ``model.<name>`` keys.
+    """A safetensors file, or a Hugging Face or PEFT folder's weights, as flat ``model.<name>`` keys.
 
-    A folder's ``optimizer.pt`` and ``extra_state.pt`` come in through ``add_side_files``.
+    Tensors come in file order (shards by name, each by data offset), as this tool wrote them. A
+    folder's ``optimizer.pt`` and ``extra_state.pt`` come in through ``add_side_files``.
 
     Args:
         path: the file or folder.
-        files: tensor name -> the file holding it.
+        tensors: tensor name -> (the file holding it, dtype, torch shape in elements), in order.
         kind: ``safetensors`` (a file) or ``hf_dir`` (a folder).
     """
 
     model_only = True
 
-    def __init__(self, path: Path, files: dict[str, Path], kind: str) -> None:
+    def __init__(self, path: Path, tensors: dict[str, tuple[Path, torch.dtype, tuple[int, ...]]], kind: str) -> None:
         self.path, self.kind = path, kind
-        self._files = files  # tensor name -> file
+        self._tensors = tensors
         self._open: dict[Path, Any] = {}
-        self._sides: list[TorchSaveFile] = []
+        self.sides: list[TorchSaveFile] = []
 
     @classmethod
-    def from_file(cls, path: Path) -> SafetensorsFiles:
-        """One safetensors file (its header is read now).
+    def from_files(
+        cls, path: Path, files: Sequence[Path], kind: str, weight_map: Mapping[str, Path] | None = None
+    ) -> SafetensorsFiles:
+        """The tensors of ``files`` (their headers are read now), each file's by data offset.
+
+        With ``weight_map`` (a folder's index: tensor name -> file), a file's other tensors are
+        left out, as transformers leaves them.
 
         Raises:
-            Exception: whatever ``safetensors.safe_open`` raises for an unreadable file.
+            CorruptChunkError: a file safetensors cannot open, or a malformed header.
+            NotADcpCheckpointError: a dtype this tool does not read, an ``F4`` shape that does not
+                fill whole bytes, or a name two files hold.
         """
-        with safe_open(path, "pt") as f:
-            names = list(f.keys())
-        return cls(path, {n: path for n in names}, "safetensors")
+        tensors: dict[str, tuple[Path, torch.dtype, tuple[int, ...]]] = {}
+        for file in files:
+            try:
+                with safe_open(file, "pt"):
+                    pass  # safetensors checks the header against the file
+            except Exception as e:
+                raise CorruptChunkError(f"{file}: not a readable safetensors file ({short_message(e)})") from e
+            header, _ = read_safetensors_header(file)
+            header.pop("__metadata__", None)
+            try:
+                named = sorted(header.items(), key=lambda item: int(item[1]["data_offsets"][0]))
+            except (KeyError, TypeError, ValueError, IndexError) as e:
+                raise CorruptChunkError(f"{file}: malformed safetensors header ({e!r})") from e
+            for name, desc in named:
+                if weight_map is not None and weight_map.get(name) != file:
+                    continue
+                dtype = SAFETENSORS_TO_TORCH.get(str(desc.get("dtype")))
+                try:
+                    if dtype is None:
+                        raise ValueError(f"safetensors dtype {desc.get('dtype')!r}, which this tool does not read")
+                    shape = torch_shape(dtype, desc["shape"])
+                except (ValueError, KeyError) as e:
+                    raise NotADcpCheckpointError(f"{file}: {name}: {e}") from e
+                if name in tensors:
+                    raise NotADcpCheckpointError(f"{file}: {name} is also in {tensors[name][0].name}")
+                tensors[name] = (file, dtype, shape)
+        return cls(path, tensors, kind)
 
     @classmethod
     def from_folder(cls, path: Path) -> SafetensorsFiles:
-        """A Hugging Face folder: ``model.safetensors.index.json``'s shards, or ``model.safetensors``.
+        """A folder's weights: its index's shards, ``model.safetensors``, PEFT's adapter, or none.
+
+        ``model.safetensors.index.json``'s ``weight_map`` names the shards; else
+        ``model.safetensors`` or ``adapter_model.safetensors``; else no tensors (a folder of
+        ``optimizer.pt`` alone).
 
         Raises:
-            NotADcpCheckpointError: an index without a ``weight_map``.
+            NotADcpCheckpointError: an index without a ``weight_map`` of file names, or naming a
+                tensor its shard does not hold.
             CheckpointNotFoundError: a shard the index names is missing (or outside the folder).
+            As ``from_files``.
         """
         index_path = path / HF_INDEX_FILENAME
-        if index_path.is_file():
+        if not index_path.is_file():
+            weights = next((path / n for n in (HF_SINGLE_FILENAME, ADAPTER_WEIGHTS_FILENAME) if (path / n).is_file()), None)
+            return cls.from_files(path, [weights] if weights else [], "hf_dir")
+        try:
             index = json.loads(index_path.read_text())
-            weight_map = index.get("weight_map") if isinstance(index, dict) else None
-            if not isinstance(weight_map, dict):
-                raise NotADcpCheckpointError(f"{index_path} has no weight_map")
-            files = {str(k): path / str(v) for k, v in weight_map.items()}
-            for f in set(files.values()):
-                if f.parent != path or not f.is_file():
-                    raise CheckpointNotFoundError(f"{f} (named in {index_path}) is missing")
-            return cls(path, files, "hf_dir")
-        return cls(path, cls.from_file(path / HF_SINGLE_FILENAME)._files, "hf_dir")
+        except (OSError, ValueError) as e:
+            raise CorruptChunkError(f"{index_path}: not readable JSON ({short_message(e)})") from e
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise NotADcpCheckpointError(f"{index_path} has no weight_map of tensor names to file names")
+        files = sorted({path / v for v in weight_map.values()})
+        for f in files:
+            if f.parent != path or not f.is_file():
+                raise CheckpointNotFoundError(f"{f} (named in {index_path}) is missing")
+        folder = cls.from_files(path, files, "hf_dir", {str(k): path / v for k, v in weight_map.items()})
+        missing = next((str(k) for k in weight_map if str(k) not in folder._tensors), None)
+        if missing is not None:
+            raise NotADcpCheckpointError(f"{index_path} maps {missing} to {weight_map[missing]}, which does not hold it")
+        return folder
 
     def _handle(self, file: Path) -> Any:
         if file not in self._open:
             self._open[file] = safe_open(file, "pt")
         return self._open[file]
 
-    def keys(self) -> list[str]:
-        """Every flat key: ``model.<name>`` per tensor, then the side files' keys."""
-        return [MODEL_PREFIX + n for n in self._files] + [k for side in self._sides for k in side.keys()]
-
-    def get(self, key: str) -> Any:
-        """The value of ``key``; a tensor is read from its file now (a new CPU tensor)."""
-        for side in self._sides:
-            if key in side:
-                return side.get(key)
-        name = key.removeprefix(MODEL_PREFIX)
-        return self._handle(self._files[name]).get_tensor(name)
-
-    def add_side_files(self) -> None:
-        """A Hugging Face folder's ``optimizer.pt`` (as ``optim``) and ``extra_state.pt``, if present."""
-        for filename, prefix in ((OPTIMIZER_FILENAME, ("optim",)), (EXTRA_STATE_FILENAME, ())):
-            if (self.path / filename).is_file():
-                self._sides.append(TorchSaveFile(self.path / filename, prefix))
-        self.model_only = not self._sides
-
-    def describe(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        """Dtype and shape (torch elements) of ``key`` from the file header alone (no tensor data is read).
+    def tensors(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """``(name, dtype, shape)`` of every tensor, in file order, from the headers alone (shapes in torch elements).
 
         The dtype comes from ``constants.SAFETENSORS_TO_TORCH``, the shape through
         ``constants.torch_shape`` (an ``F4`` header counts 4-bit values, two per element).
+        """
+        return [(name, dtype, shape) for name, (_, dtype, shape) in self._tensors.items()]
+
+    def keys(self) -> list[str]:
+        """Every flat key: ``model.<name>`` per tensor, then the side files' keys."""
+        return [MODEL_PREFIX + n for n in self._tensors] + [k for side in self.sides for k in side.keys()]
+
+    def get(self, key: str) -> Any:
+        """The value of ``key``; a tensor is read from its file now (a new CPU tensor).
 
         Raises:
-            NotADcpCheckpointError: a dtype name not in the table, or an ``F4`` shape that does not
-                fill whole bytes.
+            CorruptChunkError: no such key, or the tensor cannot be read.
         """
+        for side in self.sides:
+            if key in side:
+                return side.get(key)
         name = key.removeprefix(MODEL_PREFIX)
-        file = self._files[name]
-        view = self._handle(file).get_slice(name)
-        dtype = SAFETENSORS_TO_TORCH.get(view.get_dtype())
-        if dtype is None:
-            raise NotADcpCheckpointError(
-                f"{file}: {name} has safetensors dtype {view.get_dtype()!r}, which this tool does not read"
-            )
+        if name not in self._tensors:
+            raise CorruptChunkError(f"{self.path}: {key} is not in the checkpoint; did it change while it was read?")
+        file = self._tensors[name][0]
         try:
-            return dtype, torch_shape(dtype, view.get_shape())
-        except ValueError as e:
-            raise NotADcpCheckpointError(f"{file}: {name}: {e}") from e
+            return self._handle(file).get_tensor(name)
+        except Exception as e:
+            raise CorruptChunkError(f"{file}: {name} cannot be read ({short_message(e)})") from e
+
+    def add_side_files(self) -> None:
+        """A folder's ``optimizer.pt`` (as ``optim``) and ``extra_state.pt``, if present.
+
+        Raises:
+            NotADcpCheckpointError: two of the folder's files hold the same top-level key.
+            As ``TorchSaveFile``.
+        """
+        tops: set[str | int] = {"model"} if self._tensors else set()
+        for filename, prefix in ((f, p) for f, p in SIDE_FILES if (self.path / f).is_file()):
+            self.sides.append(side := TorchSaveFile(self.path / filename, prefix))
+            own = {obj_path[0] for obj_path, _ in side.flat_with_paths.values()}
+            if clash := own & tops:
+                raise NotADcpCheckpointError(f"{side.path} holds {clash.pop()!r}, as another file of the folder does")
+            tops |= own
+        self.model_only = not self.sides
 
     def close(self) -> None:
         """Close every open file."""
         self._open.clear()
-        for side in self._sides:
+        for side in self.sides:
             side.close()
 
 
@@ -248,30 +301,28 @@ FullFile = TorchSaveFile | SafetensorsFiles
 
 
 def is_hf_folder(path: Path) -> bool:
-    """A folder with ``model.safetensors.index.json`` or ``model.safetensors`` and no ``.metadata``."""
-    return not (path / METADATA_FILENAME).is_file() and any(
-        (path / name).is_file() for name in (HF_INDEX_FILENAME, HF_SINGLE_FILENAME)
-    )
+    """A folder with no ``.metadata`` that holds what ``consolidate`` writes to a folder.
+
+    That is Hugging Face weights (``model.safetensors.index.json``, ``model.safetensors``), a PEFT
+    adapter (``adapter_model.safetensors``), or an ``optimizer.pt`` or ``extra_state.pt``.
+    """
+    return not (path / METADATA_FILENAME).is_file() and any((path / name).is_file() for name in _FOLDER_FILES)
 
 
 def is_full_checkpoint(location: Location) -> bool:
-    """True for a local torch.save or safetensors file, or a Hugging Face folder (not a DCP folder)."""
+    """True for a local file, or a Hugging Face or PEFT folder (see ``is_hf_folder``; not a DCP folder)."""
     return isinstance(location, Path) and (location.is_file() or is_hf_folder(location))
-
-
-def _short(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def open_full_file(path: Path) -> FullFile:
     """Open a full checkpoint by what the path holds.
 
-    A Hugging Face folder (see ``is_hf_folder``), with its ``optimizer.pt`` and
-    ``extra_state.pt``; ``.pt``/``.pth``/``.bin`` is torch.save; ``.safetensors`` one safetensors file.
+    A folder (see ``is_hf_folder``), with its ``optimizer.pt`` and ``extra_state.pt``; a file by
+    its first bytes (``_reader.sniff_file``: a torch.save zip or legacy pickle, or safetensors),
+    whatever its name, else by its suffix: ``.pt``/``.pth``/``.bin`` torch.save, ``.safetensors``.
 
     Raises:
-        NotADcpCheckpointError: an unknown file type.
+        NotADcpCheckpointError: an unknown file type, or a folder with none of those files.
         CorruptChunkError: an unreadable file.
         UnsafeContentError: a pickle that would run code.
         CheckpointNotFoundError: a shard named by a folder's index is missing.
@@ -279,26 +330,23 @@ def open_full_file(path: Path) -> FullFile:
     if path.is_dir():
         folder = SafetensorsFiles.from_folder(path)
         folder.add_side_files()
+        if not folder.keys() and not folder.sides:
+            raise NotADcpCheckpointError(f"{path}: no .metadata and no weights or {OPTIMIZER_FILENAME}; not a checkpoint")
         return folder
     suffix = path.suffix.lower()
-    if suffix in TORCH_SAVE_SUFFIXES:
+    kind = sniff_file(path)
+    if kind in ("torch_save", "legacy_torch_save") or (kind is None and suffix in TORCH_SAVE_SUFFIXES):
         return TorchSaveFile(path)
-    if suffix in SAFETENSORS_SUFFIXES:
-        try:
-            return SafetensorsFiles.from_file(path)
-        except Exception as e:
-            raise CorruptChunkError(f"{path}: not a readable safetensors file ({_short(e)})") from e
-    raise NotADcpCheckpointError(f"{path}: unknown checkpoint file type {path.suffix!r}")
+    if kind == "safetensors" or suffix in SAFETENSORS_SUFFIXES:
+        return SafetensorsFiles.from_files(path, [path], "safetensors")
+    raise NotADcpCheckpointError(f"{path}: unknown checkpoint file type {path.suffix!r} (not torch.save or safetensors)")
 
 
 class FileBoxReader:
-    """Boxes of the tensors of a full (unsharded) checkpoint, for ``reshard``.
-
-    Reads a torch.save file (``weights_only=True, mmap=True``), a safetensors file or a Hugging
-    Face folder; each box is a copy of a slice of the memory-mapped tensor.
+    """Boxes of the tensors of a full (unsharded) checkpoint (``open_full_file``), for ``consolidate`` and ``reshard``.
 
     Its index (``file_index``) has one whole-tensor chunk per tensor and no data files, so a
-    chunk, a full tensor and a box are all slices of the one stored tensor.
+    chunk, a full tensor and a box are all copies of slices of the one stored tensor.
 
     Args:
         path: the source.
@@ -338,14 +386,20 @@ class FileBoxReader:
         return self.read_box(entry, (0,) * len(entry.shape), entry.shape)
 
     def read_box(self, entry: TensorEntry, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
-        """The box ``[offsets, offsets + sizes)`` (elements) of the tensor, as a new contiguous tensor."""
-        tensor: torch.Tensor = self._source.get(self._key(entry.fqn))
+        """The box ``[offsets, offsets + sizes)`` (elements) of the tensor, as a new contiguous tensor.
+
+        Raises:
+            CorruptChunkError: the stored value is not the tensor the index describes (the file changed).
+        """
+        tensor = self._source.get(self._key(entry.fqn))
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
+            raise CorruptChunkError(f"{entry.fqn}: the stored value is not a {entry.dtype} {list(entry.shape)}; did it change?")
         for dim, (o, n) in enumerate(zip(offsets, sizes, strict=True)):
             tensor = tensor.narrow(dim, o, n)
         return tensor.contiguous().clone()
 
     def _key(self, fqn: str) -> str:
-        # safetensors sources name their keys model.<name>; file_index drops that level
+        # model weights alone are indexed without their model. level (see file_index)
         return MODEL_PREFIX + fqn if self._source.model_only else fqn
 
     def read_value(self, entry: BytesEntry) -> Any:
@@ -360,35 +414,36 @@ class FileBoxReader:
 
 
 def file_index(path: str | os.PathLike[str]) -> CheckpointIndex:
-    """An index for a full checkpoint file: one whole-tensor chunk per tensor, in the file's order.
+    """An index for a full checkpoint: one whole-tensor chunk per tensor, in the file's order.
 
-    Keys and paths follow DCP's flattening; safetensors names stand alone (no ``model.`` level),
-    as ``model.state_dict()`` has them. The index has no data files (world size 0).
+    Keys and paths follow DCP's flattening. Safetensors weights alone (a file, a folder without
+    ``optimizer.pt`` or ``extra_state.pt``, a PEFT adapter) stand alone, as ``model.state_dict()``
+    has them; beside a folder's side files they go under ``model``, the optimizer under ``optim``
+    and ``extra_state.pt``'s entries at the top level: the nested layout ``consolidate`` writes.
+    The index has no data files (world size 0).
 
     Raises:
         As ``open_full_file``.
     """
     p = Path(path)
     source = open_full_file(p)
-    # (fqn, path, (dtype, shape)) for a tensor, (fqn, path, None) for a plain value
-    items: list[tuple[str, ObjPath, tuple[torch.dtype, tuple[int, ...]] | None]] = []
+    entries: list[Entry] = []
     try:
-        if isinstance(source, TorchSaveFile):
-            for key, (obj_path, value) in source.flat_with_paths.items():
-                described = (value.dtype, tuple(value.shape)) if isinstance(value, torch.Tensor) else None
-                items.append((key, obj_path, described))
-        else:
-            for key in source.keys():
-                name = key.removeprefix(MODEL_PREFIX)
-                items.append((name, (name,), source.describe(key)))  # from the header: no data read
+        if isinstance(source, SafetensorsFiles):
+            for name, dtype, shape in source.tensors():  # from the headers: no data read
+                fqn, obj_path = (name, (name,)) if source.model_only else (MODEL_PREFIX + name, ("model", name))
+                entries.append(_whole_tensor(fqn, obj_path, dtype, shape))
+        for side in [source] if isinstance(source, TorchSaveFile) else source.sides:
+            for key, (value_path, value) in side.flat_with_paths.items():
+                if isinstance(value, torch.Tensor):
+                    entries.append(_whole_tensor(key, value_path, value.dtype, tuple(value.shape)))
+                else:
+                    entries.append(BytesEntry(fqn=key, path=value_path, relative_path="", offset_bytes=0, length_bytes=0))
     finally:
         source.close()
-    entries: list[Entry] = []
-    for key, obj_path, described in items:
-        if described is None:
-            entries.append(BytesEntry(fqn=key, path=obj_path, relative_path="", offset_bytes=0, length_bytes=0))
-            continue
-        dtype, shape = described
-        whole = ChunkEntry(offsets=(0,) * len(shape), sizes=shape, relative_path=None, offset_bytes=0, length_bytes=0)
-        entries.append(TensorEntry(fqn=key, path=obj_path, shape=shape, dtype=dtype, chunks=(whole,)))
     return CheckpointIndex(checkpoint_id=p, entries=tuple(entries), data_files=())
+
+
+def _whole_tensor(fqn: str, path: ObjPath, dtype: torch.dtype, shape: tuple[int, ...]) -> TensorEntry:
+    whole = ChunkEntry(offsets=(0,) * len(shape), sizes=shape, relative_path=None, offset_bytes=0, length_bytes=0)
+    return TensorEntry(fqn=fqn, path=path, shape=shape, dtype=dtype, chunks=(whole,))

@@ -15,7 +15,6 @@ import json
 import math
 import os
 import re
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch
 from fsdp_convert.constants import SAFETENSORS_SUFFIXES, SAFETENSORS_TO_TORCH, torch_shape
 from fsdp_convert.errors import CorruptChunkError, NotADcpCheckpointError, ShapeMismatchError
 from fsdp_convert.formats._reader import ChunkedReader, StoredBytes
+from fsdp_convert.formats._reader import read_safetensors_header as read_header
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Entry, TensorEntry
 
 __all__ = [
@@ -36,33 +36,7 @@ __all__ = [
 ]
 
 SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
-MAX_HEADER_BYTES = 100 * 2**20  # safetensors refuses larger headers
 _SHARD_FILE_RE = re.compile(r"^shard-(\d+)-")  # shard-<rank + 1>-model-<i>-of-<n>.safetensors
-
-
-def read_header(path: Path) -> tuple[dict[str, Any], int]:
-    """The JSON header of a safetensors file and where its data starts, in bytes.
-
-    Format: an 8-byte little-endian header length N, N bytes of JSON, then the data.
-
-    Raises:
-        CorruptChunkError: truncated file, oversized or malformed header.
-    """
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise CorruptChunkError(f"{path}: truncated safetensors file (no header length)")
-            (n,) = struct.unpack("<Q", raw)
-            if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise CorruptChunkError(f"{path}: safetensors header length {n} does not fit the file ({size} bytes)")
-            header = json.loads(f.read(n))
-    except (OSError, ValueError) as e:
-        raise CorruptChunkError(f"{path}: not a readable safetensors file ({e})") from e
-    if not isinstance(header, dict):
-        raise CorruptChunkError(f"{path}: safetensors header is not a JSON object")
-    return header, 8 + n
 
 
 def safetensors_files(root: Path) -> list[Path]:

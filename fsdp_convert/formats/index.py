@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ __all__ = [
     "dcp_key",
     "DictKey",
     "plain_path",
+    "flatten_with_paths",
     "unflatten",
     "check_coverage",
 ]
@@ -223,6 +224,53 @@ def plain_path(path: ObjPath) -> ObjPath:
     torch's ``unflatten_state_dict`` then rebuilds a dict, not a list, from them.
     """
     return tuple(str(int(p)) if isinstance(p, DictKey) else p for p in path)
+
+
+def flatten_with_paths(obj: Mapping[Any, Any]) -> dict[str, tuple[ObjPath, Any]]:
+    """Flatten a nested state dict as DCP's ``flatten_state_dict`` does: dotted key -> (path, value).
+
+    Dicts are always walked; lists only when they hold tensors or containers that do
+    (``torch/distributed/checkpoint/_traverse.py``); anything else is a value. The path is the
+    value's place in the nested dict, as DCP records it in ``planner_data``; an ``int`` dict key
+    becomes a ``DictKey`` (so ``unflatten`` gives back ``{0: ...}``, not ``{"0": ...}``).
+
+    Raises:
+        ValueError: a dict key that is neither a string nor an integer, or two paths with the same
+            dotted key (``{"a.b": x, "a": {"b": y}}``); the message names the key.
+    """
+    flat: dict[str, tuple[ObjPath, Any]] = {}
+
+    def terminal(value: Any) -> bool:
+        if isinstance(value, Mapping):
+            return False
+        if not isinstance(value, list):
+            return True
+        return not any(isinstance(v, torch.Tensor) or (isinstance(v, (Mapping, list)) and not terminal(v)) for v in value)
+
+    def element(path: ObjPath, key: Any) -> str | int:
+        if isinstance(key, str):
+            return key
+        if isinstance(key, int) and not isinstance(key, bool):
+            return DictKey(key)
+        where = dcp_key(path) or "the top level"
+        raise ValueError(f"key {key!r} under {where} is a {type(key).__name__}, not a string or integer")
+
+    def visit(path: ObjPath, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                visit((*path, element(path, k)), v)
+        elif terminal(value):
+            key = dcp_key(path)
+            if key in flat:
+                raise ValueError(f"two entries flatten to the key {key!r} ({flat[key][0]!r} and {path!r})")
+            flat[key] = (path, value)
+        else:
+            for i, v in enumerate(value):
+                visit((*path, i), v)
+
+    for key, value in obj.items():
+        visit((element((), key),), value)
+    return flat
 
 
 def unflatten(items: Iterable[tuple[ObjPath, Any]]) -> dict[str, Any]:

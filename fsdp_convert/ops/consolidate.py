@@ -3,7 +3,7 @@
 The plan lays every output file out before any data is read, so each worker writes its own
 tensors at their offsets in the output files (``move``), on one node or many; rank 0 then gathers
 the CRC-32s, reads the plain values and writes the headers, pickles and the folder's index. No
-tensor crosses between workers. A progress bar (tqdm, on stderr) counts rank 0's bytes written.
+tensor crosses between workers. A progress bar on stderr (``progress``) counts every worker's bytes written.
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ def consolidate(
 
     Args:
         checkpoint_id: the DCP checkpoint folder (or accelerate's parent folder of
-            ``pytorch_model_fsdp_0/`` and ``optimizer_0/``).
+            ``pytorch_model_fsdp_0/`` and ``optimizer_0/``), per-rank files, or any output of this
+            tool: a torch.save file (any name), a safetensors file, a Hugging Face or PEFT folder.
         output: ``.pt``/``.pth``/``.bin`` for torch.save of the nested state dict
             (``{"model": {fqn: tensor}, "optim": {"state": {fqn: {...}}, "param_groups": [...]},
             ...}``, as ``get_model_state_dict``/``get_optimizer_state_dict`` with
@@ -127,7 +128,8 @@ def consolidate(
             of mode ``only`` (``--lora-only``) makes ``output`` a PEFT adapter folder:
             ``adapter_model.safetensors`` (one file) and ``adapter_config.json`` (rank 0, last);
             it refuses a file ``output`` and ``verify_output`` (InvalidOptionError).
-        output_format: ``auto`` (by suffix), ``torch`` or ``safetensors`` (see ``plan.output_format``).
+        output_format: ``auto`` (by suffix), ``torch`` (torch.save under any name but ``.safetensors``,
+            e.g. Lightning's ``.ckpt``) or ``safetensors`` (see ``plan.output_format``).
         overwrite: replace an existing ``output`` (at the final rename only).
         memory_budget_bytes: buffers each process may hold, in bytes: peak memory per process is
             the interpreter's plus this, whatever the largest tensor, when chunks are read in place
@@ -142,7 +144,9 @@ def consolidate(
         space_check: before anything is read or created, check that the output's size from the plan
             (``plan.output_bytes``; to a URL, what its local staging folder holds: two waves of a folder's
             files, ``ops._waves``) fits where its temporary is written; ``--no-space-check`` turns it off.
-        progress: show tqdm bars (bytes, rate, ETA) on stderr.
+        progress: bars on stderr (``progress``: bytes of every worker, binary units, rate, time left),
+            drawn by rank 0's worker: ``write``, ``re-check`` first when resuming, ``verify`` last with
+            ``verify_output``.
         cluster: torchrun's multi-node options; every node calls ``consolidate`` with the same
             arguments and ``nproc`` workers per node, and the output (on storage every node
             reaches) is written by rank 0's node. Under the user's own torchrun (``RANK`` and
@@ -178,7 +182,7 @@ def consolidate(
     with local_output(output, overwrite=overwrite, shared=tag is not None, last=last) as (output, shown):
         start = time.monotonic()
         options = options or TransformOptions()
-        index = read_index(checkpoint_id)
+        index = read_index(checkpoint_id, full_files=True)  # a sharded checkpoint, or any output of this tool
         fmt = plan_output_format(output, output_format)
         directory = fmt == "hf_dir"
         lora = lora_only(options)
@@ -246,7 +250,9 @@ def consolidate(
                 with writing(tmp):
                     file_bytes += sum(p.stat().st_size for p in write_hf_assets(assets, tmp, dtype=dtype))
             if verify_output:
-                check = verify(index.checkpoint_id, tmp, only=only, check_crc=check_crc, options=options, in_process=True)
+                check = verify(
+                    index.checkpoint_id, tmp, only=only, check_crc=check_crc, options=options, in_process=True, progress=progress
+                )
                 if not check.equal:
                     d = check.differences[0]
                     raise VerificationError(

@@ -203,12 +203,15 @@ def reshard(
     cluster: Cluster | None = None,
     compress: Literal["zstd"] | None = None,
     resume: bool = False,
+    progress: bool = False,
 ) -> ReshardResult:
     """Lay a checkpoint out for ``world_size`` ranks: a new DCP folder any DCP loader reads.
 
-    The source is a DCP folder (any world size), or a full checkpoint: a torch.save file
-    (``.pt``/``.pth``/``.bin``, read with ``weights_only=True, mmap=True``), a safetensors file or
-    a Hugging Face folder, whose nesting (or flat names) the output keeps.
+    The source is a DCP folder (any world size), or a full checkpoint (any output of
+    ``consolidate``): a torch.save file under any name (read with ``weights_only=True``,
+    memory-mapped), whose nesting the output keeps; safetensors weights alone (a file, a Hugging
+    Face or PEFT folder), whose flat names it keeps, as ``model.state_dict()`` has them; a
+    Hugging Face folder with ``optimizer.pt``, as ``{"model", "optim"}`` plus ``extra_state.pt``'s entries.
 
     Every tensor is split on dim 0 in ``torch.chunk(world_size)`` order, rank r's chunks in
     ``__r_0.distcp`` (the layout of FSDP2's ``Shard(0)``), so at that world size each rank reads
@@ -224,8 +227,8 @@ def reshard(
     ``random_states_<r>.pkl`` and unknown files are left out; ``ReshardResult.notes`` says so.
 
     Args:
-        checkpoint_id: the source: a DCP folder (or accelerate's parent folder), a full torch.save
-            or safetensors file, or an HF folder.
+        checkpoint_id: the source: a DCP folder (or accelerate's parent folder), per-rank files, a
+            full torch.save or safetensors file, or a Hugging Face or PEFT folder.
         output: the output folder.
         world_size: the target world size.
         nproc: workers, each moving its share of the chunks (balanced by bytes) into any rank
@@ -246,6 +249,8 @@ def reshard(
             with several nodes the output's filesystem must be shared). None (default): uncompressed,
             whatever the source.
         resume: finish the interrupted run's temporary output, as for ``consolidate``.
+        progress: a bar on stderr (``progress``: bytes of every worker, binary units, rate, time left),
+            drawn by rank 0's worker; ``re-check`` first when resuming.
 
     Raises:
         As ``consolidate``; InvalidOptionError for ``world_size < 1``, or ``compress="zstd"`` without
@@ -278,7 +283,12 @@ def reshard(
         temporary = temporary_output(output, overwrite=overwrite, directory=True, tag=tag, fingerprint=fingerprint, resume=resume)
         with temporary as (tmp, resumable):
             job = ReshardJob(
-                checkpoint_id=index.checkpoint_id, plans=plans, tmp_output=tmp, check_crc=check_crc, resume=resumable
+                checkpoint_id=index.checkpoint_id,
+                plans=plans,
+                tmp_output=tmp,
+                check_crc=check_crc,
+                resume=resumable,
+                progress=progress,
             )
             owner, values, uploaded = reshard_in_waves(reshard_rank, job, workers, cluster, url)  # .metadata last
             if not owner:

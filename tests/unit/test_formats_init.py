@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 from fsdp_convert.errors import CheckpointNotFoundError, MissingDataFileError, NotADcpCheckpointError
-from fsdp_convert.formats import check_data_files, detect_format, open_checkpoint, read_index
+from fsdp_convert.formats import check_data_files, detect_format, open_checkpoint, open_reader, read_index
 from fsdp_convert.formats.dcp import DcpReader
 from fsdp_convert.formats.full_file import FileBoxReader
 from fsdp_convert.formats.hf_storage import HfStorageReader
@@ -100,3 +100,14 @@ def test_check_data_files_names_a_missing_file(tmp_path: Path) -> None:
     (tmp_path / "ck" / index.data_files[0]).unlink()
     with pytest.raises(MissingDataFileError, match=index.data_files[0]):
         check_data_files(index)
+
+
+def test_workers_read_a_full_file_the_index_accepted(tmp_path: Path) -> None:
+    """consolidate's workers open the reader without full_files: a file or folder that read_index took is read as one."""
+    path = tmp_path / "last.ckpt"
+    torch.save({"model": {"w": W}}, path)
+    assert detect_format(path, full_files=True) == "full_file"
+    (entry,) = read_index(path, full_files=True).tensors()
+    with open_reader(path) as reader:
+        assert type(reader) is FileBoxReader
+        assert torch.equal(reader.read_tensor(entry), W)

@@ -164,3 +164,14 @@ def test_plan_lays_every_tensor_out_once_without_overlap(ws3_ckpt: Sample, tmp_p
         assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:], strict=False)), file.filename
         assert not ranges or ranges[0][0] >= len(file.header)
     assert set(plan.owners) == {0, 1}
+
+
+def test_a_param_group_field_stored_as_a_tensor_is_refused_before_planning(tmp_path: Path) -> None:
+    """The params lists are read as plain values to build the optimizer items; a tensor there is named, not asserted on."""
+    from fsdp_convert.errors import UnsupportedTransformError
+
+    w = torch.zeros(2)
+    torch.save({"model": {"w": w}, "optim": {"state": {"w": {"exp_avg": w}}, "param_groups": [{"params": w}]}}, tmp_path / "x.pt")
+    index = read_index(tmp_path / "x.pt", full_files=True)
+    with pytest.raises(UnsupportedTransformError, match="optim.param_groups.0.params: a tensor, where this tool reads"):
+        prepare_items(index, TransformOptions(), groups_for("torch_save", "all"))
