@@ -251,7 +251,14 @@ def consolidate(
                     file_bytes += sum(p.stat().st_size for p in write_hf_assets(assets, tmp, dtype=dtype))
             if verify_output:
                 check = verify(
-                    index.checkpoint_id, tmp, only=only, check_crc=check_crc, options=options, in_process=True, progress=progress
+                    index.checkpoint_id,
+                    tmp,
+                    only=only,
+                    check_crc=check_crc,
+                    options=options,
+                    in_process=True,
+                    progress=progress,
+                    transform_files=True,  # a file input too is compared as its transforms made it
                 )
                 if not check.equal:
                     d = check.differences[0]

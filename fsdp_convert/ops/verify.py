@@ -12,130 +12,21 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from fsdp_convert.constants import UNCASTABLE_DTYPES
-from fsdp_convert.errors import CheckpointNotFoundError
-from fsdp_convert.formats import check_data_files, detect_format, open_reader, read_index
-from fsdp_convert.formats.full_file import MODEL_PREFIX, SafetensorsFiles, open_full_file
-from fsdp_convert.formats.index import BytesEntry, Location, TensorEntry, Url, check_coverage, dcp_key, dtype_name
-from fsdp_convert.items import prepare_items
+from fsdp_convert.formats.full_file import MODEL_PREFIX, SafetensorsFiles
+from fsdp_convert.formats.index import dtype_name
 from fsdp_convert.launch import Cluster, WorkerGroup, job_world_size, run_ranks, worker_bars
-from fsdp_convert.layout import GROUPS, Group, group_of_top
+from fsdp_convert.layout import Group, group_of_top
+from fsdp_convert.ops._sources import DcpSource, Source, open_source
 from fsdp_convert.plan import Only
 from fsdp_convert.progress import StepProgress
-from fsdp_convert.remote import is_url
-from fsdp_convert.transform import OutputItem, TransformOptions, parse_dtype
+from fsdp_convert.transform import TransformOptions, parse_dtype
 
 __all__ = ["Source", "open_source", "Difference", "VerifyResult", "verify"]
-
-
-class Source(Protocol):
-    """A checkpoint seen as flat keys; values are loaded on demand, one at a time."""
-
-    @property
-    def path(self) -> Location:
-        """Where the checkpoint is."""
-        ...
-
-    kind: str  # "dcp", "torch_save", "safetensors" or "hf_dir"
-    model_only: bool  # holds model weights only (the safetensors formats)
-
-    def keys(self) -> list[str]:
-        """Every flat key, in the checkpoint's order."""
-        ...
-
-    def get(self, key: str) -> Any:
-        """The value of ``key``: a CPU tensor, or a plain Python value."""
-        ...
-
-    def close(self) -> None:
-        """Release open files."""
-        ...
-
-
-class _DcpSource:
-    """A DCP checkpoint seen through ``transform`` items.
-
-    Keys are the nested layout's (wrapper names removed, ``optimizer`` as ``optim``, flattened
-    optimizer state nested).
-    """
-
-    kind = "dcp"
-    model_only = False
-
-    def __init__(self, path: Location, check_crc: bool, options: TransformOptions | None) -> None:
-        self.path = path
-        self.index = read_index(path)
-        check_data_files(self.index)
-        # no options: the keys as saved (what torch's dcp_to_torch_save gives); else as consolidate writes them
-        raw = TransformOptions(keep_wrapper_names=True)
-        items = prepare_items(self.index, options or raw, GROUPS, check_crc=check_crc, keep_layout=options is None)
-        self._items: dict[str, OutputItem] = {dcp_key(item.path): item for item in items}
-        self._reader = open_reader(path, check_crc=check_crc)
-
-    def keys(self) -> list[str]:
-        return list(self._items)
-
-    def get(self, key: str) -> Any:
-        item = self._items[key]
-        if item.constant:
-            return item.value
-        entry = item.entry
-        if isinstance(entry, BytesEntry):
-            return self._reader.read_value(entry)
-        if item.derived is not None:  # an adapter's rows: recomputed from its whole inputs (derive.Derived.compute)
-            for source in item.sources:
-                check_coverage(source)
-            tensor = item.derived.compute([self._reader.read_tensor(source) for source in item.sources])
-        else:
-            check_coverage(entry)
-            tensor = self._reader.read_tensor(entry)
-        if item.dtype in (None, tensor.dtype):
-            return tensor
-        # cast as consolidate's writers do, element by element (a 0-dim tensor would take torch's
-        # scalar path); NaN bits still vary by torch's code path, so a cast key compares NaNs as NaNs
-        return tensor.reshape(-1).to(item.dtype).reshape(tensor.shape)
-
-    def item(self, key: str) -> OutputItem:
-        """``key``'s item: its group as classified (torchtitan's top-level weights are ``model``), its bytes as read."""
-        return self._items[key]
-
-    def was_cast(self, key: str) -> bool:
-        """True when ``key``'s tensor is read in another dtype than stored (``--dtype``/``--optim-dtype``)."""
-        item = self._items[key]
-        return isinstance(item.entry, TensorEntry) and item.dtype not in (None, item.entry.dtype)
-
-    def close(self) -> None:
-        self._reader.close()
-
-
-def open_source(path: str | os.PathLike[str], *, check_crc: bool = True, options: TransformOptions | None = None) -> Source:
-    """Open a checkpoint of any supported format by what the path holds.
-
-    A folder with ``.metadata`` is DCP; a folder with ``model.safetensors.index.json`` or
-    ``model.safetensors`` is a Hugging Face folder; ``.pt``/``.pth``/``.bin`` is torch.save
-    (loaded with ``weights_only=True, mmap=True``); ``.safetensors`` is one safetensors file.
-    A DCP checkpoint's keys are as saved (as torch's ``dcp_to_torch_save`` gives them), or, with
-    ``options``, those ``consolidate`` writes under them; a Hugging Face folder's
-    ``optimizer.pt`` and ``extra_state.pt`` come in as ``optim.*`` and their own keys.
-
-    Raises:
-        CheckpointNotFoundError: the path does not exist.
-        NotADcpCheckpointError: a folder with none of the above, or an unknown file type.
-        UnsafeContentError: a pickle that would run code.
-    """
-    if is_url(path):  # a remote DCP checkpoint
-        return _DcpSource(Url(str(path).rstrip("/")), check_crc, options)
-    p = Path(path)
-    if not p.exists():
-        raise CheckpointNotFoundError(f"{p} does not exist")
-    if detect_format(p, full_files=True) != "full_file":
-        return _DcpSource(p, check_crc, options)  # read_index names what is wrong with any other folder
-    return open_full_file(p)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -205,13 +96,13 @@ def _values(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def _was_cast(source: Source, key: str) -> bool:
-    return isinstance(source, _DcpSource) and source.was_cast(key)
+    return isinstance(source, DcpSource) and source.was_cast(key)
 
 
 def _tensor_sizes(source: Source, keys: tuple[str, ...]) -> tuple[int, ...]:
     """Bytes of each key's tensor as ``source.get`` gives it (0 for a plain value), from metadata, headers or a memory map."""
     known: dict[str, int] = {}  # a key not known here is a torch.save file's (memory-mapped: nothing is read)
-    if isinstance(source, _DcpSource):
+    if isinstance(source, DcpSource):
         known = {key: source.item(key).nbytes if source.item(key).is_tensor else 0 for key in keys}
     elif isinstance(source, SafetensorsFiles):
         known = {MODEL_PREFIX + name: math.prod(shape) * dtype.itemsize for name, dtype, shape in source.tensors()}
@@ -224,7 +115,7 @@ def _cast_dtype(key: str, sources: tuple[Source, Source], casts: tuple[torch.dty
 
     Model weights take the dtype, optimizer state (never ``step``) the optim_dtype; the group is a DCP side's, else the key's.
     """
-    group = next((s.item(key).group for s in sources if isinstance(s, _DcpSource)), None) or _key_group(key)
+    group = next((s.item(key).group for s in sources if isinstance(s, DcpSource)), None) or _key_group(key)
     parts = key.split(".")
     if group == "optim" and len(parts) > 2 and parts[1] == "state" and parts[-1] != "step":
         return casts[1]
@@ -303,6 +194,7 @@ def verify(
     dtype: torch.dtype | str | None = None,
     optim_dtype: torch.dtype | str | None = None,
     progress: bool = False,
+    transform_files: bool = False,
 ) -> VerifyResult:
     """Compare two checkpoints of any formats (DCP, .pt, safetensors, HF folder) key by key.
 
@@ -333,6 +225,8 @@ def verify(
         dtype: cast model tensors to this dtype first (a ``torch.dtype``, or ``fp32``/``bf16``/``fp16``).
         optim_dtype: the same for optimizer state, never ``step``.
         progress: a ``verify`` bar on stderr of A's tensor bytes compared (every worker's, drawn by rank 0's).
+        transform_files: see A through ``options`` even when it is a file (a full checkpoint):
+            ``consolidate --verify`` of a file input compares with what its transforms made of it.
 
     Returns:
         The keys compared and every difference (``missing``: only in A; ``extra``: only in B).
@@ -343,12 +237,14 @@ def verify(
         InvalidOptionError: ``dtype`` or ``optim_dtype`` names no dtype.
     """
     casts = tuple(parse_dtype(d) if isinstance(d, str) else d for d in (dtype, optim_dtype))
-    source_a = open_source(a, check_crc=check_crc, options=options)
-    try:
-        source_b = open_source(b, check_crc=check_crc, options=options)
-    except BaseException:
+    source_a, source_b = _open_sides(a, b, check_crc, options, transform_files)
+    if options is None and (source_a.model_only or source_b.model_only) and "dcp" in (source_a.kind, source_b.kind):
+        # weights alone (safetensors, HF, PEFT) carry no group: see the DCP side's weights as
+        # consolidate names them (``model.`` + FQN), whether it nests them or saved them flat (a reshard of such a file)
         source_a.close()
-        raise
+        source_b.close()
+        options = TransformOptions(keep_wrapper_names=True)
+        source_a, source_b = _open_sides(a, b, check_crc, options, transform_files)
     try:
         keys_a, keys_b = source_a.keys(), source_b.keys()
         if source_a.model_only or source_b.model_only:
@@ -376,6 +272,7 @@ def verify(
         casts=casts,
         progress=progress,
         sizes=sizes,
+        transform_files=transform_files,
     )
     if in_process:
         owner, differing = True, _verify_rank(job, 0, 1, None)
@@ -398,28 +295,38 @@ class _VerifyJob:
     casts: tuple[torch.dtype | None, ...] = (None, None)  # verify's dtype, optim_dtype
     progress: bool = False
     sizes: tuple[int, ...] = ()  # with progress: bytes of A's tensor of each key (``_tensor_sizes``)
+    transform_files: bool = False  # A, when a file, seen through ``options`` too
+
+
+def _open_sides(
+    a: str | os.PathLike[str], b: str | os.PathLike[str], check_crc: bool, options: TransformOptions | None, transform_files: bool
+) -> tuple[Source, Source]:
+    """Both sides opened (``open_source``), A through ``options`` even as a file with ``transform_files``."""
+    source_a = open_source(a, check_crc=check_crc, options=options, transform_files=transform_files)
+    try:
+        return source_a, open_source(b, check_crc=check_crc, options=options)
+    except BaseException:
+        source_a.close()
+        raise
 
 
 def _compare_keys(job: _VerifyJob, positions: range, progress: StepProgress) -> list[tuple[str, str]]:
     """``(key, detail)`` of every differing key of ``job.keys[positions]``, after the casts asked."""
     mine: list[tuple[str, str]] = []
-    source_a = open_source(job.a, check_crc=job.check_crc, options=job.options)
+    source_a, source_b = _open_sides(job.a, job.b, job.check_crc, job.options, job.transform_files)
     try:
-        source_b = open_source(job.b, check_crc=job.check_crc, options=job.options)
-        try:
-            for i in positions:
-                key = job.keys[i]
-                target = _cast_dtype(key, (source_a, source_b), job.casts)
-                value_a, cast_a = _cast(source_a.get(key), target)
-                value_b, cast_b = _cast(source_b.get(key), target)
-                any_nan = cast_a or cast_b or _was_cast(source_a, key) or _was_cast(source_b, key)
-                detail = _compare(value_a, value_b, job.atol, job.rtol, any_nan=any_nan)
-                if detail is not None:
-                    mine.append((key, detail))
-                progress.advance(job.sizes[i] if job.sizes else 0)
-        finally:
-            source_b.close()
+        for i in positions:
+            key = job.keys[i]
+            target = _cast_dtype(key, (source_a, source_b), job.casts)
+            value_a, cast_a = _cast(source_a.get(key), target)
+            value_b, cast_b = _cast(source_b.get(key), target)
+            any_nan = cast_a or cast_b or _was_cast(source_a, key) or _was_cast(source_b, key)
+            detail = _compare(value_a, value_b, job.atol, job.rtol, any_nan=any_nan)
+            if detail is not None:
+                mine.append((key, detail))
+            progress.advance(job.sizes[i] if job.sizes else 0)
     finally:
+        source_b.close()
         source_a.close()
     return mine
 

@@ -145,9 +145,8 @@ def test_reshard_of_each_output_holds_its_values(built: dict[str, Built], kind: 
     assert sorted(p.name for p in out.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     tensors = sum(isinstance(v, torch.Tensor) for _, v in flatten_with_paths(b.want).values())
     assert assert_same_state(torch_view(out, tmp_path), b.want) == tensors
-    # verify reads the reshard back; weights alone are top-level keys there, so it sees them as consolidate would
-    options = TransformOptions() if kind in MODEL_ONLY else None
-    check = fsdp_convert.verify(b.path, out, options=options)
+    # verify reads the reshard back as it is: weights alone (flat names there) are seen as consolidate names them
+    check = fsdp_convert.verify(b.path, out)
     assert check.equal and check.compared == len(flatten_with_paths(b.want)), check.differences[:3]
 
 
@@ -182,3 +181,18 @@ def test_consolidated_folder_reshards_and_loads_in_fsdp2_at_two_ranks(
     work.mkdir()
     run_ranks(_load_at_new_world_size, 2, out2, ws3_ckpt.truth_path, work)  # model and optimizer, each rank its own file
     assert json.loads((work / "losses.json").read_text()) == pytest.approx(_reference_losses(ws3_ckpt.truth()), rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["pt", "hf"])
+def test_consolidate_verify_of_a_file_input_compares_after_its_transforms(
+    built: dict[str, Built], kind: str, tmp_path: Path
+) -> None:
+    """``--verify`` with ``--dtype bf16`` and a rename on a file input: the output is compared with
+    what the transforms made of the input, not with the input as stored (a false VerificationError)."""
+    options = TransformOptions(dtype="bf16", renames=["^norm\\.=final_norm."])
+    out = tmp_path / "cast.pt"
+    result = fsdp_convert.consolidate(built[kind].path, out, nproc=1, options=options, verify_output=True)
+    assert result.tensors > 0
+    model = torch.load(out, weights_only=True)["model"]
+    assert "final_norm.weight" in model and "norm.weight" not in model
+    assert {t.dtype for t in model.values()} == {torch.bfloat16}
