@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Break the code on purpose, one claim at a time, and check that the test backing it fails.
 
-Each mutation below names a README claim, a one-place edit of the package (``old`` must occur
+Each mutation below names a claim of README.md or docs/, a one-place edit of the package (``old`` must occur
 exactly once in ``file``) and the test that backs the claim. For each, the tracked and untracked
 (not ignored) files are copied to a temporary folder, the edit is applied there, and that one
 test runs from the copy with ``PYTHONPATH`` pointing at it (so forked ranks, spawned workers and
@@ -112,7 +112,15 @@ MUTATIONS: list[Mutation] = [
         "fsdp_convert/writers/_atomic.py",
         "        if not overwrite:\n            raise OutputExistsError",
         "        if False:\n            raise OutputExistsError",
-        "tests/cli/test_bad_inputs.py::test_bad_input_fails_cleanly[output exists]",
+        "tests/cli/test_precheck.py::test_output_checks_as_the_library_says",
+    ),
+    Mutation(
+        "existing-output-precheck-skipped",
+        "a usage error (an existing OUT, a bad suffix, --dtype fp8, a missing checkpoint) is answered before torch is imported",
+        "fsdp_convert/cli/_precheck.py",
+        "if output is not None and not (overwrite or resume) and (output.exists() or output.is_symlink()):",
+        "if False:",
+        "tests/cli/test_precheck.py::test_usage_errors_come_before_torch[existing OUT]",
     ),
     Mutation(
         "safetensors-bf16-as-f16",
@@ -149,7 +157,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "cast-touches-step",
         "--optim-dtype casts the optimizer state; integer tensors and step never change",
-        "fsdp_convert/transform.py",
+        "fsdp_convert/transform/__init__.py",
         'dtype = _cast(entry, options.optim_dtype, keep=slot.key == "step")',
         "dtype = _cast(entry, options.optim_dtype, keep=False)",
         "tests/integration/test_transforms.py::test_rename_filter_and_cast_apply_to_model_and_optimizer",
@@ -157,7 +165,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "exclude-ignored",
         "--include GLOB / --exclude GLOB on model FQNs",
-        "fsdp_convert/transform.py",
+        "fsdp_convert/transform/__init__.py",
         "return not any(fnmatch.fnmatchcase(fqn, g) for g in options.exclude)",
         "return True",
         "tests/integration/test_transforms.py::test_rename_filter_and_cast_apply_to_model_and_optimizer",
@@ -165,7 +173,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "rename-collision-silent",
         "--rename: two keys renamed to one is an error naming both",
-        "fsdp_convert/transform.py",
+        "fsdp_convert/transform/__init__.py",
         "if out in seen:",
         "if False:",
         "tests/integration/test_transforms.py::test_bad_transforms_are_usage_errors",
@@ -173,7 +181,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "ids-reversed",
         "--optim-keys ids keys optimizer state by integer in the optimizer's own order",
-        "fsdp_convert/transform.py",
+        "fsdp_convert/transform/__init__.py",
         "return DictKey(ids[param])",
         "return DictKey(len(ids) - 1 - ids[param])",
         "tests/integration/test_transforms.py::test_ids_follow_the_optimizers_own_order",
@@ -181,7 +189,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "wrapper-names-kept",
         "Wrapper names (_orig_mod., ...) are removed from model and optimizer FQNs",
-        "fsdp_convert/transform.py",
+        "fsdp_convert/transform/__init__.py",
         'parts = [p for p in fqn.split(".") if p not in WRAPPER_NAMES]',
         'parts = fqn.split(".")',
         "tests/integration/test_producers.py::test_each_producer_consolidates_to_its_ground_truth[fsdp2-wrapper-names]",
@@ -206,8 +214,8 @@ MUTATIONS: list[Mutation] = [
         "gather-takes-rank-1s-pieces-for-every-rank",
         "every worker writes its own tensors there (`pwrite`) ...; only offsets and CRC-32s go to rank 0 (as JSON over gloo), which writes the headers, the pickle and the central directory last. The output is byte-identical for any `--nproc` and `--nnodes`.",
         "fsdp_convert/launch.py",
-        "            out.append(json.loads(bytes(raw.numpy())))",
-        "            out.append(out[1] if len(out) > 1 else json.loads(bytes(raw.numpy())))",
+        "            out.append(json.loads(raw))",
+        "            out.append(out[1] if len(out) > 1 else json.loads(raw))",
         "tests/integration/test_consolidate.py::test_consolidate_nproc3_is_byte_identical_to_nproc1",
     ),
     Mutation(
@@ -293,7 +301,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "torchtitan-ids-not-in-optimizer-order",
         "`--optim-keys ids` keys optimizer state, and each param group's `params`, by integer in the model's parameter order, the form `torch.optim.Optimizer.state_dict()` returns",
-        "fsdp_convert/transform.py",
+        "fsdp_convert/transform/__init__.py",
         "order = [p for g in sorted(groups) for p in groups[g].params]",
         "order = sorted(p for g in sorted(groups) for p in groups[g].params)",
         "tests/integration/test_producers.py::test_resume_on_one_process_matches_the_fsdp_next_step[torchtitan]",
@@ -301,7 +309,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "torchtitan-reshard-nests-weights",
         "a torchtitan checkpoint keeps its top-level weights and flattened optimizer state",
-        "fsdp_convert/transform.py",
+        "fsdp_convert/transform/__init__.py",
         'else () if keep_layout else ("model",)',
         'else ("model",)',
         "tests/integration/test_producers.py::test_reshard_keeps_the_producer_layout[torchtitan]",
@@ -380,7 +388,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "reshard-array-split-fsdp1-rank-files",
-        "Any source in the table above works, including per-rank files ..., which become a regular DCP folder (split in `torch.chunk(M)` order)",
+        "Any source in the table of producers.md works, including per-rank files ..., which become a regular DCP folder (split in `torch.chunk(M)` order)",
         "fsdp_convert/reshard_plan.py",
         "        start = rank * step\n        if start >= rows:\n            break\n        offsets = (start, *(0,) * (len(shape) - 1))\n        chunks.append(TargetChunk(rank=rank, offsets=offsets, sizes=(min(step, rows - start), *shape[1:])))",
         "        start = rank * (rows // world_size) + min(rank, rows % world_size)\n        if start >= rows:\n            break\n        offsets = (start, *(0,) * (len(shape) - 1))\n        chunks.append(TargetChunk(rank=rank, offsets=offsets, sizes=(rows // world_size + (rank < rows % world_size), *shape[1:])))",
@@ -428,7 +436,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "verl-local-tensor-reversed",
-        "Any source in the table above works, including per-rank files ..., which become a regular DCP folder (holding the run's state)",
+        "Any source in the table of producers.md works, including per-rank files ..., which become a regular DCP folder (holding the run's state)",
         "fsdp_convert/formats/_rank_unpickler.py",
         'return obj.fields["_local_tensor"]',
         'return obj.fields["_local_tensor"].flip(-1) if obj.fields["_local_tensor"].dim() else obj.fields["_local_tensor"]',

@@ -106,7 +106,7 @@ def test_inspect_json_agrees_with_torchs_reading_of_metadata(runner: CliRunner, 
     assert doc["data_files"] == sorted(files)
     assert doc["total_bytes"] == sum(int(row["bytes"]) for row in want.values())  # type: ignore[call-overload]
     assert doc["dcp_version"] == md.version
-    # FSDP2 records an empty chunk for a tensor smaller than the world size (README's producer table)
+    # FSDP2 records an empty chunk for a tensor smaller than the world size (docs/producers.md's producer table)
     tensors = [m for m in md.state_dict_metadata.values() if isinstance(m, TensorStorageMetadata)]
     assert doc["producer"] == "fsdp2" and any(math.prod(c.sizes) == 0 for m in tensors for c in m.chunks)
 

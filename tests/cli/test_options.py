@@ -179,5 +179,5 @@ def test_the_default_max_shard_size_is_what_save_pretrained_uses() -> None:
     ours = pyinspect.signature(consolidate_command).parameters["max_shard_size"].default
     assert parse_size(ours) == DEFAULT_MAX_SHARD_BYTES == 50 * 10**9
     theirs = pyinspect.signature(PreTrainedModel.save_pretrained).parameters["max_shard_size"].default
-    # transformers 5 (what the test extra installs fresh) uses ours; 4.x used 5GB (README says so)
+    # transformers 5 (what the test extra installs fresh) uses ours; 4.x used 5GB (docs/options.md says so)
     assert parse_size(theirs) == (DEFAULT_MAX_SHARD_BYTES if int(transformers.__version__.split(".")[0]) >= 5 else 5 * 10**9)

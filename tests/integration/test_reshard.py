@@ -276,7 +276,7 @@ def _logged_reads(log_dir: Path) -> dict[int, Counter[ReadRecord]]:
 def test_reshard_reads_only_the_source_chunks_a_target_chunk_meets(
     ws3_ckpt: Sample, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: int, nproc: int
 ) -> None:
-    """README: "Only the source chunks a target chunk meets are read." From 3 ranks to 2, 4 and 6:
+    """docs/options.md: "Only the source chunks a target chunk meets are read." From 3 ranks to 2, 4 and 6:
     the workers together read exactly the source chunks the target chunks meet, each once per such
     target chunk, at the byte range torch's .metadata gives, and nothing else (an empty chunk, a
     chunk of rows the target chunk does not hold); with 2 workers both read (chunks are balanced

@@ -93,7 +93,7 @@ def _chunks(meta: TensorStorageMetadata) -> list[tuple[tuple[int, ...], tuple[in
 
 
 def _assert_titan_layout(out: Path, source: Path, world_size: int) -> int:
-    """``assert_torch_chunk_layout`` with README's one exception, from torch's reading of both
+    """``assert_torch_chunk_layout`` with docs/options.md's one exception, from torch's reading of both
     ``.metadata`` files: a tensor the source kept whole (one chunk, the whole tensor: the 0-dim
     ``step``s, and llama3's ``wq``/``wk``/``wv``, which torchtitan's save hook cuts whole out of
     every rank's fused ``wqkv``) stays one whole chunk in rank 0's file; every other tensor is cut on dim 0 as
@@ -113,7 +113,7 @@ def _assert_titan_layout(out: Path, source: Path, world_size: int) -> int:
 
 
 def test_torchtitan_reshard_is_the_run_in_torchtitans_layout(torchtitan_run: Path, tmp_path: Path) -> None:
-    """README: "a torchtitan checkpoint keeps its top-level weights and flattened optimizer state".
+    """docs/options.md: "a torchtitan checkpoint keeps its top-level weights and flattened optimizer state".
     torchtitan's own Trainer and CheckpointManager saved the run at 2 ranks; torch reads its
     reshard to 3 as the run's weights at the top level (llama3's ``wq``/``wk``/``wv``) and, under
     ``optimizer``, the run's optimizer state flattened (keyed by the fused ``wqkv``); the other
@@ -163,7 +163,7 @@ def _load_as_torchtitan(rank: int, world_size: int, checkpoint: Path, truth_path
 
 
 def test_torchtitan_reshard_loads_the_way_torchtitan_loads_at_three_ranks(torchtitan_run: Path, tmp_path: Path) -> None:
-    """README: "a torchtitan checkpoint keeps its top-level weights and flattened optimizer
+    """docs/options.md: "a torchtitan checkpoint keeps its top-level weights and flattened optimizer
     state", so its producer's loader reads the result: torchtitan's own Trainer at 3 ranks resumes
     from the reshard of its 2-rank run with its CheckpointManager, each rank from its own file,
     and holds the run's full model and optimizer state, step, data position and LR schedule."""
