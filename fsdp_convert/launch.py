@@ -363,9 +363,17 @@ def run_workers(
     for lg in quiet:
         lg.setLevel(logging.CRITICAL + 1)
     # a run stopped by a signal leaves the launcher's semaphore to multiprocessing's resource
-    # tracker, whose warning about it would be the only other line on stderr
+    # tracker, whose warning about it would be the only other line on stderr; and torch warns in
+    # every worker when NumPy is absent, which this tool never needs (it is not a dependency)
     os.environ["PYTHONWARNINGS"] = ",".join(
-        filter(None, [os.environ.get("PYTHONWARNINGS"), "ignore:resource_tracker:UserWarning"])
+        filter(
+            None,
+            [
+                os.environ.get("PYTHONWARNINGS"),
+                "ignore:resource_tracker:UserWarning",
+                "ignore:Failed to initialize NumPy:UserWarning",
+            ],
+        )
     )
     multiprocessing.set_forkserver_preload(["torch.distributed", "fsdp_convert.ops.consolidate", "fsdp_convert.ops.reshard"])
     try:

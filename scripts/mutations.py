@@ -115,6 +115,22 @@ MUTATIONS: list[Mutation] = [
         "tests/cli/test_precheck.py::test_output_checks_as_the_library_says",
     ),
     Mutation(
+        "gather-through-numpy",
+        "a plain pip install of the wheel (no extras) runs the main job with several workers: numpy is not a dependency",
+        "fsdp_convert/launch.py",
+        "            raw = bytearray(int(length.item()))\n            dist.recv(torch.frombuffer(raw, dtype=torch.uint8), src=src)\n            out.append(json.loads(raw))",
+        "            raw = torch.empty(int(length.item()), dtype=torch.uint8)\n            dist.recv(raw, src=src)\n            out.append(json.loads(bytes(raw.numpy())))",
+        "tests/integration/test_without_numpy.py",
+    ),
+    Mutation(
+        "undeclared-import",
+        "every runtime import is a declared dependency",
+        "fsdp_convert/formats/dcp.py",
+        "\nimport torch\n",
+        "\nimport numpy  # noqa: F401\nimport torch\n",
+        "tests/unit/test_dependencies.py",
+    ),
+    Mutation(
         "existing-output-precheck-skipped",
         "a usage error (an existing OUT, a bad suffix, --dtype fp8, a missing checkpoint) is answered before torch is imported",
         "fsdp_convert/cli/_precheck.py",
