@@ -45,9 +45,11 @@ from fsdp_convert.reshard_plan import ReshardPlan
 from fsdp_convert.transform import OutputItem
 from fsdp_convert.writers import atomic_output
 from fsdp_convert.writers._atomic import temporaries, temporary_path
+from fsdp_convert.writers._lock import check_not_locked
 from fsdp_convert.writers._manifest import (
     Record,
     RecordLog,
+    Source,
     check_manifest,
     digest,
     has_manifest,
@@ -123,13 +125,13 @@ def reshard_layout(plans: tuple[tuple[str, ReshardPlan], ...]) -> Layout:
     return Layout(names, sizes, records)
 
 
-def source_digest(index: CheckpointIndex, items: tuple[OutputItem, ...]) -> str:
-    """Digest of the checkpoint as read: its ``.metadata`` bytes (a local DCP folder) and every entry the items read."""
+def source_digest(index: CheckpointIndex, items: tuple[OutputItem, ...]) -> Source:
+    """Digest of ``.metadata`` (a local DCP folder) and the entries read, and the data files now (``_manifest.Source``)."""
     meta = b""
     root = index.checkpoint_id
     if isinstance(root, Path) and (root / METADATA_FILENAME).is_file():
         meta = hashlib.sha256((root / METADATA_FILENAME).read_bytes()).digest()
-    return digest(meta, [(item.entry, item.sources) for item in items])
+    return Source.of(digest(meta, [(item.entry, item.sources) for item in items]), index)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -143,7 +145,7 @@ class Fingerprint:
     """
 
     layout: Layout
-    source: str
+    source: Source | str
     options: str
 
     def check(self, tmp: Path) -> None:
@@ -216,7 +218,7 @@ def temporary_output(
         fingerprint: the plan's (``consolidate_fingerprint``, ``reshard_fingerprint``); None: an
             output that keeps no manifest (a staged upload to object storage, whose staging folder
             is private).
-        resume: ``--resume``.
+        resume: ``--resume``; first, another job's live run on ``output`` is refused (``writers._lock.check_not_locked``).
 
     Yields:
         The temporary, and what the workers need to resume it (None without a fingerprint).
@@ -228,6 +230,7 @@ def temporary_output(
     if fingerprint is None and resume:
         logger.warning("--resume: an output to object storage keeps no manifest (staged in a private folder); writing it afresh")
     if fingerprint is not None and resume:
+        check_not_locked(output, tag)  # a live run's temporary is not an interrupted one
         found = find_temporary(output, tag, directory=directory, fingerprint=fingerprint)
         resume = found is not None
     keep = keep_note if fingerprint is not None else None

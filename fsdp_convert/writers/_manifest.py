@@ -9,11 +9,14 @@ output (``.OUT.tmp-local``, ``.full.tmp-local.pt``), a folder named like it with
       {"version": 1,
        "fingerprint": {"source": "<sha256>", "options": "<sha256>", "layout": "<sha256>"},
        "files": {"<file name, '' for a file output>": <size in bytes>, ...},
-       "records": <number of records>}
+       "records": <number of records>,
+       "sources": {"<data file of the checkpoint>": [<size in bytes>, <mtime_ns>, "<sha256>"], ...}}
 
   ``source`` hashes the checkpoint's index (its ``.metadata`` or index file, and the entries
   read), ``options`` what changes the output's bytes (transforms, dtypes, adapters, buffer size),
-  ``layout`` every output file's name and size and every record's ``(file, offset, length)``.
+  ``layout`` every output file's name and size and every record's ``(file, offset, length)``;
+  ``sources`` says what each data file held when the run began (``source_state``): a data file
+  replaced since (another save's, same layout and ``.metadata``) would mix two saves in one output.
 - ``records-<writer>.jsonl``: one JSON line per record once its bytes are written *and fsynced*,
   ``[file, offset, nbytes, crc32, fqn]`` (bytes, CRC-32 of the bytes, the source key it holds). Append-only, one file per
   writing process (a worker rank), lines appended in batches (``LOG_BATCH_BYTES`` of data), each batch after its data
@@ -23,7 +26,7 @@ A record is a byte range of an output file that one worker writes whole: a tenso
 consolidation, a payload's tensor bytes in a reshard. Headers, pickles, indexes and ``.metadata``
 (rank 0, last) are always rewritten on resume: they are small and derive from the records' CRC-32s.
 
-On resume, ``check_manifest`` compares the fingerprint with the new plan's and ``kept_records``
+On resume, ``check_manifest`` compares the fingerprint and sources with the new plan's and ``kept_records``
 reads every logged record back from the temporary and keeps only those whose CRC-32 matches, so
 a torn or corrupted write is redone, never trusted. JSON only: nothing here is unpickled.
 """
@@ -42,7 +45,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsdp_convert._location import open_inside
 from fsdp_convert.errors import OutputWriteError
+from fsdp_convert.formats.index import BytesEntry, CheckpointIndex
+from fsdp_convert.writers._nofollow import open_in, refuse_link
 
 __all__ = [
     "MANIFEST_VERSION",
@@ -52,6 +58,8 @@ __all__ = [
     "manifest_dir",
     "has_manifest",
     "digest",
+    "Source",
+    "source_state",
     "start_manifest",
     "check_manifest",
     "kept_records",
@@ -110,7 +118,7 @@ def _layout_digest(files: dict[str, int], records: Sequence[Record]) -> str:
 def _write_json(path: Path, obj: object) -> None:
     """Write ``path`` whole or not at all: a sibling, fsynced, renamed over it, the folder fsynced."""
     part = path.with_name(path.name + ".part")
-    with open(part, "w", encoding="utf-8") as f:
+    with os.fdopen(open_in(part.parent, part.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w", encoding="utf-8") as f:
         json.dump(obj, f, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
@@ -122,12 +130,12 @@ def _write_json(path: Path, obj: object) -> None:
         os.close(fd)
 
 
-def start_manifest(tmp: Path, *, source: str, options: str, files: dict[str, int], records: Sequence[Record]) -> None:
+def start_manifest(tmp: Path, *, source: str | Source, options: str, files: dict[str, int], records: Sequence[Record]) -> None:
     """Write a fresh manifest for temporary output ``tmp`` (any old one is removed first). Rank 0's process, before any data.
 
     Args:
         tmp: the temporary output (file or folder).
-        source: digest of the checkpoint's index (``digest``).
+        source: digest of the checkpoint's index (``digest``), with its data files' state (``Source``).
         options: digest of what changes the output's bytes.
         files: every output file's name (``""`` for a file output) and size, in bytes.
         records: every record of the plan.
@@ -137,30 +145,31 @@ def start_manifest(tmp: Path, *, source: str, options: str, files: dict[str, int
     """
     folder = manifest_dir(tmp)
     try:
+        refuse_link(folder)  # planted: neither removed nor written through
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        fingerprint = {"source": source, "options": options, "layout": _layout_digest(files, records)}
-        _write_json(
-            folder / _MANIFEST_FILENAME,
-            {"version": MANIFEST_VERSION, "fingerprint": fingerprint, "files": files, "records": len(records)},
-        )
+        source = Source.of(source)
+        fingerprint = {"source": source.digest, "options": options, "layout": _layout_digest(files, records)}
+        manifest = {"version": MANIFEST_VERSION, "fingerprint": fingerprint, "files": files, "records": len(records)}
+        _write_json(folder / _MANIFEST_FILENAME, {**manifest, "sources": source.files})
     except OSError as e:
         raise OutputWriteError(f"cannot write {folder}: {e.strerror}") from e
 
 
-def check_manifest(tmp: Path, *, source: str, options: str, files: dict[str, int], records: Sequence[Record]) -> None:
+def check_manifest(tmp: Path, *, source: str | Source, options: str, files: dict[str, int], records: Sequence[Record]) -> None:
     """Check that ``tmp``'s manifest describes the same plan; touches nothing.
 
     Args:
         tmp: the interrupted run's temporary output.
-        source: the new plan's checkpoint digest (as for ``start_manifest``).
+        source: the new plan's checkpoint digest and data files' state (as for ``start_manifest``).
         options: the new plan's options digest.
         files: the new plan's files and sizes, in bytes.
         records: the new plan's records.
 
     Raises:
         OutputWriteError: no readable manifest, or one that differs (the message names what:
-            the checkpoint, the options, or the output layout, with the first differing file).
+            the checkpoint, a data file of it that changed, the options, or the output layout,
+            with the first differing file).
     """
     path = manifest_dir(tmp) / _MANIFEST_FILENAME
     try:
@@ -171,8 +180,11 @@ def check_manifest(tmp: Path, *, source: str, options: str, files: dict[str, int
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise OutputWriteError(f"cannot resume {tmp}: no usable manifest at {path} ({e}); remove {tmp} and run again") from e
     hint = f"rerun with the interrupted run's arguments, or remove {tmp} and run without --resume"
-    if fingerprint.get("source") != source:
+    source = Source.of(source)
+    if fingerprint.get("source") != source.digest:
         raise OutputWriteError(f"cannot resume {tmp}: the checkpoint differs from the interrupted run's; {hint}")
+    if (changed := _changed_source(old.get("sources"), source)) is not None:
+        raise OutputWriteError(f"cannot resume {tmp}: {changed}; put it back, or remove {tmp} and run without --resume")
     if fingerprint.get("options") != options:
         raise OutputWriteError(
             f"cannot resume {tmp}: the options that change the output differ from the interrupted run's; {hint}"
@@ -182,6 +194,89 @@ def check_manifest(tmp: Path, *, source: str, options: str, files: dict[str, int
         shown = name or "(the output file)"
         what = f"{shown}: {old_files.get(name)} bytes then, {files.get(name)} now" if name is not None else "record offsets"
         raise OutputWriteError(f"cannot resume {tmp}: the output layout differs ({what}); {hint}")
+
+
+SourceFiles = dict[str, list[int | str]]  # data file -> [size in bytes, mtime_ns, SHA-256 of its payloads' last bytes]
+PAYLOAD_TAIL_BYTES = 1024  # a one-tensor torch.save zip's central directory (every record's CRC-32) is its last 561
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """What a run reads: the digest of the checkpoint's index and each data file's state when the run began.
+
+    Attributes:
+        digest: ``digest`` of the checkpoint's index and the entries read (``resume.source_digest``).
+        files: ``source_state`` of its data files.
+        root: the checkpoint, to name a data file in messages (not recorded: it may move).
+    """
+
+    digest: str
+    files: SourceFiles
+    root: str = ""
+
+    @classmethod
+    def of(cls, source: str | Source, index: CheckpointIndex | None = None) -> Source:
+        """``source`` as a ``Source``: a bare digest gets ``index``'s ``source_state`` (none without an index)."""
+        if isinstance(source, Source):
+            return source
+        return cls(source, {}) if index is None else cls(source, source_state(index), str(index.checkpoint_id))
+
+
+def source_state(index: CheckpointIndex) -> SourceFiles:
+    """Each data file's size, modification time (``st_mtime_ns``) and a hash of the CRC-32s its payloads carry.
+
+    The hash covers the last ``PAYLOAD_TAIL_BYTES`` of every payload range the index names in the
+    file: a torch.save zip's central directory, which holds the CRC-32 of every record, so a file
+    with the same size and time but other data (``cp -p`` of another save) differs too; one pread
+    per payload, none of its data. Safetensors-stored chunks (no CRC-32) and zstd payloads give
+    their last bytes all the same. A file that cannot be read is left out (the run reports it);
+    a checkpoint in object storage has none (its ``.metadata`` is in the digest).
+
+    Raises:
+        UnsafeContentError, CorruptChunkError: a data file is a link out of the checkpoint, or not
+            a regular file (``_location.open_inside``, as every reader opens it).
+    """
+    root = index.checkpoint_id
+    if not isinstance(root, Path):
+        return {}
+    spans: dict[str, set[tuple[int, int]]] = {name: set() for name in index.data_files}
+    for entry in index.entries:
+        ranges = [entry] if isinstance(entry, BytesEntry) else entry.chunks
+        for r in ranges:
+            if r.relative_path is not None and r.length_bytes > 0:
+                spans.setdefault(r.relative_path, set()).add((r.offset_bytes, r.length_bytes))
+    state: SourceFiles = {}
+    for name, ranges_of_file in sorted(spans.items()):
+        with contextlib.suppress(OSError):
+            fd = open_inside(root, root / name)  # no link out of it, no FIFO to block on (as the readers open it)
+            try:
+                st, tails = os.fstat(fd), hashlib.sha256()
+                for offset, length in sorted(ranges_of_file):
+                    tail = min(length, PAYLOAD_TAIL_BYTES)
+                    tails.update(os.pread(fd, tail, offset + length - tail))
+                state[name] = [st.st_size, st.st_mtime_ns, tails.hexdigest()]
+            finally:
+                os.close(fd)
+    return state
+
+
+def _changed_source(old: object, source: Source) -> str | None:
+    """How the first data file whose state differs from the manifest's (``old``) changed, or None if none did."""
+    if not isinstance(old, dict):
+        return "the interrupted run recorded no state of the checkpoint's data files (an older fsdp-convert)"
+    new = source.files
+    name = next((n for n in sorted(set(old) | set(new)) if old.get(n) != new.get(n)), None)
+    if name is None:
+        return None
+    then, now, path = old.get(name), new.get(name), Path(source.root) / name
+    if not isinstance(then, list) or len(then) != 3 or now is None:
+        return (
+            f"the checkpoint's data file {path} is {'new' if now is not None else 'gone or unreadable'} since the interrupted run"
+        )
+    what = (
+        "size differs" if then[0] != now[0] else "modification time differs" if then[1] != now[1] else "payloads' CRC-32s differ"
+    )
+    return f"the checkpoint's data file {path} changed since the interrupted run began (its {what})"
 
 
 def _logged(folder: Path) -> Iterable[tuple[Record, int]]:
@@ -255,7 +350,7 @@ class RecordLog:
 
     def __init__(self, tmp: Path, writer: str) -> None:
         self._lock = threading.Lock()
-        self._fd = os.open(manifest_dir(tmp) / f"records-{writer}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._fd = open_in(manifest_dir(tmp), f"records-{writer}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND)  # no link
         self._batch_bytes = LOG_BATCH_BYTES
         self._lines: list[bytes] = []
         self._data_fds: set[int] = set()

@@ -207,7 +207,7 @@ def test_zstd_payload_that_decodes_too_large_is_corrupt(tmp_path: Path) -> None:
     before it is written out whole."""
     _zstd_ckpt(tmp_path)
     _replace_payload(tmp_path, "model.w", (0, 0), zstandard.ZstdCompressor().compress(bytes(40 << 20)))
-    with pytest.raises(CorruptChunkError, match=r"\(model\.w\): decodes to more than 16777312 bytes; the payload is corrupt"):
+    with pytest.raises(CorruptChunkError, match=r"\(model\.w\): decodes to more than 65712 bytes; the payload is corrupt"):
         _read_all(tmp_path)
 
 
