@@ -14,6 +14,10 @@ builds a ``CheckpointIndex`` (``formats/index.py``, the data model, no I/O) and 
 
 ``open_checkpoint`` is the one place that decides what a path is. Submodules are imported where
 used, so that importing ``formats.index`` loads nothing else.
+
+Every local file a format opens is checked to lie inside the checkpoint (``_location.inside``):
+a symbolic link out of it is refused unless ``follow_symlinks=True`` (the CLI's
+``--follow-symlinks``) or the process's ``_location.following_symlinks`` setting allows it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from fsdp_convert._location import following_symlinks, inside
 from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.errors import MissingDataFileError
 
@@ -107,7 +112,9 @@ def detect_format(checkpoint_id: str | os.PathLike[str], *, full_files: bool = F
     return "dcp"
 
 
-def read_index(checkpoint_id: str | os.PathLike[str], *, full_files: bool = False) -> CheckpointIndex:
+def read_index(
+    checkpoint_id: str | os.PathLike[str], *, full_files: bool = False, follow_symlinks: bool | None = None
+) -> CheckpointIndex:
     """The ``CheckpointIndex`` of a checkpoint of any source format; no tensor data is read.
 
     Args:
@@ -115,13 +122,22 @@ def read_index(checkpoint_id: str | os.PathLike[str], *, full_files: bool = Fals
             folder of per-rank torch.save files, or of ``HuggingFaceStorageWriter`` shards.
         full_files: also take a full checkpoint (``formats.full_file.file_index``: one chunk
             per tensor, no data files); otherwise such a path is refused as not a DCP checkpoint.
+        follow_symlinks: read files that symbolic links in the folder lead to outside it (a
+            checkpoint whose files link into a shared store); None: the process's setting
+            (``_location.following_symlinks``, default off).
 
     Raises:
         CheckpointNotFoundError: the path does not exist.
         NotADcpCheckpointError: none of the above, or a malformed index (the message says which).
-        UnsafeContentError: ``.metadata`` or a rank file would run code when unpickled.
+        UnsafeContentError: ``.metadata`` or a rank file would run code when unpickled, or a file
+            it reads is a symbolic link out of the folder (and links are not followed).
         MissingDataFileError, CorruptChunkError: a rank file or safetensors header is missing or broken.
     """
+    with following_symlinks(follow_symlinks):
+        return _read_index(checkpoint_id, full_files=full_files)
+
+
+def _read_index(checkpoint_id: str | os.PathLike[str], *, full_files: bool) -> CheckpointIndex:
     from fsdp_convert.formats import dcp, full_file, hf_storage, rank_files
     from fsdp_convert.remote import as_location
 
@@ -136,7 +152,13 @@ def read_index(checkpoint_id: str | os.PathLike[str], *, full_files: bool = Fals
     return dcp.read_dcp_index(checkpoint_id)
 
 
-def open_reader(checkpoint_id: str | os.PathLike[str] | Location, *, check_crc: bool = True, full_files: bool = True) -> Reader:
+def open_reader(
+    checkpoint_id: str | os.PathLike[str] | Location,
+    *,
+    check_crc: bool = True,
+    full_files: bool = True,
+    follow_symlinks: bool | None = None,
+) -> Reader:
     """A reader for the checkpoint at ``checkpoint_id``, of the format ``detect_format`` finds.
 
     Opens nothing until the first read (a full file: its header or pickle); workers call this
@@ -147,10 +169,16 @@ def open_reader(checkpoint_id: str | os.PathLike[str] | Location, *, check_crc: 
         check_crc: check the CRC-32s the format stores (DCP payloads' zip records) on every read.
         full_files: as for ``read_index``; by default a full file is read as one (``read_index``
             has already decided whether it is accepted).
+        follow_symlinks: as for ``read_index``; the reader keeps the setting it was made with.
 
     Raises:
         As ``detect_format``; for a full file, as ``formats.full_file.open_full_file``.
     """
+    with following_symlinks(follow_symlinks):
+        return _open_reader(checkpoint_id, check_crc=check_crc, full_files=full_files)
+
+
+def _open_reader(checkpoint_id: str | os.PathLike[str] | Location, *, check_crc: bool, full_files: bool) -> Reader:
     from fsdp_convert.formats import dcp, full_file, hf_storage, rank_files
 
     fmt = detect_format(checkpoint_id, full_files=full_files)
@@ -164,7 +192,11 @@ def open_reader(checkpoint_id: str | os.PathLike[str] | Location, *, check_crc: 
 
 
 def open_checkpoint(
-    checkpoint_id: str | os.PathLike[str], *, check_crc: bool = True, full_files: bool = False
+    checkpoint_id: str | os.PathLike[str],
+    *,
+    check_crc: bool = True,
+    full_files: bool = False,
+    follow_symlinks: bool | None = None,
 ) -> tuple[CheckpointIndex, Reader]:
     """The index of a checkpoint and a reader of its bytes (close the reader, or use it in ``with``).
 
@@ -172,19 +204,25 @@ def open_checkpoint(
         checkpoint_id: as for ``read_index``.
         check_crc: as for ``open_reader``.
         full_files: as for ``read_index``.
+        follow_symlinks: as for ``read_index``.
 
     Raises:
         As ``read_index`` and ``open_reader``.
     """
-    index = read_index(checkpoint_id, full_files=full_files)
-    return index, open_reader(index.checkpoint_id, check_crc=check_crc, full_files=full_files)
+    index = read_index(checkpoint_id, full_files=full_files, follow_symlinks=follow_symlinks)
+    return index, open_reader(index.checkpoint_id, check_crc=check_crc, full_files=full_files, follow_symlinks=follow_symlinks)
 
 
-def check_data_files(index: CheckpointIndex) -> None:
-    """Check that every data file the index names exists and is readable.
+def check_data_files(index: CheckpointIndex, *, follow_symlinks: bool | None = None) -> None:
+    """Check that every data file the index names exists, is readable, and lies inside the checkpoint.
+
+    Args:
+        index: the checkpoint's index.
+        follow_symlinks: as for ``read_index``.
 
     Raises:
         MissingDataFileError: naming the first missing or unreadable file.
+        UnsafeContentError: a data file is a symbolic link out of the checkpoint (``_location.inside``).
     """
     from fsdp_convert.formats.index import Url
     from fsdp_convert.remote import size_of
@@ -195,6 +233,7 @@ def check_data_files(index: CheckpointIndex) -> None:
             if size_of(path) is None:
                 raise MissingDataFileError(f"{path} is missing; .metadata names it as a data file")
             continue
+        inside(Path(index.checkpoint_id), path, follow_symlinks=follow_symlinks)
         if not path.is_file():
             raise MissingDataFileError(f"{path} is missing; .metadata names it as a data file")
         if not os.access(path, os.R_OK):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import IO, Any, Literal
 
 import torch
 
+from fsdp_convert._location import follows_symlinks, open_inside, read_inside
 from fsdp_convert.constants import READ_LOG_ENV
 from fsdp_convert.errors import CorruptChunkError, MissingDataFileError, ShapeMismatchError, UnsafeContentError
 from fsdp_convert.formats.index import BytesEntry, ChunkEntry, Location, TensorEntry, Url
@@ -28,6 +30,9 @@ __all__ = [
     "ChunkedReader",
     "StoredBytes",
     "check_payload",
+    "json_problem",
+    "library_problem",
+    "read_json_file",
     "read_safetensors_header",
     "sniff_file",
     "load_torch_save",
@@ -39,44 +44,95 @@ _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default (zip) format: a local file he
 # torch.save's legacy format (_use_new_zipfile_serialization=False): pickle protocol 2, then the
 # magic number 0x1950a86a20f9469cfc6c as a 10-byte LONG1 (torch/serialization.py MAGIC_NUMBER)
 _LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
+_QUOTE = re.compile(r'["`]')  # a parser (the safetensors library's serde) quotes the file's text after one
 
 
-def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
-    """The JSON header of a safetensors file and where its data starts, in bytes.
+def json_problem(e: ValueError) -> str:
+    """What is wrong with JSON that did not parse, in words that quote none of its bytes."""
+    if isinstance(e, json.JSONDecodeError):
+        return f"{e.msg} at byte {e.pos}"  # the decoder's messages name a position, never the text
+    if isinstance(e, UnicodeDecodeError):
+        return "it is not UTF-8"
+    return "it is not JSON"
 
-    Format: an 8-byte little-endian header length N, N bytes of JSON, then the data.
+
+def library_problem(e: BaseException) -> str:
+    """A library's complaint about a file (``short_message``), cut before the first thing it quotes from the file."""
+    text = short_message(e)
+    quote = _QUOTE.search(text)
+    return text if quote is None else text[: quote.start()].rstrip() + " ..."
+
+
+def read_json_file(root: Path, path: Path, max_bytes: int) -> Any:
+    """A small JSON file of a checkpoint folder, parsed: read whole if at most ``max_bytes``, else refused.
 
     Raises:
-        CorruptChunkError: truncated file, oversized or malformed header.
+        CorruptChunkError: larger than ``max_bytes``, unreadable, or not JSON (messages quote none of it).
+        UnsafeContentError: a symbolic link out of ``root`` (``_location.inside``).
     """
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        raw = read_inside(root, path, max_bytes)
+        if raw is None:
+            raise CorruptChunkError(f"{path} is larger than {max_bytes} bytes; refused")
+        return json.loads(raw)
+    except OSError as e:
+        raise CorruptChunkError(f"{path}: not readable ({e.strerror})") from e
+    except ValueError as e:
+        raise CorruptChunkError(f"{path}: not readable JSON ({json_problem(e)})") from e
+
+
+def read_safetensors_header(path: Path, *, root: Path | None = None) -> tuple[dict[str, Any], int]:
+    """The JSON header of a safetensors file and where its data starts, in bytes.
+
+    Format: an 8-byte little-endian header length N, N bytes of JSON, then the data. Messages
+    never quote the file's bytes (a length that does not fit is said to, not given).
+
+    Args:
+        path: the file.
+        root: the checkpoint folder it is part of; a link out of it is refused
+            (``_location.inside``). None: ``path`` is what the user named.
+
+    Raises:
+        CorruptChunkError: truncated file, oversized or malformed header, not a regular file.
+        UnsafeContentError: a symbolic link out of ``root``.
+    """
+    try:
+        with open(open_inside(root or path, path), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             raw = f.read(8)
             if len(raw) != 8:
-                raise CorruptChunkError(f"{path}: truncated safetensors file (no header length)")
+                raise CorruptChunkError(f"{path}: not a readable safetensors file (no header length; truncated)")
             (n,) = struct.unpack("<Q", raw)
             if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise CorruptChunkError(f"{path}: safetensors header length {n} does not fit the file ({size} bytes)")
+                raise CorruptChunkError(
+                    f"{path}: not a readable safetensors file (the header length does not fit the file, {size} bytes)"
+                )
             header = json.loads(f.read(n))
-    except (OSError, ValueError) as e:
-        raise CorruptChunkError(f"{path}: not a readable safetensors file ({e})") from e
+    except OSError as e:
+        raise CorruptChunkError(f"{path}: not a readable safetensors file ({e.strerror})") from e
+    except ValueError as e:
+        raise CorruptChunkError(f"{path}: not a readable safetensors file (its header: {json_problem(e)})") from e
     if not isinstance(header, dict):
-        raise CorruptChunkError(f"{path}: safetensors header is not a JSON object")
+        raise CorruptChunkError(f"{path}: not a readable safetensors file (its header is not a JSON object)")
     return header, 8 + n
 
 
-def sniff_file(path: Path) -> Literal["torch_save", "legacy_torch_save", "safetensors"] | None:
+def sniff_file(path: Path, *, root: Path | None = None) -> Literal["torch_save", "legacy_torch_save", "safetensors"] | None:
     """What a file holds, from its first bytes: a torch.save zip, a legacy torch.save pickle, safetensors, or None.
 
-    Reads at most 9 bytes (a safetensors file: an 8-byte header length that fits the file, then ``{``).
+    Reads at most 14 bytes (a safetensors file: an 8-byte header length that fits the file, then ``{``).
+
+    Args:
+        path: the file.
+        root: as for ``read_safetensors_header``.
 
     Raises:
-        CorruptChunkError: the file cannot be read.
+        CorruptChunkError: the file cannot be read, or is not a regular file.
+        UnsafeContentError: a symbolic link out of ``root``.
     """
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open(open_inside(root or path, path), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(len(_LEGACY_TORCH_MAGIC))
     except OSError as e:
         raise CorruptChunkError(f"cannot read {path}: {e.strerror}") from e
@@ -118,16 +174,20 @@ def short_message(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def load_torch_save(path: Path) -> Any:
+def load_torch_save(path: Path, *, root: Path | None = None) -> Any:
     """``torch.load`` of a whole torch.save file with ``weights_only=True``, memory-mapped.
 
     The legacy (non-zip) format cannot be memory-mapped; it is read into memory.
 
+    Args:
+        path: the file.
+        root: as for ``read_safetensors_header``.
+
     Raises:
-        UnsafeContentError: a pickle that would run code.
+        UnsafeContentError: a pickle that would run code, or a symbolic link out of ``root``.
         CorruptChunkError: not a readable torch.save file.
     """
-    legacy = sniff_file(path) == "legacy_torch_save"
+    legacy = sniff_file(path, root=root) == "legacy_torch_save"  # checks where the file lies
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=not legacy)
     except Exception as e:
@@ -161,11 +221,16 @@ class ChunkedReader:
     Args:
         checkpoint_id: the checkpoint folder (local, or an fsspec URL).
         check_crc: check the CRC-32s the format stores, for every payload read.
+        follow_symlinks: read data files that symbolic links lead to outside the folder; None:
+            the process's setting (``_location.follows_symlinks``), taken now.
     """
 
-    def __init__(self, checkpoint_id: str | os.PathLike[str] | Location, *, check_crc: bool = True) -> None:
+    def __init__(
+        self, checkpoint_id: str | os.PathLike[str] | Location, *, check_crc: bool = True, follow_symlinks: bool | None = None
+    ) -> None:
         self.root = as_location(checkpoint_id)
         self.check_crc = check_crc
+        self.follow_symlinks = follows_symlinks(follow_symlinks)
         self._temp_fd: int | None = None  # a remote byte range, fetched into memory
         self._files: dict[str, tuple[int, int]] = {}  # relative path -> (fd, size in bytes)
         # FSDP_CONVERT_READ_LOG=<folder>: one JSON line per chunk read, [rank, fqn, offsets, file,
@@ -218,7 +283,12 @@ class ChunkedReader:
         return self._temp_fd, 0
 
     def _open(self, relative_path: str) -> tuple[int, int]:
-        """The data file's descriptor and size in bytes (remote: no descriptor, -1)."""
+        """The data file's descriptor and size in bytes (remote: no descriptor, -1).
+
+        Raises:
+            MissingDataFileError: it cannot be opened. UnsafeContentError: a link out of the
+                folder (``_location.open_inside``). CorruptChunkError: not a regular file.
+        """
         opened = self._files.get(relative_path)
         if opened is None and isinstance(self.root, Url):
             size = size_of(self.root / relative_path)
@@ -229,7 +299,7 @@ class ChunkedReader:
             assert isinstance(self.root, Path)
             path = self.root / relative_path
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = open_inside(self.root, path, follow_symlinks=self.follow_symlinks)
             except OSError as e:
                 raise MissingDataFileError(f"cannot open {path}: {e.strerror}") from e
             opened = (fd, os.fstat(fd).st_size)

@@ -12,9 +12,10 @@ straight into the memory torch allocates for it. The zip's CRC-32s, which torch 
 checked on the way (``check_crc``). A remote checkpoint reads each payload with one ranged GET.
 
 ``FileSystemWriter`` options that change the payloads (``_dcp_payloads``): a stream-transformed
-(zstd) payload is decoded into a temporary file first, then read as any other (CRC-32s
-included); tensors stored as a safetensors file (``serialization_format=SAFETENSORS``) are
-indexed from its header and read as bare elements by byte range.
+(zstd) payload is decoded into memory first, at most what its chunk's shape allows (CRC-32s then
+checked, its tensor mapped from those pages); tensors stored as a safetensors file
+(``serialization_format=SAFETENSORS``) are indexed from its header and read as bare elements by
+byte range.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ import os
 import pickle
 import re
 import sys
-import tempfile
 from pathlib import Path
 from typing import IO, Any, NoReturn, cast
 
 import torch
 
+from fsdp_convert._location import inside, open_inside
 from fsdp_convert._signals import torch_call
 from fsdp_convert._zip import ZipFormatError, read_records
 from fsdp_convert.constants import METADATA_FILENAME
@@ -41,10 +42,27 @@ from fsdp_convert.errors import (
     UnsafeContentError,
 )
 from fsdp_convert.formats._dcp_metadata import build_index, load_metadata, metadata_from_bytes
-from fsdp_convert.formats._dcp_payloads import BOTH_OPTIONS_HINT, decode_stream, is_raw_chunk, payload_formats
+from fsdp_convert.formats._dcp_payloads import (
+    BOTH_OPTIONS_HINT,
+    DecodedPayload,
+    bytes_limit_bytes,
+    chunk_limit_bytes,
+    decode_payload,
+    is_raw_chunk,
+    payload_formats,
+)
 from fsdp_convert.formats._range import ByteRangeFile, RecordHash
 from fsdp_convert.formats._reader import ChunkedReader, StoredBytes, check_payload
-from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Entry, Location, TensorEntry, Url
+from fsdp_convert.formats.index import (
+    MAX_ENTRIES,
+    BytesEntry,
+    CheckpointIndex,
+    ChunkEntry,
+    Entry,
+    Location,
+    TensorEntry,
+    Url,
+)
 from fsdp_convert.remote import as_location, read_bytes, read_range, size_of
 
 __all__ = ["read_dcp_index", "load_metadata", "metadata_subfolders", "DcpReader", "LIGHTNING_META_FILENAME", "payload_formats"]
@@ -52,8 +70,6 @@ __all__ = ["read_dcp_index", "load_metadata", "metadata_subfolders", "DcpReader"
 # accelerate's FSDP checkpoint folder: one DCP folder for the model, one per optimizer
 _ACCELERATE_DIR_RE = re.compile(r"^(pytorch_model_fsdp|optimizer)_\d+$")
 LIGHTNING_META_FILENAME = "meta.pt"  # Lightning Fabric's FSDP strategy: user metadata beside .metadata
-_DECODE_PIECE_BYTES = 4 << 20  # a stream-transformed payload is decoded into its temporary file in pieces of this size
-_PAYLOAD_OVERHEAD_BYTES = 16 << 20  # a tensor's torch.save zip beyond its elements (pickle, headers): far less
 
 
 def metadata_subfolders(root: Path) -> list[Path]:
@@ -81,7 +97,9 @@ def read_dcp_index(checkpoint_id: str | os.PathLike[str]) -> CheckpointIndex:
     Raises:
         CheckpointNotFoundError: the path does not exist.
         NotADcpCheckpointError: no ``.metadata`` in the folder, or it is malformed.
-        UnsafeContentError: ``.metadata`` would run code when unpickled.
+        UnsafeContentError: ``.metadata`` would run code when unpickled, or a file the index
+            reads (``.metadata``, ``meta.pt``, a data file) is a symbolic link out of the folder
+            (``_location.inside``; the process's ``following_symlinks`` setting allows it).
         MissingDataFileError, CorruptChunkError: a data file holding safetensors-stored chunks
             is missing, or its safetensors header is unreadable.
     """
@@ -99,10 +117,17 @@ def read_dcp_index(checkpoint_id: str | os.PathLike[str]) -> CheckpointIndex:
     meta_path = root / METADATA_FILENAME
     if not meta_path.is_file():
         return _read_parent_folder(root)
-    index = _build(load_metadata(meta_path), root)
+    index = _build(load_metadata(_metadata_path(root, root)), root)
     if (root / LIGHTNING_META_FILENAME).is_file():
+        inside(root, root / LIGHTNING_META_FILENAME)  # read later (items.read_lightning_meta), copied by reshard
         index = dataclasses.replace(index, producer="lightning")
     return index
+
+
+def _metadata_path(root: Path, folder: Path) -> Path:
+    """``folder``'s ``.metadata``, checked to lie inside ``root`` (``_location.inside``)."""
+    inside(root, folder / METADATA_FILENAME)
+    return folder / METADATA_FILENAME
 
 
 def _build(metadata: Any, folder: Location) -> CheckpointIndex:
@@ -113,7 +138,7 @@ def _build(metadata: Any, folder: Location) -> CheckpointIndex:
             return read_range(folder / relative_path, offset, length)
         path = folder / relative_path
         try:
-            with open(path, "rb") as f:
+            with open(open_inside(folder, path), "rb") as f:
                 return os.pread(f.fileno(), length, offset)
         except OSError as e:
             raise MissingDataFileError(f"cannot open {path}: {e.strerror}") from e
@@ -125,11 +150,14 @@ def _build(metadata: Any, folder: Location) -> CheckpointIndex:
                 raise MissingDataFileError(f"cannot open {folder / relative_path}: No such object")
             return size
         try:
-            return (folder / relative_path).stat().st_size
+            return inside(folder, folder / relative_path).stat().st_size
         except OSError as e:
             raise MissingDataFileError(f"cannot open {folder / relative_path}: {e.strerror}") from e
 
-    return build_index(metadata, folder, read_at=read_at, size_of=size_in_bytes)
+    index = build_index(metadata, folder, read_at=read_at, size_of=size_in_bytes)
+    if len(index.entries) > MAX_ENTRIES:  # the rest of the pipeline is linear in them, but not free
+        raise NotADcpCheckpointError(f"{folder / METADATA_FILENAME}: more than {MAX_ENTRIES} entries; not a checkpoint's")
+    return index
 
 
 def _read_parent_folder(root: Path) -> CheckpointIndex:
@@ -137,7 +165,7 @@ def _read_parent_folder(root: Path) -> CheckpointIndex:
     subs = metadata_subfolders(root)
     parts = [d for d in subs if _ACCELERATE_DIR_RE.match(d.name)]
     if parts:
-        indexes = [_build(load_metadata(d / METADATA_FILENAME), d) for d in parts]
+        indexes = [_build(load_metadata(_metadata_path(root, d)), d) for d in parts]
         return _merge_indexes(root, indexes, "accelerate")
     if len(subs) == 1:
         raise NotADcpCheckpointError(f"{root} has no {METADATA_FILENAME}, but {subs[0]} has: pass that folder")
@@ -256,18 +284,6 @@ class DcpReader(ChunkedReader):
         crc = storage.crc32 if self.check_crc else None
         return StoredBytes(fd=fd, offset=at + storage.data_offset, nbytes=storage.size, crc32=crc, where=where)
 
-    _decoded: IO[bytes] | None = None  # the temporary file of the last stream-transformed payload decoded
-
-    def close(self) -> None:
-        """Close every open data file and the temporary file of the last decoded payload."""
-        self._drop_decoded()
-        super().close()
-
-    def _drop_decoded(self) -> None:
-        if self._decoded is not None:
-            self._decoded.close()
-            self._decoded = None
-
     def _load_chunk(self, entry: TensorEntry, chunk: ChunkEntry) -> Any:
         assert chunk.relative_path is not None
         if is_raw_chunk(entry, chunk):  # bare elements (serialization_format=SAFETENSORS)
@@ -275,30 +291,21 @@ class DcpReader(ChunkedReader):
             return _read_bare(
                 *self._range(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, where), entry, chunk, where
             )
-        limit = 2 * chunk.numel * entry.dtype.itemsize + _PAYLOAD_OVERHEAD_BYTES
         args = (chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, chunk.transform_descriptors)
         elements_long = chunk.length_bytes == chunk.numel * entry.dtype.itemsize
-        return self._load(*args, entry.fqn, limit, BOTH_OPTIONS_HINT if elements_long else "")
+        return self._load(*args, entry.fqn, chunk_limit_bytes(entry, chunk), BOTH_OPTIONS_HINT if elements_long else "")
 
-    def _payload(
+    def _decode(
         self, relative_path: str, offset: int, length: int, transforms: tuple[str, ...], where: str, limit: int, hint: str = ""
-    ) -> tuple[int, int, int]:
-        """The descriptor, offset and length (bytes) of a payload's torch.save zip.
-
-        That is where it is stored, or, for a stream-transformed payload, a temporary file it is
-        decoded into (kept until the next such payload or ``close``).
+    ) -> DecodedPayload:
+        """A stream-transformed payload's torch.save zip, decoded into memory (``_dcp_payloads.decode_payload``).
 
         Raises:
-            MissingDataFileError, CorruptChunkError (truncated file, undecodable stream, or one that
-                decodes to more than ``limit`` bytes), UnsupportedTransformError.
+            MissingDataFileError, CorruptChunkError (truncated file, undecodable stream, or one that decodes to
+                more than ``limit`` bytes), UnsupportedTransformError, CheckpointError (no memory for ``limit``).
         """
         fd, at = self._range(relative_path, offset, length, where)
-        if not transforms:
-            return fd, at, length
-        self._drop_decoded()
-        # on disk, not in memory: only the tensor torch.load makes of it is held (as for any decoded chunk)
-        out = self._decoded = tempfile.TemporaryFile(prefix="fsdp-convert-decoded-")
-        return out.fileno(), 0, _decode_into(out, ByteRangeFile(fd, at, length), transforms, where, limit, hint)
+        return decode_payload(cast(IO[bytes], ByteRangeFile(fd, at, length)), transforms, where, limit, hint)
 
     def _load(
         self, relative_path: str, offset: int, length: int, transforms: tuple[str, ...], fqn: str, limit: int, hint: str = ""
@@ -308,7 +315,15 @@ class DcpReader(ChunkedReader):
         ``hint`` ends the message when a stream-transformed payload decodes to nothing.
         """
         where = self._where(relative_path, offset, length, fqn)
-        fd, at, length = self._payload(relative_path, offset, length, transforms, where, limit, hint)
+        if transforms:  # decoded into memory, at most ``limit`` bytes; the tensor's storage is mapped from those pages
+            with self._decode(relative_path, offset, length, transforms, where, limit, hint) as decoded:
+                if self.check_crc:
+                    decoded.check_crcs(where)
+                try:
+                    return decoded.load()
+                except Exception as e:
+                    self._raise_decode_error(e, where)
+        fd, at = self._range(relative_path, offset, length, where)
         payload = ByteRangeFile(fd, at, length)
         if self.check_crc:
             try:
@@ -356,8 +371,11 @@ class DcpReader(ChunkedReader):
         self.read_value(entry)  # decode once: refuses a hostile or corrupt payload before it is copied
         where = self._where(entry.relative_path, entry.offset_bytes, entry.length_bytes, entry.fqn)
         args = (entry.relative_path, entry.offset_bytes, entry.length_bytes, entry.transform_descriptors)
-        fd, at, length = self._payload(*args, where, _bytes_entry_limit(entry))
-        return os.pread(fd, length, at)
+        if entry.transform_descriptors:
+            with self._decode(*args, where, bytes_limit_bytes(entry)) as decoded:
+                return os.pread(decoded.fd, decoded.nbytes, 0)
+        fd, at = self._range(entry.relative_path, entry.offset_bytes, entry.length_bytes, where)
+        return os.pread(fd, entry.length_bytes, at)
 
     def read_value(self, entry: BytesEntry) -> Any:
         """Decode a bytes entry: the plain Python value (float, tuple, list of FQNs, ...).
@@ -366,38 +384,7 @@ class DcpReader(ChunkedReader):
             MissingDataFileError, CorruptChunkError, UnsupportedTransformError, UnsafeContentError.
         """
         args = (entry.relative_path, entry.offset_bytes, entry.length_bytes, entry.transform_descriptors)
-        return self._load(*args, entry.fqn, _bytes_entry_limit(entry))
-
-
-def _decode_into(out: IO[bytes], source: ByteRangeFile, transforms: tuple[str, ...], where: str, limit: int, hint: str) -> int:
-    """Write ``source`` decoded through its stream transforms to ``out``, in pieces; return the bytes written.
-
-    Raises:
-        UnsupportedTransformError: as ``_dcp_payloads.decode_stream``.
-        CorruptChunkError: the stream does not decode, decodes to nothing (then ``hint`` ends the
-            message) or to more than ``limit`` bytes.
-    """
-    stream = decode_stream(transforms, cast(IO[bytes], source), where)
-    total = 0
-    try:
-        while piece := stream.read(_DECODE_PIECE_BYTES):
-            total += len(piece)
-            if total > limit:
-                raise CorruptChunkError(f"{where}: decodes to more than {limit} bytes; the payload is corrupt")
-            out.write(piece)
-    except CorruptChunkError:
-        raise
-    except Exception as e:  # the decoder's own errors (zstd: truncated or corrupt frame)
-        if source.error is not None:
-            raise source.error from None
-        detail = f"{type(e).__name__}: {_first_line(e)}"
-        raise CorruptChunkError(f"{where}: stream transform(s) {list(transforms)} do not decode ({detail}){hint}") from e
-    if source.error is not None:
-        raise source.error
-    if total == 0:
-        raise CorruptChunkError(f"{where}: stream transform(s) {list(transforms)} decode to nothing{hint}")
-    out.flush()
-    return total
+        return self._load(*args, entry.fqn, bytes_limit_bytes(entry))
 
 
 def _read_bare(fd: int, at: int, entry: TensorEntry, chunk: ChunkEntry, where: str) -> torch.Tensor:
@@ -412,11 +399,6 @@ def _read_bare(fd: int, at: int, entry: TensorEntry, chunk: ChunkEntry, where: s
     if os.preadv(fd, [buffer], at) != chunk.length_bytes:
         raise CorruptChunkError(f"{where}: short read; the file changed while it was read")
     return torch.frombuffer(buffer, dtype=entry.dtype).reshape(chunk.sizes)
-
-
-def _bytes_entry_limit(entry: BytesEntry) -> int:
-    """The most bytes a bytes entry's stream-transformed payload may decode to (a plain value: small)."""
-    return max(1 << 30, 1024 * entry.length_bytes)
 
 
 def _first_line(e: BaseException) -> str:

@@ -12,7 +12,6 @@ from its first bytes (``_reader.sniff_file``), so a torch.save file under any na
 from __future__ import annotations
 
 import io
-import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -34,7 +33,7 @@ from fsdp_convert.constants import (
     torch_shape,
 )
 from fsdp_convert.errors import CheckpointNotFoundError, CorruptChunkError, NotADcpCheckpointError
-from fsdp_convert.formats._reader import load_torch_save, read_safetensors_header, short_message, sniff_file
+from fsdp_convert.formats._reader import library_problem, load_torch_save, read_json_file, read_safetensors_header, sniff_file
 from fsdp_convert.formats.index import (
     BytesEntry,
     CheckpointIndex,
@@ -65,6 +64,7 @@ ADAPTER_WEIGHTS_FILENAME = "adapter_model.safetensors"  # a PEFT adapter folder'
 # a folder's files beside its safetensors, and the path each one's dict is nested under
 SIDE_FILES: tuple[tuple[str, tuple[str, ...]], ...] = ((OPTIMIZER_FILENAME, ("optim",)), (EXTRA_STATE_FILENAME, ()))
 _FOLDER_FILES = (HF_INDEX_FILENAME, HF_SINGLE_FILENAME, ADAPTER_WEIGHTS_FILENAME, OPTIMIZER_FILENAME, EXTRA_STATE_FILENAME)
+_MAX_INDEX_BYTES = 64 << 20  # model.safetensors.index.json: a weight_map of a few MB for the largest models
 
 
 def _holds_tensor(value: Any) -> bool:
@@ -91,9 +91,10 @@ class TorchSaveFile:
         path: the file.
         prefix: path elements to nest the loaded dict under (``("optim",)`` for an HF folder's
             ``optimizer.pt``, which holds the optimizer state dict itself).
+        root: the folder it is part of (a link out of it is refused); None: ``path`` is what the user named.
 
     Raises:
-        UnsafeContentError: a pickle that would run code.
+        UnsafeContentError: a pickle that would run code, or a symbolic link out of ``root``.
         CorruptChunkError: not a readable torch.save file.
         NotADcpCheckpointError: it holds something other than a dict, a key that is neither a
             string nor an integer, two keys that flatten alike, or a tensor this tool cannot read
@@ -103,9 +104,9 @@ class TorchSaveFile:
     kind = "torch_save"
     model_only = False
 
-    def __init__(self, path: Path, prefix: tuple[str, ...] = ()) -> None:
+    def __init__(self, path: Path, prefix: tuple[str, ...] = (), *, root: Path | None = None) -> None:
         self.path = path
-        obj = load_torch_save(path)
+        obj = load_torch_save(path, root=root)
         if not isinstance(obj, Mapping):
             raise NotADcpCheckpointError(f"{path} holds a {type(obj).__name__}, not a state dict")
         for top in reversed(prefix):  # optimizer.pt holds the optimizer state dict itself
@@ -175,20 +176,21 @@ class SafetensorsFiles:
             CorruptChunkError: a file safetensors cannot open, or a malformed header.
             NotADcpCheckpointError: a dtype this tool does not read, an ``F4`` shape that does not
                 fill whole bytes, or a name two files hold.
+            UnsafeContentError: a file of a folder is a symbolic link out of it (``_location.inside``).
         """
         tensors: dict[str, tuple[Path, torch.dtype, tuple[int, ...]]] = {}
         for file in files:
+            header, _ = read_safetensors_header(file, root=path)  # first: where the file lies, its header's size
             try:
                 with safe_open(file, "pt"):
                     pass  # safetensors checks the header against the file
             except Exception as e:
-                raise CorruptChunkError(f"{file}: not a readable safetensors file ({short_message(e)})") from e
-            header, _ = read_safetensors_header(file)
+                raise CorruptChunkError(f"{file}: not a readable safetensors file ({library_problem(e)})") from e
             header.pop("__metadata__", None)
             try:
                 named = sorted(header.items(), key=lambda item: int(item[1]["data_offsets"][0]))
             except (KeyError, TypeError, ValueError, IndexError) as e:
-                raise CorruptChunkError(f"{file}: malformed safetensors header ({e!r})") from e
+                raise CorruptChunkError(f"{file}: malformed safetensors header ({type(e).__name__})") from e
             for name, desc in named:
                 if weight_map is not None and weight_map.get(name) != file:
                     continue
@@ -222,10 +224,7 @@ class SafetensorsFiles:
         if not index_path.is_file():
             weights = next((path / n for n in (HF_SINGLE_FILENAME, ADAPTER_WEIGHTS_FILENAME) if (path / n).is_file()), None)
             return cls.from_files(path, [weights] if weights else [], "hf_dir")
-        try:
-            index = json.loads(index_path.read_text())
-        except (OSError, ValueError) as e:
-            raise CorruptChunkError(f"{index_path}: not readable JSON ({short_message(e)})") from e
+        index = read_json_file(path, index_path, _MAX_INDEX_BYTES)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise NotADcpCheckpointError(f"{index_path} has no weight_map of tensor names to file names")
@@ -272,7 +271,7 @@ class SafetensorsFiles:
         try:
             return self._handle(file).get_tensor(name)
         except Exception as e:
-            raise CorruptChunkError(f"{file}: {name} cannot be read ({short_message(e)})") from e
+            raise CorruptChunkError(f"{file}: {name} cannot be read ({library_problem(e)})") from e
 
     def add_side_files(self) -> None:
         """A folder's ``optimizer.pt`` (as ``optim``) and ``extra_state.pt``, if present.
@@ -283,7 +282,7 @@ class SafetensorsFiles:
         """
         tops: set[str | int] = {"model"} if self._tensors else set()
         for filename, prefix in ((f, p) for f, p in SIDE_FILES if (self.path / f).is_file()):
-            self.sides.append(side := TorchSaveFile(self.path / filename, prefix))
+            self.sides.append(side := TorchSaveFile(self.path / filename, prefix, root=self.path))
             own = {obj_path[0] for obj_path, _ in side.flat_with_paths.values()}
             if clash := own & tops:
                 raise NotADcpCheckpointError(f"{side.path} holds {clash.pop()!r}, as another file of the folder does")

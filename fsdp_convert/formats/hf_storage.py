@@ -45,10 +45,14 @@ def safetensors_files(root: Path) -> list[Path]:
 
 
 def has_sharding_info(root: Path) -> bool:
-    """True when a safetensors file in ``root`` carries DCP sharding info (``HuggingFaceStorageWriter``)."""
+    """True when a safetensors file in ``root`` carries DCP sharding info (``HuggingFaceStorageWriter``).
+
+    Raises:
+        UnsafeContentError: a safetensors file is a symbolic link out of ``root`` (``_location.inside``).
+    """
     for path in safetensors_files(root):
         try:
-            meta = read_header(path)[0].get("__metadata__") or {}
+            meta = read_header(path, root=root)[0].get("__metadata__") or {}
         except CorruptChunkError:
             continue  # an unrelated or broken file does not make the folder a checkpoint
         if isinstance(meta, dict) and SHARDING_INFO_KEY in meta:
@@ -70,7 +74,7 @@ def _sharding_info(path: Path, header: dict[str, Any]) -> dict[str, list[int]]:
 def _naturals(values: Any) -> list[int]:
     """A JSON list of non-negative integers, or ValueError."""
     if not isinstance(values, list) or not all(type(v) is int and v >= 0 for v in values):
-        raise ValueError(f"{values!r} is not a list of non-negative integers")
+        raise ValueError("not a list of non-negative integers")  # the file's text is not quoted
     return values
 
 
@@ -86,7 +90,8 @@ def describe_safetensors_dcp(root: Path) -> CheckpointIndex:
         NotADcpCheckpointError: no safetensors file, malformed sharding info or header entries, a
             dtype name not in the table, or two files that disagree on a tensor's dtype or number of dims.
         CorruptChunkError: an unreadable header, or a tensor's byte range that lies outside its
-            file or does not fit its shape.
+            file, does not fit its shape, or overlaps another tensor's.
+        UnsafeContentError: a safetensors file is a symbolic link out of ``root`` (``_location.inside``).
     """
     files = safetensors_files(root)
     if not files:
@@ -95,13 +100,16 @@ def describe_safetensors_dcp(root: Path) -> CheckpointIndex:
     dtypes: dict[str, Any] = {}
     sharded = False
     for path in files:
-        header, data_start = read_header(path)
+        header, data_start = read_header(path, root=root)
         offsets_of = _sharding_info(path, header)
+        ranges: list[tuple[int, int, str]] = []  # (begin, end, FQN) of each tensor's data in this file
         sharded |= bool(offsets_of)
         size = path.stat().st_size
         for fqn, desc in header.items():
             try:
-                dtype = SAFETENSORS_TO_TORCH[desc["dtype"]]  # KeyError: a dtype name not in the table
+                dtype = SAFETENSORS_TO_TORCH.get(desc["dtype"]) if isinstance(desc["dtype"], str) else None
+                if dtype is None:
+                    raise ValueError("a dtype this tool does not read")  # the name is the file's text: not quoted
                 shape = torch_shape(dtype, _naturals(desc["shape"]))
                 begin, end = _naturals(desc["data_offsets"])
             except (KeyError, TypeError, ValueError) as e:
@@ -111,6 +119,7 @@ def describe_safetensors_dcp(root: Path) -> CheckpointIndex:
                 raise NotADcpCheckpointError(f"{where}: dtype {dtype} differs from another file's {dtypes[fqn]}")
             if not 0 <= begin <= end or data_start + end > size or end - begin != math.prod(shape) * dtype.itemsize:
                 raise CorruptChunkError(f"{where}: data range [{begin}, {end}) does not hold {dtype} {list(shape)} in the file")
+            ranges.append((begin, end, fqn))
             offsets = tuple(offsets_of.get(fqn, (0,) * len(shape)))
             if len(offsets) != len(shape):
                 raise NotADcpCheckpointError(f"{where}: saved_offsets {list(offsets)} do not match shape {list(shape)}")
@@ -120,6 +129,7 @@ def describe_safetensors_dcp(root: Path) -> CheckpointIndex:
                     length_bytes=end - begin,
                 )
             )  # fmt: skip
+        _check_disjoint(path, ranges)
     entries: list[Entry] = []
     for fqn, parts in chunks.items():
         ndim = len(parts[0].sizes)
@@ -136,6 +146,19 @@ def describe_safetensors_dcp(root: Path) -> CheckpointIndex:
         producer="hf_storage" if sharded else "safetensors",
         ranks=len(writers) if writers else 1,
     )
+
+
+def _check_disjoint(path: Path, ranges: list[tuple[int, int, str]]) -> None:
+    """Refuse two tensors of one file whose data ranges (``(begin, end, FQN)``, in bytes) overlap.
+
+    Raises:
+        CorruptChunkError: naming both FQNs and the file.
+    """
+    last: tuple[int, int, str] | None = None
+    for begin, end, fqn in sorted(r for r in ranges if r[0] < r[1]):  # an empty tensor holds no bytes
+        if last is not None and begin < last[1]:
+            raise CorruptChunkError(f"{path}: the data of {last[2]} and {fqn} overlap; each tensor must have bytes of its own")
+        last = (begin, end, fqn)
 
 
 class HfStorageReader(ChunkedReader):

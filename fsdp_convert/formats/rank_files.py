@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fsdp_convert._torch import dtensor_local_box
+from fsdp_convert._location import inside
 from fsdp_convert.errors import (
     CorruptChunkError,
     InvalidOptionError,
@@ -28,9 +28,11 @@ from fsdp_convert.errors import (
     NotADcpCheckpointError,
     TorchFeatureError,
 )
+from fsdp_convert.formats._rank_pieces import Placement, check_elements, drop_replicas, mesh_sizes, strided_box
 from fsdp_convert.formats._rank_unpickler import SHARDED_TENSOR, Record, kind, load_rank_file, local_value
 from fsdp_convert.formats._reader import ChunkedReader
 from fsdp_convert.formats.index import (
+    MAX_ENTRIES,
     BytesEntry,
     CheckpointIndex,
     ChunkEntry,
@@ -43,6 +45,7 @@ from fsdp_convert.formats.index import (
 
 __all__ = ["RANK_FILE_RE", "find_rank_files", "rank_files_index", "RankFilesReader"]
 
+_MAX_DEPTH = 64  # levels of a state dict's nesting (a torchtitan optimizer state: 6)
 # <prefix>[_world_size_<N>]_rank_<r>.pt, <prefix>_rank<r>.pt, <prefix>-rank-<r>.bin, ...
 RANK_FILE_RE = re.compile(r"^(?P<prefix>.*?)(?:_world_size_(?P<ws>\d+))?[_-]?rank[_-]?(?P<rank>\d+)\.(?:pt|pth|bin)$")
 
@@ -83,14 +86,21 @@ def _top_key(prefix: str) -> str:
     return {"model": "model", "optim": "optim", "optimizer": "optim"}.get(prefix, prefix)
 
 
-def _walk(obj: Any, path: ObjPath, out: list[tuple[ObjPath, Any]]) -> None:
-    """Leaves of a nested state dict, by DCP's rules: dicts always, lists when they hold tensors or containers."""
+def _walk(obj: Any, path: ObjPath, out: list[tuple[ObjPath, Any]], where: Path) -> None:
+    """Leaves of a nested state dict, by DCP's rules: dicts always, lists when they hold tensors or containers.
+
+    Raises:
+        NotADcpCheckpointError: more than ``MAX_ENTRIES`` leaves or ``_MAX_DEPTH`` levels (a pickle
+            may refer to one dict many times, or put a dict inside itself).
+    """
+    if len(path) > _MAX_DEPTH or len(out) >= MAX_ENTRIES:
+        raise NotADcpCheckpointError(f"{where}: values nested more than {_MAX_DEPTH} deep or more than {MAX_ENTRIES} of them")
     if isinstance(obj, dict):
         for key, value in obj.items():
-            _walk(value, (*path, key), out)
+            _walk(value, (*path, key), out, where)
     elif isinstance(obj, list) and any(isinstance(v, (dict, list, torch.Tensor, Record)) for v in obj):
         for i, value in enumerate(obj):
-            _walk(value, (*path, i), out)
+            _walk(value, (*path, i), out, where)
     else:
         out.append((path, obj))
 
@@ -104,33 +114,15 @@ class _Local:
     boxes: list[tuple[tuple[int, ...], tuple[int, ...], ObjPath]]  # offsets, sizes, record inside the file
 
 
-def _naturals(values: Any) -> tuple[int, ...]:
-    """A sequence of non-negative ints from a file, or NotADcpCheckpointError."""
+def _naturals(values: Any, where: str, what: str) -> tuple[int, ...]:
+    """A sequence of non-negative ints from a file, or NotADcpCheckpointError naming ``what`` (not its value)."""
     try:
         out = tuple(values)
     except TypeError:
         out = (None,)
     if not all(type(v) is int and v >= 0 for v in out):
-        raise NotADcpCheckpointError(f"{values!r} is not a sequence of non-negative integers")
+        raise NotADcpCheckpointError(f"{where}: its {what} is not a sequence of non-negative integers")
     return out
-
-
-def _mesh_size(axis: Any) -> int:
-    """Size of one mesh dim from its ``_FlatLayout`` record (its ``shape``: an int or nested ints)."""
-    shape = axis.fields.get("shape") if isinstance(axis, Record) else None
-    flat = [shape] if type(shape) is int else list(_flatten_ints(shape))
-    return math.prod(_naturals(flat))
-
-
-def _flatten_ints(value: Any) -> Any:
-    if isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _flatten_ints(v)
-    else:
-        yield value
-
-
-Placement = tuple[str, int, int]  # (kind, dim, split_factor), kind "Shard", "_StridedShard" or "Replicate"
 
 
 def _placements(spec: dict[str, Any], where: str) -> tuple[Placement, ...]:
@@ -147,7 +139,7 @@ def _placements(spec: dict[str, Any], where: str) -> tuple[Placement, ...]:
     out: list[Placement] = []
     for p in spec["placements"]:
         if kind(p) in ("Shard", "_StridedShard"):
-            dim, split_factor = _naturals([p.fields.get("dim"), p.fields.get("split_factor", 1)])
+            dim, split_factor = _naturals([p.fields.get("dim"), p.fields.get("split_factor", 1)], where, "placement")
             if split_factor < 1:
                 raise NotADcpCheckpointError(f"{where}: placement {p!r} has split factor {split_factor}")
             out.append((kind(p), dim, split_factor))
@@ -184,31 +176,33 @@ def _dtensor_local(value: Record, where: str) -> _Local:
         local, spec = fields["_local_tensor"], fields["_spec"].fields
         dtype, shape = value.wrapper.args[1], value.wrapper.args[2]  # type: ignore[attr-defined]
         mesh = spec["mesh"].fields
-        mesh_shape = tuple(_mesh_size(axis) for axis in mesh["_layout"].fields["axes"])
+        axes = [axis.fields.get("shape") if isinstance(axis, Record) else None for axis in mesh["_layout"].fields["axes"]]
         coordinate = mesh.get("_coordinate_on_dim")
         placements = _placements(spec, where)
     except (KeyError, AttributeError, TypeError, IndexError) as e:
         raise NotADcpCheckpointError(f"{where}: malformed DTensor ({type(e).__name__}: {e})") from e
+    mesh_shape = mesh_sizes(axes, where)
     if coordinate is None:
         raise NotADcpCheckpointError(f"{where}: the DTensor does not record this rank's place in its mesh")
-    coordinate = _naturals(coordinate)
+    coordinate = _naturals(coordinate, where, "mesh coordinate")
     if len(coordinate) != len(mesh_shape) or not all(c < n for c, n in zip(coordinate, mesh_shape, strict=True)):
-        raise NotADcpCheckpointError(f"{where}: mesh coordinate {list(coordinate)} lies outside mesh {list(mesh_shape)}")
+        raise NotADcpCheckpointError(f"{where}: mesh coordinate {list(coordinate)[:8]} lies outside mesh {list(mesh_shape)}")
     if len(placements) != len(mesh_shape):
         raise NotADcpCheckpointError(f"{where}: {len(placements)} placements for a {len(mesh_shape)}-dim mesh")
     if not isinstance(local, torch.Tensor) or not isinstance(dtype, torch.dtype) or local.dtype != dtype:
         raise NotADcpCheckpointError(f"{where}: malformed DTensor (its local tensor and dtype disagree)")
-    shape = _naturals(shape)
+    shape = _naturals(shape, where, "shape")
+    check_elements(local, where)
     if any(k != "Replicate" and d >= len(shape) for k, d, _ in placements):
         raise NotADcpCheckpointError(f"{where}: a placement shards a dim the tensor does not have")
     if any(k == "_StridedShard" for k, _, _ in placements):
         try:
-            boxes = _strided_boxes(shape, mesh_shape, placements)
+            box = strided_box(shape, mesh_shape, coordinate, placements)
         except TorchFeatureError as e:
             raise TorchFeatureError(f"{where}: {e}") from None
-        if isinstance(boxes, str):
-            raise NotADcpCheckpointError(f"{where}: {boxes}")
-        sizes, offsets = boxes[coordinate]
+        if isinstance(box, str):
+            raise NotADcpCheckpointError(f"{where}: {box}")
+        sizes, offsets = box
     else:
         sizes, offsets = _local_box(shape, mesh_shape, coordinate, [None if k == "Replicate" else d for k, d, _ in placements])
     if tuple(local.shape) != sizes:
@@ -216,45 +210,17 @@ def _dtensor_local(value: Record, where: str) -> _Local:
     return _Local(shape, local.dtype, [(offsets, sizes, ("_local_tensor",))])
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=16)
 def _strided_boxes(
     shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Placement, ...]
 ) -> dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]] | str:
-    """Every mesh coordinate's (sizes, offsets), in elements, for placements with a ``_StridedShard``; or why not.
-
-    The boxes are torch's (``_torch.dtensor_local_box``, what DCP records). A ``_StridedShard``
-    shard is one box only when its elements are contiguous: FSDP over tensor parallelism
-    (``(_StridedShard(0, sf), Shard(0))``) cuts each tp shard's rows again, so each rank's rows
-    are contiguous; ``(_StridedShard(0, sf), Replicate())`` interleaves them. Along each tensor
-    dim the ranks' index sets partition the dim, and such a partition is made of contiguous runs
-    exactly when its (first index, count) intervals tile the dim, so that is checked, dim by dim.
-
-    Returns:
-        The boxes by coordinate, or a one-line reason when a shard is not one box.
-
-    Raises:
-        TorchFeatureError: this torch cannot compute DTensor offsets.
-    """
-    boxes = {
-        coordinate: dtensor_local_box(shape, mesh_shape, coordinate, placements)
-        for coordinate in itertools.product(*(range(n) for n in mesh_shape))
-    }
-    for dim, extent in enumerate(shape):
-        intervals = sorted({(offsets[dim], sizes[dim]) for sizes, offsets in boxes.values() if sizes[dim] > 0})
-        end = 0
-        for start, count in intervals:
-            if start != end:
-                placed = ", ".join(
-                    f"_StridedShard({d}, sf={sf})" if k == "_StridedShard" else f"{k}({d})" if k == "Shard" else k + "()"
-                    for k, d, sf in placements
-                )
-                return (
-                    f"placements ({placed}) on mesh {list(mesh_shape)} give ranks elements of dim {dim} that are not one "
-                    "contiguous run, so a rank's shard is not one box; not supported"
-                )
-            end = start + count
-        if end != extent and intervals:
-            return f"placements on mesh {list(mesh_shape)} leave elements of dim {dim} past {end} on no rank"
+    """Every mesh coordinate's ``strided_box``, or the first reason one has none: O(mesh size), for small meshes."""
+    boxes = {}
+    for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
+        box = strided_box(shape, mesh_shape, coordinate, placements)
+        if isinstance(box, str):
+            return box
+        boxes[coordinate] = box
     return boxes
 
 
@@ -284,15 +250,17 @@ def _sharded_tensor_local(value: Record, where: str) -> _Local:
     try:
         local_shards, meta, *_ = value.fields["__tuple_state__"]
         meta_fields = meta.fields
-        shape = _naturals(meta_fields["size"])
+        shape = _naturals(meta_fields["size"], where, "size")
         properties = meta_fields["tensor_properties"].fields
         dtype = properties["dtype"] if "dtype" in properties else properties["__tuple_state__"][0]
         boxes: list[tuple[tuple[int, ...], tuple[int, ...], ObjPath]] = []
         for i, shard in enumerate(local_shards):
             tensor, shard_meta = shard.fields["tensor"], shard.fields["metadata"].fields
-            offsets, sizes = _naturals(shard_meta["shard_offsets"]), _naturals(shard_meta["shard_sizes"])
+            offsets = _naturals(shard_meta["shard_offsets"], where, f"shard {i}'s offsets")
+            sizes = _naturals(shard_meta["shard_sizes"], where, f"shard {i}'s sizes")
             if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != sizes or tensor.dtype != dtype:
-                raise CorruptChunkError(f"{where}: local shard {i} does not match its metadata ({list(sizes)}, {dtype})")
+                raise CorruptChunkError(f"{where}: local shard {i} does not match its metadata ({list(sizes)[:8]}, {dtype})")
+            check_elements(tensor, f"{where} (shard {i})")
             boxes.append((offsets, sizes, ("local_shards", i)))
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
         raise NotADcpCheckpointError(f"{where}: malformed ShardedTensor ({type(e).__name__}: {e})") from e
@@ -310,6 +278,7 @@ def _local_of(value: Any, where: str, first_rank: bool) -> _Local | None:
     if isinstance(value, Record):  # a mesh, a placement... where a value should be
         raise NotADcpCheckpointError(f"{where}: a {value.qualname} is not a state dict value")
     if isinstance(value, torch.Tensor):  # replicated: every rank saved it whole; rank 0's copy is read
+        check_elements(value, where)
         shape = tuple(value.shape)
         return _Local(shape, value.dtype, [((0,) * len(shape), shape, ())] if first_rank else [])
     return None
@@ -322,13 +291,16 @@ def rank_files_index(root: Path) -> CheckpointIndex:
     placements and mesh coordinate, a ShardedTensor's from its ``ShardMetadata``; a plain tensor
     (present on every rank, as replicated state is) is read from the first rank's file, as are
     plain values. Entries go under ``model``/``optim`` by file prefix, others under their prefix.
-    A ``_StridedShard`` placement (FSDP over tensor parallelism) gets torch's own box for it, the
-    one ``dcp.save`` records; one whose shards are not boxes is refused.
+    A ``_StridedShard`` placement (FSDP over tensor parallelism) gets torch's box for it, the one
+    ``dcp.save`` records (``_rank_pieces.strided_box``: this rank's alone, whatever the mesh
+    size); one whose shards are not boxes is refused. Work is linear in the files' sizes.
 
     Raises:
-        NotADcpCheckpointError: no rank files, or files that disagree on a value's kind, shape or dtype.
+        NotADcpCheckpointError: no rank files, files that disagree on a value's kind, shape or
+            dtype, or claims past the caps (mesh size, split factor, nesting, number of values).
         MissingDataFileError: a rank's file is missing.
-        UnsafeContentError, CorruptChunkError: a file would run code, or does not load.
+        UnsafeContentError, CorruptChunkError: a file would run code, does not load, or holds a
+            local tensor whose elements overlap in storage (stride 0).
         TorchFeatureError: a ``_StridedShard`` placement, and this torch cannot compute its offsets.
     """
     groups = find_rank_files(root)
@@ -347,7 +319,8 @@ def rank_files_index(root: Path) -> CheckpointIndex:
             path = by_rank[rank]
             files.append(path.name)
             leaves: list[tuple[ObjPath, Any]] = []
-            _walk(load_rank_file(path), (), leaves)
+            inside(root, path)  # no link out of the folder
+            _walk(load_rank_file(path), (), leaves, path)
             for obj_path, value in leaves:
                 where = f"{path} {'.'.join(map(str, obj_path))}"
                 local = _local_of(value, where, rank == first)
@@ -367,8 +340,6 @@ def rank_files_index(root: Path) -> CheckpointIndex:
                     continue
                 chunks = tensors[obj_path][2]
                 for offsets, sizes, record in local.boxes:
-                    if any(c.offsets == offsets and c.sizes == sizes for c in chunks):
-                        continue  # a replica (Replicate placement, or a sub-mesh of size 1)
                     chunks.append(
                         ChunkEntry(
                             offsets=offsets, sizes=sizes, relative_path=path.name, offset_bytes=0,
@@ -381,6 +352,7 @@ def rank_files_index(root: Path) -> CheckpointIndex:
                 entries.append(values[obj_path])
                 continue
             shape, dtype, chunks = tensors[obj_path]
+            chunks = drop_replicas(chunks)  # (Replicate placements, sub-meshes of size 1)
             fqn = dcp_key((top, *obj_path))
             stored = tuple(c for c in chunks if c.numel > 0) or tuple(chunks[:1])  # empty shards of small tensors
             entries.append(TensorEntry(fqn=fqn, path=(top, *obj_path), shape=shape, dtype=dtype, chunks=stored))
@@ -420,6 +392,7 @@ class RankFilesReader(ChunkedReader):
                 raise InvalidOptionError(f"{path}: per-rank torch.save files are read from local paths only")
             if not path.is_file():
                 raise MissingDataFileError(f"cannot open {path}: No such file")
+            inside(Path(self.root), path, follow_symlinks=self.follow_symlinks)
             loaded = self._rank_files[relative_path] = load_rank_file(path)
         return loaded
 

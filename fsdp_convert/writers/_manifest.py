@@ -252,6 +252,8 @@ def source_state(index: CheckpointIndex) -> SourceFiles:
             try:
                 st, tails = os.fstat(fd), hashlib.sha256()
                 for offset, length in sorted(ranges_of_file):
+                    if offset + length > st.st_size:  # a claim past the file's end: the reader refuses it
+                        continue
                     tail = min(length, PAYLOAD_TAIL_BYTES)
                     tails.update(os.pread(fd, tail, offset + length - tail))
                 state[name] = [st.st_size, st.st_mtime_ns, tails.hexdigest()]

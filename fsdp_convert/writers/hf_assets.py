@@ -4,7 +4,10 @@
 code. The files transformers' ``save_pretrained`` writes beside the weights (``PretrainedConfig``,
 ``GenerationConfig``, a tokenizer's and a processor's ``save_pretrained``) are copied from DIR, a
 local folder or an fsspec URL (``remote``), as bytes and by a fixed allow-list of names
-(``ASSET_FILENAMES``): never weights, indexes or code. ``config.json`` is parsed as JSON only; its
+(``ASSET_FILENAMES``): never weights, indexes or code, and only regular files inside DIR (a
+symbolic link out of it is refused, ``_location.inside``, unless ``--follow-symlinks``; a hub
+cache snapshot's links into its repo's ``blobs`` are inside). ``config.json`` (at most
+``CONFIG_MAX_BYTES``) is parsed as JSON only; its
 ``dtype``/``torch_dtype`` is set to the dtype of the weights written (``rewrite_config``), and its
 ``tie_word_embeddings`` says whether the tied output weight is left out of the shards, as
 ``save_pretrained`` leaves it out (``tied_output_keys``).
@@ -18,6 +21,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,13 +29,16 @@ from typing import Any
 
 import torch
 
-from fsdp_convert.errors import CheckpointNotFoundError, InvalidOptionError
-from fsdp_convert.remote import Url, as_location, filesystem, read_bytes
+from fsdp_convert._location import follows_symlinks, inside, open_inside, read_inside
+from fsdp_convert.errors import CheckpointNotFoundError, InvalidOptionError, OutputWriteError
+from fsdp_convert.remote import Url, as_location, filesystem, read_bytes, size_of
+from fsdp_convert.writers._space import free_bytes, human_bytes
 
 __all__ = [
     "ASSET_FILENAMES",
     "CHAT_TEMPLATE_DIR",
     "CONFIG_FILENAME",
+    "CONFIG_MAX_BYTES",
     "TIED_OUTPUT_KEY",
     "HfAssets",
     "open_hf_assets",
@@ -46,6 +53,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CONFIG_FILENAME = "config.json"  # transformers' CONFIG_NAME
+CONFIG_MAX_BYTES = 16 << 20  # a model's config.json is a few KB; it is read whole, so larger is refused
+_WHAT = "the --hf-assets folder"
 CHAT_TEMPLATE_DIR = "additional_chat_templates"  # transformers' CHAT_TEMPLATE_DIR: named templates, <name>.jinja
 TIED_OUTPUT_KEY = "lm_head.weight"  # the output embedding ``_tied_weights_keys`` names in transformers' LM heads
 
@@ -110,12 +119,16 @@ class HfAssets:
         config: ``config.json``, parsed.
         config_bytes: ``config.json`` as read.
         files: the other allowed files found, as relative POSIX paths, sorted.
+        nbytes: the bytes the copies take, config included, in bytes (count them in the space check).
+        follow_symlinks: whether links out of a local ``source`` are followed (the setting it was opened with).
     """
 
     source: Path | Url
     config: dict[str, Any]
     config_bytes: bytes
     files: tuple[str, ...]
+    nbytes: int = 0
+    follow_symlinks: bool = False
 
 
 def _allowed(relative: str) -> bool:
@@ -133,6 +146,45 @@ def _list_local(folder: Path) -> list[str]:
     return names
 
 
+def _local_bytes(folder: Path, relative: str, follow_symlinks: bool) -> int:
+    """Size in bytes of an asset file, checked to be a regular file inside ``folder``.
+
+    Raises:
+        UnsafeContentError: a symbolic link out of the folder. InvalidOptionError: not a regular file.
+    """
+    mode_size = os.stat(inside(folder, folder / relative, follow_symlinks=follow_symlinks, what=_WHAT))
+    if not stat.S_ISREG(mode_size.st_mode):
+        raise InvalidOptionError(f"--hf-assets {folder / relative} is not a regular file; refused")
+    return mode_size.st_size
+
+
+def _json_problem(e: ValueError) -> str:
+    """What is wrong with JSON that did not parse, quoting none of it (a decode error would quote a byte)."""
+    return f"{e.msg} at byte {e.pos}" if isinstance(e, json.JSONDecodeError) else "it is not UTF-8 JSON"
+
+
+def _read_config(config_path: Path | Url, follow_symlinks: bool) -> bytes:
+    """``config.json``, read whole once it is known to be at most ``CONFIG_MAX_BYTES``.
+
+    Raises:
+        InvalidOptionError: larger, or unreadable. UnsafeContentError: a link out of the folder.
+    """
+    too_big = InvalidOptionError(
+        f"{config_path} is larger than {human_bytes(CONFIG_MAX_BYTES)}; refused (a model's config.json is a few KB)"
+    )
+    if isinstance(config_path, Url):
+        if (size_of(config_path) or 0) > CONFIG_MAX_BYTES:
+            raise too_big
+        return read_bytes(config_path)
+    try:
+        raw = read_inside(config_path.parent, config_path, CONFIG_MAX_BYTES, follow_symlinks=follow_symlinks, what=_WHAT)
+    except OSError as e:
+        raise InvalidOptionError(f"cannot read {config_path}: {e.strerror}") from e
+    if raw is None:
+        raise too_big
+    return raw
+
+
 def _list_remote(url: Url) -> list[str]:
     fs = filesystem(url.split("://", 1)[0])
     try:
@@ -146,7 +198,9 @@ def _list_remote(url: Url) -> list[str]:
     return names
 
 
-def open_hf_assets(source: str | os.PathLike[str], *, folder_output: bool = True, model: bool = True) -> HfAssets:
+def open_hf_assets(
+    source: str | os.PathLike[str], *, folder_output: bool = True, model: bool = True, follow_symlinks: bool | None = None
+) -> HfAssets:
     """Find the files to copy in a model folder and read its ``config.json`` (nothing else is read yet).
 
     Args:
@@ -154,6 +208,8 @@ def open_hf_assets(source: str | os.PathLike[str], *, folder_output: bool = True
             ``save_pretrained`` wrote: ``config.json`` at least.
         folder_output: the output is a Hugging Face folder (the only output assets go with).
         model: the output holds the model weights (not ``--only optim``).
+        follow_symlinks: copy what symbolic links in a local folder lead to outside it; None: the
+            process's setting (``_location.follows_symlinks``).
 
     Returns:
         The parsed config and the allowed files found (``ASSET_FILENAMES``, and ``*.jinja`` in
@@ -163,8 +219,11 @@ def open_hf_assets(source: str | os.PathLike[str], *, folder_output: bool = True
     Raises:
         CheckpointNotFoundError: ``source`` does not exist or is not a folder.
         InvalidOptionError: a file output or no model weights; no ``config.json`` there, or it is
-            not a JSON object; fsspec or its backend is missing for a URL.
+            larger than ``CONFIG_MAX_BYTES`` or not a JSON object; an asset that is not a regular
+            file; fsspec or its backend is missing for a URL.
+        UnsafeContentError: a file to copy is a symbolic link out of a local folder.
     """
+    follow = follows_symlinks(follow_symlinks)
     if not folder_output:
         raise InvalidOptionError(
             f"--hf-assets {source}: a model's config and tokenizer go beside the shards of a folder output; "
@@ -182,11 +241,11 @@ def open_hf_assets(source: str | os.PathLike[str], *, folder_output: bool = True
     if CONFIG_FILENAME not in names:
         raise InvalidOptionError(f"--hf-assets {location}: no {CONFIG_FILENAME} there (give the folder save_pretrained wrote)")
     config_path = location / CONFIG_FILENAME
-    raw = read_bytes(config_path) if isinstance(config_path, Url) else config_path.read_bytes()
+    raw = _read_config(config_path, follow)
     try:
         config = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise InvalidOptionError(f"{config_path}: not valid JSON ({e})") from e
+    except ValueError as e:
+        raise InvalidOptionError(f"{config_path}: not valid JSON ({_json_problem(e)})") from e
     if not isinstance(config, dict):
         raise InvalidOptionError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
     code = sorted(n for n in names if n.endswith(".py"))
@@ -195,7 +254,12 @@ def open_hf_assets(source: str | os.PathLike[str], *, folder_output: bool = True
             "%s: custom model code (%s) is not copied; copy it yourself to load with trust_remote_code", location, ", ".join(code)
         )
     files = tuple(sorted(n for n in names if _allowed(n) and n != CONFIG_FILENAME))
-    return HfAssets(source=location, config=config, config_bytes=raw, files=files)
+    if isinstance(location, Url):
+        nbytes = sum(size_of(location / n) or 0 for n in files)
+    else:
+        nbytes = sum(_local_bytes(location, n, follow) for n in files)
+    nbytes += len(rewrite_config(raw, torch.bfloat16)) + 64  # config.json as written: maybe re-serialized, a dtype name
+    return HfAssets(source=location, config=config, config_bytes=raw, files=files, nbytes=nbytes, follow_symlinks=follow)
 
 
 def _default_tie(model_type: object) -> bool | None:
@@ -305,8 +369,10 @@ def rewrite_config(config_bytes: bytes, dtype: torch.dtype | None) -> bytes:
 def write_hf_assets(assets: HfAssets, folder: Path, *, dtype: torch.dtype | None) -> list[Path]:
     """Copy the assets into an output folder (the hidden temporary, before its rename), config last.
 
-    Files are copied as bytes (a local link's target; an fsspec object read whole) and fsynced;
-    ``config.json`` is ``rewrite_config(..., dtype)``.
+    Files are copied as bytes (a local file, or a link's target inside the folder, opened by
+    ``_location.open_inside``; an fsspec object read whole), written with mode 0644 and fsynced;
+    ``config.json`` is ``rewrite_config(..., dtype)``. First, ``assets.nbytes`` must fit the free
+    space there.
 
     Args:
         assets: from ``open_hf_assets``.
@@ -318,21 +384,34 @@ def write_hf_assets(assets: HfAssets, folder: Path, *, dtype: torch.dtype | None
 
     Raises:
         CheckpointNotFoundError: a remote file went missing since it was listed.
+        OutputWriteError: the copies do not fit the free space.
+        UnsafeContentError, CorruptChunkError: a local file became a link out of the folder, or
+            not a regular file, since it was listed.
         OSError: a local read or write failed (``writers._atomic.writing`` names it).
     """
+    free = free_bytes(folder)
+    if assets.nbytes > free:
+        raise OutputWriteError(
+            f"cannot write {folder}: No space left on device: the --hf-assets files need {human_bytes(assets.nbytes)} "
+            f"but {human_bytes(free)} are free there; free space"
+        )
     written = []
     for relative in (*assets.files, CONFIG_FILENAME):
         target = folder / relative
         target.parent.mkdir(exist_ok=True)
         source = assets.source / relative
-        if relative == CONFIG_FILENAME:
-            target.write_bytes(rewrite_config(assets.config_bytes, dtype))
-        elif isinstance(source, Url):
-            target.write_bytes(read_bytes(source))
-        else:
-            shutil.copyfile(source, target)
-        with target.open("rb+") as f:
-            os.fsync(f.fileno())
+        with open(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), "wb") as out:
+            if relative == CONFIG_FILENAME:
+                out.write(rewrite_config(assets.config_bytes, dtype))
+            elif isinstance(source, Url):
+                out.write(read_bytes(source))
+            else:
+                assert isinstance(assets.source, Path)
+                fd = open_inside(assets.source, source, follow_symlinks=assets.follow_symlinks, what=_WHAT)
+                with open(fd, "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 20)
+            out.flush()
+            os.fsync(out.fileno())
         written.append(target)
     return written
 

@@ -37,7 +37,11 @@ FUZZ = settings(
 
 
 class _Bench:
-    """A pristine checkpoint and a scratch folder that mirrors it through symlinks."""
+    """A pristine checkpoint and a scratch folder that mirrors it through hard links.
+
+    Hard links, not symlinks: a symlink out of the checkpoint is refused without ``--follow-symlinks``.
+    A file a case changes is first replaced by its own copy (``own_copy``), so the pristine one stays.
+    """
 
     def __init__(self, sample: Sample, root: Path) -> None:
         self.pristine = sample.checkpoint
@@ -51,7 +55,7 @@ class _Bench:
         shutil.rmtree(self.root, ignore_errors=True)
         ck.mkdir(parents=True)
         for p in self.pristine.iterdir():
-            (ck / p.name).symlink_to(p)
+            os.link(p, ck / p.name)
         return ck
 
     def own_copy(self, ck: Path, name: str) -> Path:

@@ -1,15 +1,20 @@
-"""writers.hf_assets: the allow-list, the config's dtype and tie, local and fsspec folders."""
+"""writers.hf_assets: the allow-list, the config's dtype and tie, local and fsspec folders, links and sizes."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
+import os
+import resource
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from fsdp_convert.errors import CheckpointNotFoundError, InvalidOptionError
+from fsdp_convert.errors import CheckpointNotFoundError, InvalidOptionError, OutputWriteError, UnsafeContentError
+from fsdp_convert.writers import hf_assets
 from fsdp_convert.writers.hf_assets import (
     HfAssets,
     open_hf_assets,
@@ -61,19 +66,112 @@ def test_only_allowed_names_are_copied(tmp_path: Path) -> None:
     assert (out / "merges.txt").read_text() == "merges.txt"
 
 
-def test_links_are_followed(tmp_path: Path) -> None:
-    """A hub cache snapshot's files are links to blobs."""
-    src = _folder(tmp_path / "blobs")
-    snapshot = tmp_path / "snapshot"
-    snapshot.mkdir()
+def test_a_hub_cache_snapshot_reads_its_blobs(tmp_path: Path) -> None:
+    """A hub cache snapshot's files are relative links to ../../blobs/<hash> of the same repo folder: inside."""
+    repo = tmp_path / "hub" / "models--org--name"
+    src = _folder(repo / "blobs")
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
     for name in ("config.json", "tokenizer.json"):
-        (snapshot / name).symlink_to(src / name)
+        (snapshot / name).symlink_to(Path("../../blobs") / name)
     assets = open_hf_assets(snapshot)
     assert assets.files == ("tokenizer.json",)
     out = tmp_path / "out"
     out.mkdir()
     write_hf_assets(assets, out, dtype=None)
     assert not (out / "tokenizer.json").is_symlink() and (out / "tokenizer.json").read_text() == "tokenizer.json"
+    assert (out / "tokenizer.json").stat().st_mode & 0o777 == 0o644
+    (snapshot / "merges.txt").symlink_to(src.parent.parent / "other" / "merges.txt")  # another repo: outside
+    (src.parent.parent / "other").mkdir()
+    (src.parent.parent / "other" / "merges.txt").write_text("x")
+    with pytest.raises(UnsafeContentError, match="merges.txt is a symbolic link"):
+        open_hf_assets(snapshot)
+
+
+SECRET = b"API_KEY=sk-live-0123456789abcdef\n"
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "config.json", "additional_chat_templates/tools.jinja"])
+def test_a_link_out_of_the_folder_is_refused(tmp_path: Path, name: str) -> None:
+    """``tokenizer.json -> /etc/shadow``: before, its bytes were copied into OUT as 0644."""
+    secret = tmp_path / "secret.env"
+    secret.write_bytes(SECRET)
+    src = _folder(tmp_path / "src")
+    (src / name).unlink()
+    (src / name).symlink_to(secret)
+    with pytest.raises(UnsafeContentError, match=f"{src / name} is a symbolic link that leads outside") as caught:
+        open_hf_assets(src)
+    assert "API_KEY" not in str(caught.value) and "--follow-symlinks" in caught.value.cli_text()
+    if name != "config.json":  # a link asked for is copied
+        out = tmp_path / "out"
+        out.mkdir()
+        write_hf_assets(open_hf_assets(src, follow_symlinks=True), out, dtype=None)
+        assert (out / name).read_bytes() == SECRET and not (out / name).is_symlink()
+
+
+def test_a_file_swapped_for_a_link_after_listing_is_not_copied(tmp_path: Path) -> None:
+    secret = tmp_path / "secret.env"
+    secret.write_bytes(SECRET)
+    src = _folder(tmp_path / "src")
+    assets = open_hf_assets(src)
+    (src / "vocab.json").unlink()
+    (src / "vocab.json").symlink_to(secret)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(UnsafeContentError, match="vocab.json is a symbolic link"):
+        write_hf_assets(assets, out, dtype=None)
+    assert all(p.read_bytes() != SECRET for p in out.rglob("*") if p.is_file())
+
+
+def _peak_rss_growth(fn: Callable[[], object]) -> tuple[int, str]:
+    """Run ``fn`` in a forked child: how far its peak resident memory grew (bytes), and what it raised."""
+    parent, child = mp.get_context("fork").Pipe()
+
+    def run() -> None:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        try:
+            fn()
+            raised = ""
+        except Exception as e:  # noqa: BLE001 (reported to the parent)
+            raised = f"{type(e).__name__}: {e}"
+        child.send(((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024, raised))
+
+    proc = mp.get_context("fork").Process(target=run)
+    proc.start()
+    proc.join(120)
+    assert parent.poll(1), f"child died with exit code {proc.exitcode}"
+    return parent.recv()  # type: ignore[no-any-return]
+
+
+def test_a_huge_config_is_refused_unread(tmp_path: Path) -> None:
+    """A 2 GiB sparse config.json: before, read whole (and decoded) into memory."""
+    src = _folder(tmp_path / "src")
+    os.truncate(src / "config.json", 2 << 30)
+    growth, raised = _peak_rss_growth(lambda: open_hf_assets(src))
+    assert raised.startswith("InvalidOptionError") and "config.json is larger than 16.8 MB" in raised, raised
+    assert growth < 64 << 20, growth
+
+
+def test_a_config_that_is_not_utf8_is_not_quoted(tmp_path: Path) -> None:
+    src = _folder(tmp_path / "src")
+    (src / "config.json").write_bytes(b'{"name": "\xff\xfe"}')
+    with pytest.raises(InvalidOptionError, match="not valid JSON") as caught:
+        open_hf_assets(src)
+    assert "0xff" not in str(caught.value) and "xff" not in str(caught.value)
+
+
+def test_asset_bytes_are_counted_and_must_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 10 GB sparse tokenizer.json: its copy takes 10 GB; before, nothing counted it and the copy filled the disk."""
+    src = _folder(tmp_path / "src")
+    os.truncate(src / "tokenizer.json", 10**10)
+    assets = open_hf_assets(src)
+    assert assets.nbytes >= 10**10 + len(_canonical(CONFIG))
+    monkeypatch.setattr(hf_assets, "free_bytes", lambda folder: 10**9)  # a disk with 1 GB free
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(OutputWriteError, match=r"No space left on device: the hf_assets files need 10.0 GB but 1.0 GB"):
+        write_hf_assets(assets, out, dtype=None)
+    assert not list(out.iterdir())  # refused before the first copy
 
 
 def test_errors(tmp_path: Path) -> None:
