@@ -47,6 +47,8 @@ __all__ = [
 FLAG_KEYWORDS: dict[str, str] = {
     # consolidate / reshard / verify keywords
     "--overwrite": "overwrite=True",
+    "--force": "force=True",
+    "--follow-symlinks": "follow_symlinks=True",
     "--resume": "resume=True",
     "--no-space-check": "space_check=False",
     "--no-crc": "check_crc=False",

@@ -365,16 +365,8 @@ def run_workers(
     # a run stopped by a signal leaves the launcher's semaphore to multiprocessing's resource
     # tracker, whose warning about it would be the only other line on stderr; and torch warns in
     # every worker when NumPy is absent, which this tool never needs (it is not a dependency)
-    os.environ["PYTHONWARNINGS"] = ",".join(
-        filter(
-            None,
-            [
-                os.environ.get("PYTHONWARNINGS"),
-                "ignore:resource_tracker:UserWarning",
-                "ignore:Failed to initialize NumPy:UserWarning",
-            ],
-        )
-    )
+    quiet_warnings = ["ignore:resource_tracker:UserWarning", "ignore:Failed to initialize NumPy:UserWarning"]
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), *quiet_warnings]))
     multiprocessing.set_forkserver_preload(["torch.distributed", "fsdp_convert.ops.consolidate", "fsdp_convert.ops.reshard"])
     try:
         results = elastic_launch(config, _worker_main)(_WorkerCall(fn, job, str(error_dir), dict(os.environ)))

@@ -11,14 +11,25 @@ variables (``FSSPEC_S3_ENDPOINT_URL``).
 
 One writer per remote output: ``staged_upload`` holds a lock object ``.<name>.lock`` beside it
 for the whole block (``_object_lock``, which says what each backend guarantees).
+
+The local staging folder is ``TMPDIR/fsdp-convert-upload-<url>_<host>_<pid>_<random>``
+(``staging_prefix``: a digest of the normalized URL, one of the host name; then the writing
+process's pid and ``mkdtemp``'s random tail). A run that was killed (SIGKILL, a lost node)
+cannot remove its own, so the next run writing the same URL on the same host removes each one
+whose process is gone, with a warning naming it (``_remove_dead_staging``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import logging
 import os
+import posixpath
 import shutil
+import socket
+import stat
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,6 +37,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fsdp_convert._location import Location, Url
+from fsdp_convert._lock_record import pid_alive
 from fsdp_convert._object_lock import lock_url, object_lock
 from fsdp_convert.errors import (
     CheckpointNotFoundError,
@@ -40,6 +52,7 @@ __all__ = [
     "Location",
     "is_url",
     "as_location",
+    "normal_url",
     "filesystem",
     "read_bytes",
     "read_range",
@@ -50,7 +63,12 @@ __all__ = [
     "staged_upload",
     "local_output",
     "lock_url",
+    "staging_prefix",
 ]
+
+logger = logging.getLogger(__name__)
+
+STAGING_PREFIX = "fsdp-convert-upload-"  # TMPDIR/fsdp-convert-upload-<url digest>_<host digest>_<pid>_<random>
 
 
 def is_url(location: object) -> bool:
@@ -64,6 +82,17 @@ def as_location(location: str | os.PathLike[str]) -> Path | Url:
         return Url(str(location).rstrip("/"))
     text = os.fspath(location)
     return Path(text.removeprefix("file://"))
+
+
+def normal_url(url: str) -> str:
+    """``url`` as two URLs are compared: scheme and bucket (host) lower-cased; ``.``, ``..``, repeated and trailing ``/`` removed.
+
+    ``S3://Bucket/a//b/./c/`` and ``s3://bucket/a/b/c`` are the same output.
+    """
+    scheme, _, rest = url.partition("://")
+    host, _, path = rest.partition("/")
+    path = posixpath.normpath("/" + path).lstrip("/")
+    return f"{scheme.lower()}://{host.lower()}" + (f"/{path}" if path else "")
 
 
 def filesystem(protocol: str) -> Any:
@@ -226,14 +255,50 @@ def _remove_objects(url: Url, names: list[str]) -> None:
             fs.rm_file(str(url / name))
 
 
+def staging_prefix(url: Url) -> str:
+    """The start of the name of every staging folder for ``url`` on this host: ``fsdp-convert-upload-<url>_<host>_``.
+
+    ``<url>`` is 16 hex digits of the SHA-256 of ``normal_url(url)``, ``<host>`` 8 of this host's
+    name. A run's folder adds its pid and ``mkdtemp``'s random tail (``<pid>_<random>``): the same
+    URL gives the same start, so a later run finds what a killed one left, and the random tail
+    keeps another user from taking the name first.
+    """
+    key = hashlib.sha256(normal_url(url).encode()).hexdigest()[:16]
+    host = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+    return f"{STAGING_PREFIX}{key}_{host}_"
+
+
+def _remove_dead_staging(url: Url, mine: Path) -> None:
+    """Remove each staging folder of ``url`` beside ``mine`` (this run's) that a run of this host left and whose pid is gone.
+
+    Only folders (not links) owned by this user are looked at; one whose pid is alive is another
+    run's, and left alone (its lock object is held, so there should be none). Each removal is
+    logged as a warning, naming the folder.
+    """
+    prefix = staging_prefix(url)
+    for path in sorted(mine.parent.glob(prefix + "*")):
+        pid = path.name[len(prefix) :].partition("_")[0]
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            continue
+        if path == mine or not pid.isdigit() or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            continue
+        if int(pid) != os.getpid() and pid_alive(int(pid)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        logger.warning("removed %s, the staging folder an earlier run writing %s left (pid %s, gone)", path, url, pid)
+
+
 @contextlib.contextmanager
 def staged_upload(url: Url, *, overwrite: bool, last: tuple[str, ...] = ()) -> Iterator[Path]:
     """Yield a local path to write ``url``'s content to; upload it when the block completes.
 
     The output's lock object (``lock_url``) is taken first and held until the upload is done,
     every upload of the block included (``upload_in_waves``); it is removed at the end, on success
-    or failure. The local copy lives in a temporary folder (deleted afterwards), named like the
-    output so its suffix still says the format.
+    or failure. The local copy lives in the staging folder (``staging_prefix``, deleted afterwards),
+    named like the output so its suffix still says the format; a staging folder of the same URL
+    that a killed run left on this host is removed first, with a warning.
 
     Raises:
         OutputExistsError: something exists at ``url`` and ``overwrite`` is false (checked first,
@@ -248,7 +313,8 @@ def staged_upload(url: Url, *, overwrite: bool, last: tuple[str, ...] = ()) -> I
         _fs(url).invalidate_cache(str(url))
         if not overwrite and exists(url):  # another run finished it between the check and the lock
             raise OutputExistsError(f"{url} already exists; pass --overwrite to replace it")
-        folder = Path(tempfile.mkdtemp(prefix="fsdp-convert-upload-"))
+        folder = Path(tempfile.mkdtemp(prefix=f"{staging_prefix(url)}{os.getpid()}_"))  # 0o700, made exclusively
+        _remove_dead_staging(url, folder)
         try:
             yield folder / url.name
             upload(folder / url.name, url, last=last)

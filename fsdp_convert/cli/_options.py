@@ -39,6 +39,7 @@ __all__ = [
     "MemoryBudgetOpt",
     "ProgressOpt",
     "NoCrcOpt",
+    "FollowSymlinksOpt",
     "OptimKeysOpt",
     "LayoutOpt",
     "KeepWrapperNamesOpt",
@@ -231,6 +232,16 @@ NoCrcOpt = Annotated[
         metavar="",
         help="Skip checking payload CRC-32s (torch never checks them).",
         rich_help_panel=PERFORMANCE,
+    ),
+]
+FollowSymlinksOpt = Annotated[
+    bool,
+    typer.Option(
+        "--follow-symlinks",
+        metavar="",
+        help="Read files that symbolic links lead to outside an input folder, as a cluster's checkpoint "
+        "whose data files link into a shared store needs. Off: such a link is refused.",
+        rich_help_panel=SAFETY,
     ),
 ]
 

@@ -5,8 +5,10 @@ Each repeats a rule the library applies again later, in the same words, for call
 library: ``transform.parse_dtype`` (``constants.DTYPE_NAMES``) and ``transform.parse_rename``; ``plan.output_format`` (an
 auto format, by OUT's suffix) and ``plan.groups_for``; the ``--lora-only`` checks of
 ``ops.consolidate``; ``formats.dcp.read_dcp_index`` and ``ops.verify.open_source`` (a missing
-input); ``writers._atomic.check_output_free`` (OUT exists). tests/cli/test_precheck.py checks
-that each pair agrees. An fsspec URL (``scheme://``) is left to the library; ``file://`` is local.
+input). OUT itself is checked by the library's own function, ``writers._output_check.check_output``
+(not an input or around one, no link, free, a folder replaced only if it is this tool's or with
+``--force``), which imports no torch. tests/cli/test_precheck.py checks that each pair agrees. An
+fsspec URL (``scheme://``) is left to the library, but for ``check_output``; ``file://`` is local.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from fsdp_convert.errors import CheckpointNotFoundError, InvalidOptionError, OutputExistsError
+from fsdp_convert.errors import CheckpointNotFoundError, InvalidOptionError
+from fsdp_convert.writers._output_check import check_output
 
 __all__ = [
     "DTYPE_NAMES",
@@ -124,12 +127,6 @@ def check_checkpoint(checkpoint: str) -> None:
         raise CheckpointNotFoundError(f"{root} does not exist")
 
 
-def _check_output_free(output: Path | None, *, overwrite: bool, resume: bool) -> None:
-    # with --resume the library decides (a run's temporary beside OUT, its lock)
-    if output is not None and not (overwrite or resume) and (output.exists() or output.is_symlink()):
-        raise OutputExistsError(f"{output} already exists; pass --overwrite to replace it")
-
-
 def check_consolidate(
     checkpoint: str,
     output: str,
@@ -140,21 +137,28 @@ def check_consolidate(
     verify_output: bool,
     overwrite: bool,
     resume: bool,
+    force: bool = False,
+    hf_assets: str | None = None,
 ) -> None:
     """What ``ops.consolidate.consolidate`` checks first, in its order, without reading the checkpoint.
 
     The checkpoint exists; with ``--format auto``, OUT's suffix names a format, ``--lora-only``
-    has a folder OUT and ``--only`` fits that format; OUT is free. An explicit ``--format`` is left
+    has a folder OUT and ``--only`` fits that format; OUT passes ``check_output`` (with
+    ``--resume``, whether OUT is free is left to the library). An explicit ``--format`` is left
     to the library, which decides which names it takes.
 
     Raises:
         CheckpointNotFoundError: no such local checkpoint path.
         InvalidOptionError: an unknown suffix, ``--lora-only`` with a file OUT or ``--verify``,
-            optimizer state into a ``.safetensors`` file.
-        OutputExistsError: a local OUT exists, without ``--overwrite`` or ``--resume``.
+            optimizer state into a ``.safetensors`` file; OUT is the checkpoint or ``--hf-assets``,
+            inside one or one of their folders.
+        OutputExistsError: OUT is a link; a local OUT exists, without ``--overwrite`` or ``--resume``;
+            a folder not this tool's, without ``--force``.
+        OutputWriteError: an existing folder where a file is wanted.
     """
     check_checkpoint(checkpoint)
     out = _local(output)
+    directory = None
     if out is not None and output_format == "auto":
         fmt = _auto_format(out)
         if lora_only and fmt != "hf_dir":
@@ -165,18 +169,22 @@ def check_consolidate(
             raise InvalidOptionError(
                 "a .safetensors file holds model weights only; use a .pt file or a folder for optimizer state"
             )
-    _check_output_free(out, overwrite=overwrite, resume=resume)
+        directory = fmt == "hf_dir"
+    # with --resume the library decides whether OUT is free (a run's temporary beside OUT, its lock)
+    check_output(output, (checkpoint, hf_assets), overwrite=overwrite, force=force, directory=directory, free=not resume)
 
 
-def check_reshard(checkpoint: str, output: str, *, overwrite: bool, resume: bool) -> None:
-    """What ``ops.reshard.reshard`` checks first: the checkpoint exists and the output folder is free.
+def check_reshard(checkpoint: str, output: str, *, overwrite: bool, resume: bool, force: bool = False) -> None:
+    """What ``ops.reshard.reshard`` checks first: the checkpoint exists and OUT passes ``check_output``.
 
     Raises:
         CheckpointNotFoundError: no such local checkpoint path.
-        OutputExistsError: a local OUT exists, without ``--overwrite`` or ``--resume``.
+        InvalidOptionError: OUT is the checkpoint, inside it or one of its folders.
+        OutputExistsError: OUT is a link; a local OUT exists, without ``--overwrite`` or ``--resume``; a
+            folder not this tool's, without ``--force``.
     """
     check_checkpoint(checkpoint)
-    _check_output_free(_local(output), overwrite=overwrite, resume=resume)
+    check_output(output, (checkpoint,), overwrite=overwrite, force=force, directory=True, free=not resume)
 
 
 def check_verify(a: str, b: str) -> None:

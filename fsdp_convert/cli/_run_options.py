@@ -24,6 +24,7 @@ __all__ = [
     "NprocPerNodeOpt",
     "workers",
     "OverwriteOpt",
+    "ForceOpt",
     "ResumeOpt",
     "NoSpaceCheckOpt",
     "RdzvBackendChoice",
@@ -62,6 +63,16 @@ OverwriteOpt = Annotated[
     bool,
     typer.Option(
         "--overwrite", metavar="", help="Replace OUT if it exists (once the new one is complete).", rich_help_panel=SAFETY
+    ),
+]
+ForceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        metavar="",
+        help="With --overwrite, replace an OUT folder that does not look like fsdp-convert's output "
+        "(files it does not write there): it is deleted.",
+        rich_help_panel=SAFETY,
     ),
 ]
 ResumeOpt = Annotated[

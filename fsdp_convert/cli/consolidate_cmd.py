@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from fsdp_convert._location import following_symlinks
 from fsdp_convert.cli._errors import handle_errors, rank_prefix, torch_ready
 from fsdp_convert.cli._options import (
     LORA,
@@ -16,6 +17,7 @@ from fsdp_convert.cli._options import (
     CheckpointArg,
     DtypeOpt,
     ExcludeOpt,
+    FollowSymlinksOpt,
     FormatChoice,
     IncludeOpt,
     JsonOpt,
@@ -41,6 +43,7 @@ from fsdp_convert.cli._output import command_help, human_bytes, print_result
 from fsdp_convert.cli._precheck import check_consolidate, check_lora_flags, check_nodes, check_rename
 from fsdp_convert.cli._run_options import (
     NPROC_DEFAULT,
+    ForceOpt,
     NnodesOpt,
     NodeRankOpt,
     NoSpaceCheckOpt,
@@ -233,8 +236,10 @@ def consolidate_command(
     nproc_per_node: NprocPerNodeOpt = None,
     memory_budget: MemoryBudgetOpt = "256MiB",
     no_crc: NoCrcOpt = False,
+    follow_symlinks: FollowSymlinksOpt = False,
     progress: ProgressOpt = None,
     overwrite: OverwriteOpt = False,
+    force: ForceOpt = False,
     resume: ResumeOpt = False,
     verify_output: VerifyOutputOpt = False,
     no_space_check: NoSpaceCheckOpt = False,
@@ -249,7 +254,7 @@ def consolidate_command(
 ) -> None:
     """Write the full (unsharded) model and optimizer state of CHECKPOINT_DIR into OUT."""
     set_verbosity(verbose, quiet)
-    with handle_errors():
+    with handle_errors(), following_symlinks(follow_symlinks):
         # what needs no torch first (cli._precheck), so a usage mistake is told at once
         memory_budget_bytes, max_shard_bytes = parse_size(memory_budget), parse_size(max_shard_size)
         for rule in rename or ():
@@ -266,6 +271,8 @@ def consolidate_command(
             verify_output=verify_output,
             overwrite=overwrite,
             resume=resume,
+            force=force,
+            hf_assets=hf_assets,
         )
         torch_ready()
         options = transform_options(optim_keys, keep_wrapper_names, rename, include, exclude, dtype, optim_dtype, layout)
@@ -279,6 +286,7 @@ def consolidate_command(
             options=options,
             output_format=output_format.value,
             overwrite=overwrite,
+            force=force,
             resume=resume,
             memory_budget_bytes=memory_budget_bytes,
             max_shard_bytes=max_shard_bytes,

@@ -9,8 +9,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from fsdp_convert._location import following_symlinks
 from fsdp_convert.cli._errors import handle_errors, torch_ready
-from fsdp_convert.cli._options import CheckpointArg, JsonOpt
+from fsdp_convert.cli._options import CheckpointArg, FollowSymlinksOpt, JsonOpt
 from fsdp_convert.cli._output import command_help, console, human_bytes, print_json, shorten_middle
 from fsdp_convert.cli._precheck import check_checkpoint
 from fsdp_convert.cli._verbosity import QuietOpt, VerboseOpt, set_verbosity
@@ -130,6 +131,7 @@ def inspect_command(
     checkpoint: CheckpointArg,
     wide: WideOpt = False,
     json_output: JsonOpt = False,
+    follow_symlinks: FollowSymlinksOpt = False,
     verbose: VerboseOpt = 0,
     quiet: QuietOpt = 0,
 ) -> None:
@@ -142,7 +144,7 @@ def inspect_command(
     --wide, --json and a pipe or file have them whole.
     """
     set_verbosity(verbose, quiet)
-    with handle_errors():
+    with handle_errors(), following_symlinks(follow_symlinks):
         check_checkpoint(checkpoint)  # no torch yet (cli._precheck)
         torch_ready()
         result = inspect_checkpoint(checkpoint)

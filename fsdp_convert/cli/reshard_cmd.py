@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from fsdp_convert._location import following_symlinks
 from fsdp_convert.cli._errors import handle_errors, rank_prefix, torch_ready
 from fsdp_convert.cli._options import (
     OUTPUT,
@@ -15,6 +16,7 @@ from fsdp_convert.cli._options import (
     Choice,
     DtypeOpt,
     ExcludeOpt,
+    FollowSymlinksOpt,
     IncludeOpt,
     JsonOpt,
     KeepWrapperNamesOpt,
@@ -33,6 +35,7 @@ from fsdp_convert.cli._output import command_help, human_bytes, print_result
 from fsdp_convert.cli._precheck import check_nodes, check_rename, check_reshard
 from fsdp_convert.cli._run_options import (
     NPROC_DEFAULT,
+    ForceOpt,
     NnodesOpt,
     NodeRankOpt,
     NoSpaceCheckOpt,
@@ -118,8 +121,10 @@ def reshard_command(
     nproc: NprocOpt = None,
     nproc_per_node: NprocPerNodeOpt = None,
     no_crc: NoCrcOpt = False,
+    follow_symlinks: FollowSymlinksOpt = False,
     progress: ProgressOpt = None,
     overwrite: OverwriteOpt = False,
+    force: ForceOpt = False,
     resume: ResumeOpt = False,
     no_space_check: NoSpaceCheckOpt = False,
     nnodes: NnodesOpt = 1,
@@ -133,13 +138,13 @@ def reshard_command(
 ) -> None:
     """Write CHECKPOINT_DIR as a DCP checkpoint for --world-size ranks, each rank's chunks in its own file."""
     set_verbosity(verbose, quiet)
-    with handle_errors():
+    with handle_errors(), following_symlinks(follow_symlinks):
         # what needs no torch first (cli._precheck), so a usage mistake is told at once
         for rule in rename or ():
             check_rename(rule)
         check_nodes(nnodes, node_rank)
         nproc = workers(nproc, nproc_per_node)
-        check_reshard(checkpoint, output, overwrite=overwrite, resume=resume)
+        check_reshard(checkpoint, output, overwrite=overwrite, resume=resume, force=force)
         torch_ready()
         options = transform_options(optim_keys, keep_wrapper_names, rename, include, exclude, dtype, optim_dtype)
         options = with_adapter(options, adapter, model_config, adapter_option)
@@ -150,6 +155,7 @@ def reshard_command(
             nproc=nproc,
             options=options,
             overwrite=overwrite,
+            force=force,
             resume=resume,
             check_crc=not no_crc,
             space_check=not no_space_check,

@@ -7,10 +7,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
+from fsdp_convert._location import following_symlinks
 from fsdp_convert.cli._errors import handle_errors, rank_prefix, torch_ready
 from fsdp_convert.cli._options import (
     CASTING,
     DtypeChoice,
+    FollowSymlinksOpt,
     JsonOpt,
     NoCrcOpt,
     ProgressOpt,
@@ -150,6 +152,7 @@ def verify_command(
     nproc: NprocOpt = None,
     nproc_per_node: NprocPerNodeOpt = None,
     no_crc: NoCrcOpt = False,
+    follow_symlinks: FollowSymlinksOpt = False,
     progress: ProgressOpt = None,
     nnodes: NnodesOpt = 1,
     node_rank: NodeRankOpt = 0,
@@ -162,7 +165,7 @@ def verify_command(
 ) -> None:
     """Compare two checkpoints of any formats, key by key; tensors bit for bit unless --atol/--rtol."""
     set_verbosity(verbose, quiet)
-    with handle_errors(trouble=2):
+    with handle_errors(trouble=2), following_symlinks(follow_symlinks):
         check_nodes(nnodes, node_rank)  # what needs no torch first (cli._precheck)
         nproc = workers(nproc, nproc_per_node)
         check_verify(a, b)

@@ -2,47 +2,52 @@
 
 The file is a pickled ``torch.distributed.checkpoint.metadata.Metadata`` (written by
 ``FileSystemWriter.finish``). torch reads it with plain ``pickle.load``, which runs whatever the
-file says; here a restricted unpickler admits only the DCP metadata classes, ``torch.Size``, torch
-dtypes and layouts, paths and plain values, and every field is type-checked after loading.
+file says; here ``_safe_pickle``'s interpreter admits only fresh DCP metadata records, ``torch.Size``,
+torch dtypes and layouts, pure paths and plain values, never changes an object it did not create, and
+every field is type-checked after loading.
 """
 
 from __future__ import annotations
 
-import io
+import dataclasses
 import math
+import mmap
 import os
 import pathlib
 import pickle
-from collections.abc import Mapping
+import stat
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
 
-from fsdp_convert._torch import MEM_FORMAT_ENCODING, StorageInfo, torch_layout
+from fsdp_convert._torch import MEM_FORMAT_ENCODING, StorageInfo
 from fsdp_convert.constants import METADATA_FILENAME, SUPPORTED_DTYPES
-from fsdp_convert.errors import (
-    NotADcpCheckpointError,
-    UnsafeContentError,
-)
+from fsdp_convert.errors import NotADcpCheckpointError, UnsafeContentError
 from fsdp_convert.formats._dcp_payloads import BOTH_OPTIONS_HINT, ReadAt, SizeOf, is_raw_chunk, place_raw_chunks
-from fsdp_convert.formats.index import (
-    BytesEntry,
-    CheckpointIndex,
-    ChunkEntry,
-    Entry,
-    Location,
-    ObjPath,
-    TensorEntry,
+from fsdp_convert.formats._safe_pickle import (
+    TORCH_DTYPES,
+    VETTED_CALLS,
+    MalformedError,
+    RefusedError,
+    SafeUnpickler,
+    described,
+    shown,
 )
+from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Entry, Location, ObjPath, TensorEntry
 
-__all__ = ["load_metadata", "metadata_from_bytes", "build_index"]
+__all__ = ["METADATA_MAX_BYTES", "check_metadata_size", "load_metadata", "metadata_from_bytes", "build_index"]
 
 
 # --- restricted unpickling ----------------------------------------------------------------------
 
-_ALLOWED_CLASSES: dict[tuple[str, str], Any] = {
+# A 1T-parameter MoE (61 layers, 384 stacked experts; model, exp_avg, exp_avg_sq) sharded 2048 ways
+# pickles to about 0.85 GB (150 bytes a chunk); a file over this is no DCP .metadata.
+METADATA_MAX_BYTES = 8 << 30
+
+_RECORDS: dict[tuple[str, str], type] = {
     ("torch.distributed.checkpoint.metadata", cls.__name__): cls
     for cls in (
         dcp_metadata.Metadata,
@@ -52,35 +57,134 @@ _ALLOWED_CLASSES: dict[tuple[str, str], Any] = {
         dcp_metadata.TensorProperties,
         dcp_metadata.MetadataIndex,
         dcp_metadata.StorageMeta,
-        MEM_FORMAT_ENCODING,
     )
 }
-_ALLOWED_CLASSES[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = StorageInfo
-_ALLOWED_CLASSES[("torch", "Size")] = torch.Size
-_ALLOWED_CLASSES[("collections", "OrderedDict")] = __import__("collections").OrderedDict
-for _cls in (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath, pathlib.Path):
-    _ALLOWED_CLASSES[("pathlib", _cls.__name__)] = _cls
+if StorageInfo is not None:  # None on a torch without it: check_torch says so, this module still imports
+    _RECORDS[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = StorageInfo
+# by id: a lookup must not hash what the pickle put on the stack (a deep tuple would crash it)
+_RECORD_BY_ID = {id(cls): cls for cls in _RECORDS.values()}
+_FIELDS = {cls: frozenset(f.name for f in dataclasses.fields(cls)) for cls in _RECORDS.values()}
+_MEMORY_FORMATS = {  # TensorProperties.__setstate__'s table: _MEM_FORMAT_ENCODING.TORCH_CHANNELS_LAST -> torch.channels_last
+    getattr(MEM_FORMAT_ENCODING, f"TORCH_{name.upper()}"): getattr(torch, name)
+    for name in ("contiguous_format", "channels_last", "preserve_format")
+    if MEM_FORMAT_ENCODING is not None
+}
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
-    """Unpickler that resolves only allow-listed globals; anything else is UnsafeContentError."""
+def _mem_format_encoding(value: Any) -> Any:
+    if type(value) is not int:
+        raise MalformedError("memory format encoding is not an int")
+    return MEM_FORMAT_ENCODING(value)  # an Enum lookup; ValueError if out of range
+
+
+def _path(kind: type[pathlib.PurePath]) -> Callable[..., pathlib.PurePath]:
+    def make(*parts: Any) -> pathlib.PurePath:
+        if not all(type(p) is str for p in parts):
+            raise MalformedError("path parts are not strings")
+        return kind(*parts)  # a pure path: nothing reads it; StorageMeta.checkpoint_id only names the save
+
+    make.__qualname__ = kind.__name__
+    return make
+
+
+_CALLS: dict[tuple[str, str], Callable[..., Any]] = {
+    **VETTED_CALLS,
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): _mem_format_encoding,
+    ("pathlib", "PurePosixPath"): _path(pathlib.PurePosixPath),
+    ("pathlib", "PosixPath"): _path(pathlib.PurePosixPath),
+    ("pathlib", "Path"): _path(pathlib.PurePosixPath),
+    ("pathlib", "PureWindowsPath"): _path(pathlib.PureWindowsPath),
+    ("pathlib", "WindowsPath"): _path(pathlib.PureWindowsPath),
+}
+_CALL_BY_ID = {id(f): f for f in _CALLS.values()}
+
+
+class _MetadataUnpickler(SafeUnpickler):
+    """Admits DCP's metadata records (created fresh, fields set only by ``build``), torch dtypes and a few vetted calls."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED_CLASSES:
-            return _ALLOWED_CLASSES[(module, name)]
-        if module == "torch.serialization" and name == "_get_layout":
-            return torch_layout  # torch pickles a layout as torch.serialization._get_layout("torch.strided")
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise UnsafeContentError(f"refusing global {module}.{name}")
+        key = (module, name)
+        found = _RECORDS.get(key) or _CALLS.get(key) or (TORCH_DTYPES.get(name) if module == "torch" else None)
+        if found is None:
+            raise RefusedError(f"refusing global {shown(module)}.{shown(name)}")
+        return found
+
+    def call(self, func: Any, args: tuple[Any, ...]) -> Any:
+        vetted = _CALL_BY_ID.get(id(func))
+        if vetted is None or vetted is not func:
+            raise RefusedError(f"refusing to call {described(func)}")
+        return vetted(*args)
+
+    def new(self, cls: Any, args: tuple[Any, ...]) -> Any:
+        record = _RECORD_BY_ID.get(id(cls))
+        if record is None or record is not cls:
+            raise RefusedError(f"refusing to create an instance of {described(cls)}")
+        if args:
+            raise MalformedError(f"{record.__name__} created with arguments")
+        return object.__new__(record)  # as pickle's NEWOBJ does: no __init__ runs
+
+    def build(self, obj: Any, state: Any) -> None:
+        # only a record instance: NEWOBJ above made it in this load (no global or call returns one)
+        cls = type(obj)
+        if _RECORD_BY_ID.get(id(cls)) is not cls:
+            raise RefusedError(f"refusing to set the state of {described(obj)}")
+        if cls is dcp_metadata.TensorProperties and type(state) is tuple:
+            _tensor_properties(obj, state)
+            return
+        if type(state) is not dict or not (
+            _FIELDS[cls].issuperset(state) or all(type(k) is str and (k in _FIELDS[cls] or _plain_name(k)) for k in state)
+        ):
+            raise MalformedError(f"state of a {cls.__name__} is not a dict of its fields")
+        object.__setattr__(obj, "__dict__", dict(state))  # (the keys were checked as dict keys: hashing is safe)
+
+    def key_ok(self, key: Any) -> bool:
+        # storage_data's keys: hashing a MetadataIndex hashes (fqn, offset); offset is a torch.Size of ints
+        if type(key) is not dcp_metadata.MetadataIndex:
+            return False
+        offset = getattr(key, "offset", None)
+        return type(getattr(key, "fqn", None)) is str and (offset is None or type(offset) is torch.Size)
 
 
-def _restricted_loads(data: bytes) -> Any:
-    return _RestrictedUnpickler(io.BytesIO(data)).load()
+def _plain_name(key: str) -> bool:
+    """A field a newer torch may add: kept, as the C unpickler would; never a dunder."""
+    return key.isidentifier() and not key.startswith("__")
+
+
+def _tensor_properties(obj: Any, state: tuple[Any, ...]) -> None:
+    """``TensorProperties.__setstate__`` with its types checked: (dtype, layout, requires_grad, encoding, pin_memory)."""
+    if len(state) != 5:
+        raise MalformedError("TensorProperties state is not 5 values")
+    dtype, layout, requires_grad, encoding, pin_memory = state
+    if (
+        not isinstance(dtype, torch.dtype)
+        or not isinstance(layout, torch.layout)
+        or type(requires_grad) is not bool
+        or type(pin_memory) is not bool
+        or type(encoding) is not MEM_FORMAT_ENCODING
+    ):
+        raise MalformedError("TensorProperties state has values of the wrong types")
+    fields = {"dtype": dtype, "layout": layout, "requires_grad": requires_grad, "pin_memory": pin_memory}
+    object.__setattr__(obj, "__dict__", {**fields, "memory_format": _MEMORY_FORMATS[encoding]})
+
+
+def check_metadata_size(size_bytes: int, path: Location | str | os.PathLike[str]) -> None:
+    """Refuse a ``.metadata`` over ``METADATA_MAX_BYTES`` before it is read.
+
+    Raises:
+        NotADcpCheckpointError: it is larger.
+    """
+    if size_bytes > METADATA_MAX_BYTES:
+        raise NotADcpCheckpointError(
+            f"{path} is over {METADATA_MAX_BYTES >> 30} GiB, far more than a DCP .metadata holds; not reading it"
+        )
 
 
 def load_metadata(path: str | os.PathLike[str]) -> dcp_metadata.Metadata:
-    """Unpickle a ``.metadata`` file with the restricted unpickler.
+    """Unpickle a ``.metadata`` file with the restricted unpickler (``_safe_pickle``).
+
+    The file (a regular file of at most ``METADATA_MAX_BYTES``) is memory-mapped, not read: a
+    file that is not a pickle costs the pages parsed before it fails, not its size in memory. (One
+    cut short while mapped would end the process with SIGBUS; DCP replaces ``.metadata`` by rename.)
 
     Args:
         path: the ``.metadata`` file.
@@ -89,28 +193,44 @@ def load_metadata(path: str | os.PathLike[str]) -> dcp_metadata.Metadata:
         The ``torch.distributed.checkpoint.metadata.Metadata`` object, type-checked at the top.
 
     Raises:
-        UnsafeContentError: the pickle names a global outside the allow-list.
-        NotADcpCheckpointError: the file is not a readable pickle of ``Metadata``.
+        UnsafeContentError: the pickle asks for a global, call or opcode outside the allow-list.
+        NotADcpCheckpointError: the file is too large, not a regular file, or not one readable
+            pickle of ``Metadata``.
     """
     try:
-        data = Path(path).read_bytes()
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the open, a device never end
+            raise NotADcpCheckpointError(f"{path} is not a regular file")
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            check_metadata_size(size, path)
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
     except OSError as e:
         raise NotADcpCheckpointError(f"cannot read {path}: {e.strerror}") from e
-    return metadata_from_bytes(data, path)
+    try:
+        return metadata_from_bytes(data, path)
+    finally:
+        if isinstance(data, mmap.mmap):
+            data.close()  # nothing loaded refers to it: strings and ints are copies
 
 
-def metadata_from_bytes(data: bytes, path: str | os.PathLike[str]) -> dcp_metadata.Metadata:
+def metadata_from_bytes(data: bytes | mmap.mmap, path: str | os.PathLike[str]) -> dcp_metadata.Metadata:
     """``load_metadata`` of bytes already read (a remote ``.metadata``); ``path`` names it in errors.
 
     Raises:
         As ``load_metadata``.
     """
+    check_metadata_size(len(data), path)
+    unpickler = _MetadataUnpickler(data)
     try:
-        obj = _restricted_loads(data)
-    except UnsafeContentError as e:
+        obj = unpickler.load()
+    except RefusedError as e:
         raise UnsafeContentError(f"{path}: {e}; not loading it (it would run code)") from e
-    except Exception as e:  # any malformed pickle: EOF, bad opcode, wrong constructor args
-        raise NotADcpCheckpointError(f"{path} is not a readable DCP metadata file ({type(e).__name__}: {e})") from e
+    except pickle.UnpicklingError as e:
+        raise NotADcpCheckpointError(f"{path} is not a readable DCP metadata file ({e})") from e
+    if unpickler.end != len(data):
+        raise NotADcpCheckpointError(
+            f"{path} has data after the end of its pickle (at byte {unpickler.end}); a DCP .metadata is one pickle"
+        )
     if not isinstance(obj, dcp_metadata.Metadata):
         raise NotADcpCheckpointError(f"{path} holds a {type(obj).__name__}, not DCP Metadata")
     return obj
@@ -124,9 +244,16 @@ def _bad(path: Location, what: str) -> NotADcpCheckpointError:
 
 
 def _int_tuple(value: Any, meta_path: Location, what: str) -> tuple[int, ...]:
-    if not isinstance(value, (tuple, list)) or not all(type(v) is int and v >= 0 for v in value):
-        raise _bad(meta_path, f"{what} is not a sequence of non-negative ints: {value!r}")
+    if not isinstance(value, (tuple, list)) or not all(type(v) is int and 0 <= v < 2**63 for v in value):
+        raise _bad(meta_path, f"{what} is not a sequence of non-negative 64-bit ints")
     return tuple(value)
+
+
+def _name(value: Any, meta_path: Location, what: str) -> str:
+    """A key or data file name from the file: a string that prints on one line."""
+    if not isinstance(value, str) or not value.isprintable():
+        raise _bad(meta_path, f"{what} {shown(value)} is not a printable string")
+    return value
 
 
 def _storage_fields(info: Any, meta_path: Location, fqn: str) -> tuple[str, int, int, tuple[str, ...]]:
@@ -138,11 +265,12 @@ def _storage_fields(info: Any, meta_path: Location, fqn: str) -> tuple[str, int,
     transforms = getattr(info, "transform_descriptors", None) or ()
     if not isinstance(rel, str) or not rel:
         raise _bad(meta_path, f"storage record of {fqn} has no data file name")
+    rel = _name(rel, meta_path, f"the data file of {fqn}")
     parts = Path(rel).parts
     if Path(rel).is_absolute() or ".." in parts or len(parts) != 1:
-        raise _bad(meta_path, f"storage record of {fqn} names a file outside the checkpoint: {rel!r}")
-    if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
-        raise _bad(meta_path, f"storage record of {fqn} has a bad byte range ({offset!r}, {length!r})")
+        raise _bad(meta_path, f"storage record of {fqn} names a file outside the checkpoint: {shown(rel)}")
+    if type(offset) is not int or type(length) is not int or not 0 <= offset <= offset + length < 2**63:
+        raise _bad(meta_path, f"storage record of {fqn} has a byte range that is not two 64-bit ints")
     if not isinstance(transforms, (list, tuple)) or not all(isinstance(t, str) for t in transforms):
         raise _bad(meta_path, f"storage record of {fqn} has bad transform descriptors")
     return rel, offset, length, tuple(transforms)
@@ -155,9 +283,9 @@ def _obj_path(planner_data: Any, fqn: str, meta_path: Location) -> ObjPath:
     if (
         not isinstance(path, (tuple, list))
         or not path
-        or not all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in path)
+        or not all((type(p) is int and 0 <= p < 2**63) or (type(p) is str and p.isprintable()) for p in path)
     ):
-        raise _bad(meta_path, f"planner data for {fqn} is not a key path: {path!r}")
+        raise _bad(meta_path, f"planner data for {fqn} is not a key path (printable strings and ints)")
     return tuple(path)
 
 
@@ -192,7 +320,7 @@ def build_index(
         index = _build_index(metadata, checkpoint_id)
     except (AttributeError, TypeError, ValueError, KeyError) as e:
         # objects the restricted unpickler built but whose fields are missing or of odd types
-        raise _bad(checkpoint_id / METADATA_FILENAME, f"malformed metadata ({type(e).__name__}: {e})") from e
+        raise _bad(checkpoint_id / METADATA_FILENAME, f"malformed metadata ({type(e).__name__}: {shown(str(e))})") from e
     if read_at is not None and size_of is not None:
         index = place_raw_chunks(index, read_at, size_of)
     elif any(is_raw_chunk(e, c) for e in index.tensors() for c in e.chunks):
@@ -236,7 +364,7 @@ def _build_index(metadata: dcp_metadata.Metadata, checkpoint_id: Location) -> Ch
         raise _bad(meta_path, "storage_data is not a mapping")
     for key, info in storage_data.items():
         if not isinstance(key, dcp_metadata.MetadataIndex) or not isinstance(key.fqn, str):
-            raise _bad(meta_path, f"storage_data key {key!r} is not a MetadataIndex")
+            raise _bad(meta_path, f"a storage_data key is a {type(key).__name__}, not a MetadataIndex with an FQN")
         offset = None if key.offset is None else _int_tuple(key.offset, meta_path, f"offset of {key.fqn}")
         storage[(key.fqn, offset)] = info
 
@@ -248,8 +376,7 @@ def _build_index(metadata: dcp_metadata.Metadata, checkpoint_id: Location) -> Ch
     files: set[str] = set()
     for fqn in order:
         md = sd_meta[fqn]
-        if not isinstance(fqn, str):
-            raise _bad(meta_path, f"key {fqn!r} is not a string")
+        fqn = _name(fqn, meta_path, "the key")
         path = _obj_path(planner_data, fqn, meta_path)
         if isinstance(md, dcp_metadata.BytesStorageMetadata):
             if (fqn, None) not in storage:
@@ -281,7 +408,7 @@ def _build_index(metadata: dcp_metadata.Metadata, checkpoint_id: Location) -> Ch
             info = storage.get((fqn, offsets))
             if info is None:
                 if 0 not in sizes:
-                    raise _bad(meta_path, f"chunk of {fqn} at offsets {list(offsets)} has no storage record")
+                    raise _bad(meta_path, f"chunk of {fqn} at offsets {shown(list(offsets))} has no storage record")
                 chunks.append(ChunkEntry(offsets=offsets, sizes=sizes, relative_path=None, offset_bytes=0, length_bytes=0))
                 continue
             rel, off, length, tr = _storage_fields(info, meta_path, fqn)
@@ -290,8 +417,8 @@ def _build_index(metadata: dcp_metadata.Metadata, checkpoint_id: Location) -> Ch
                 # shape must not make us allocate it)
                 raise _bad(
                     meta_path,
-                    f"chunk of {fqn} at offsets {list(offsets)} claims {list(sizes)} elements of {dtype}, "
-                    f"more than its {length}-byte payload holds",
+                    f"chunk of {fqn} at offsets {shown(list(offsets))} claims {shown(list(sizes))} elements of {dtype}, "
+                    "more than its payload holds",
                 )
             files.add(rel)
             chunks.append(

@@ -5,25 +5,36 @@ A per-rank file is a torch.save zip (``torch/serialization.py``) whose ``data.pk
 placements and metadata. torch's own ``weights_only`` loader would call the real classes:
 ``DeviceMesh(...)`` can start a process group, and ``ShardedTensor`` needs one. Here they become
 ``Record`` stand-ins holding their pickled state; tensor storages are memory-mapped from the file
-(no data is read until a chunk is); nothing else resolves, so nothing in the file runs.
+(no data is read until a chunk is); nothing else resolves, so nothing in the file runs. The pickle
+is read by ``_safe_pickle``'s interpreter: only records this load made get a state, and no opcode
+changes a class, a function or anything else it did not create.
 """
 
 from __future__ import annotations
 
-import collections
-import io
 import mmap
 import os
 import pickle
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from fsdp_convert._signals import torch_call
-from fsdp_convert._torch import REBUILD_TENSOR_V2, torch_layout
+from fsdp_convert._torch import REBUILD_TENSOR_V2
 from fsdp_convert._zip import ZipFormatError, read_records
 from fsdp_convert.errors import CorruptChunkError, UnsafeContentError
+from fsdp_convert.formats._safe_pickle import (
+    TORCH_DTYPES,
+    VETTED_CALLS,
+    MalformedError,
+    RefusedError,
+    SafeUnpickler,
+    described,
+    shown,
+    torch_size,
+)
 from fsdp_convert.formats.index import ObjPath
 
 __all__ = ["Record", "SHARDED_TENSOR", "kind", "load_rank_file", "local_value"]
@@ -111,63 +122,82 @@ def kind(obj: Any) -> str:
 
 
 def _rebuild_wrapper_subclass(cls: Any, dtype: Any, size: Any, *rest: Any) -> _Wrapper:
-    if not (isinstance(cls, type) and issubclass(cls, Record)) or not isinstance(dtype, torch.dtype):
-        raise pickle.UnpicklingError(f"wrapper subclass {cls!r} is not allowed")
-    return _Wrapper(cls, dtype, tuple(size))
+    if _RECORD_BY_ID.get(id(cls)) is not cls or not isinstance(dtype, torch.dtype):
+        raise RefusedError(f"wrapper subclass {described(cls)} is not allowed")
+    return _Wrapper(cls, dtype, tuple(torch_size(size)))
+
+
+def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, *meta: Any) -> Any:
+    """``torch._utils._rebuild_tensor_v2`` of a storage ``persistent_load`` made, without backward hooks."""
+    if type(storage) is not torch.storage.TypedStorage or type(offset) is not int or type(requires_grad) is not bool:
+        raise MalformedError("a tensor of something other than a storage of this file")
+    flags = meta[0] if meta else None  # torch's tensor flags: {"conj": True}
+    if hooks or len(meta) > 1 or not (flags is None or (type(flags) is dict and all(type(v) is bool for v in flags.values()))):
+        raise RefusedError("a tensor with backward hooks or Python metadata is not allowed")
+    return REBUILD_TENSOR_V2(storage, offset, torch_size(size), torch_size(stride), requires_grad, OrderedDict(), flags)
 
 
 def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
-    if func is _rebuild_wrapper_subclass:
+    if func is _rebuild_wrapper_subclass and type(args) is tuple:
         wrapper = func(*args)
         if new_type is not wrapper.args[0]:
-            raise pickle.UnpicklingError("wrapper subclass and type disagree")
+            raise MalformedError("wrapper subclass and type disagree")
         obj = new_type()
         obj.wrapper = wrapper
         obj.__setstate__(state)
         return obj
-    if func is REBUILD_TENSOR_V2 and new_type in (torch.Tensor, torch.nn.Parameter):
+    if func is _rebuild_tensor and (new_type is torch.Tensor or new_type is torch.nn.Parameter) and type(args) is tuple:
         if state not in (None, {}) and not (isinstance(state, tuple) and not any(state)):
-            raise pickle.UnpicklingError("a tensor with Python attributes is not allowed")
+            raise RefusedError("a tensor with Python attributes is not allowed")
         return func(*args)
-    raise pickle.UnpicklingError(f"rebuilding {new_type!r} is not allowed")
+    raise RefusedError(f"rebuilding {described(new_type)} is not allowed")
 
 
-def _restricted_getattr(obj: Any, name: str) -> Any:
+def _restricted_getattr(obj: Any, name: Any) -> Any:
     # ShardedTensor.__reduce_ex__ names its nested dataclass as getattr(ShardedTensor, "ProcessGroupState")
     if obj is SHARDED_TENSOR and name == "ProcessGroupState":
         return _RECORDS["torch.distributed._shard.sharded_tensor.api.ShardedTensor.ProcessGroupState"]
-    raise pickle.UnpicklingError(f"getattr({obj!r}, {name!r}) is not allowed")
+    raise RefusedError(f"getattr({described(obj)}, {shown(name)}) is not allowed")
 
 
 def _rebuild_parameter(data: Any, requires_grad: Any, backward_hooks: Any) -> torch.Tensor:
     if not isinstance(data, torch.Tensor):
-        raise pickle.UnpicklingError("a parameter without tensor data is not allowed")
+        raise MalformedError("a parameter without tensor data")
     return data
 
 
+def _device(*args: Any) -> torch.device:
+    if not args or type(args[0]) is not str or not all(type(a) is int for a in args[1:]):
+        raise MalformedError("a device named by something other than a string")
+    return torch.device(*args)
+
+
 _FUNCTIONS: dict[str, Any] = {
-    "torch._utils._rebuild_tensor_v2": REBUILD_TENSOR_V2,
+    "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
     "torch._utils._rebuild_parameter": _rebuild_parameter,
     "torch._utils._rebuild_wrapper_subclass": _rebuild_wrapper_subclass,
     "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
-    "torch.serialization._get_layout": torch_layout,
-    "torch.Size": torch.Size,
-    "torch.device": torch.device,
-    "collections.OrderedDict": collections.OrderedDict,
+    "torch.device": _device,
     "builtins.getattr": _restricted_getattr,
     "__builtin__.getattr": _restricted_getattr,
+    **{f"{module}.{name}": f for (module, name), f in VETTED_CALLS.items()},
 }
+# by id: a lookup must not hash what the pickle put on the stack (a deep tuple would crash it)
+_FUNCTION_BY_ID = {id(f): f for f in _FUNCTIONS.values()}
+_RECORD_BY_ID: dict[int, type[Record]] = {id(cls): cls for cls in _RECORDS.values()}
+_STORAGE_TYPES = frozenset(name for name, v in vars(torch).items() if name.endswith("Storage") and isinstance(v, type))
 
 
-class _RankFileUnpickler(pickle.Unpickler):
+class _RankFileUnpickler(SafeUnpickler):
     """Reads a rank file's ``data.pkl`` with an allow-list.
 
     Plain tensors (storages memory-mapped from the file), dtypes, and ``Record`` stand-ins for
-    the distributed classes resolve; nothing else does, so nothing in the file runs.
+    the distributed classes resolve; nothing else does, so nothing in the file runs, and only
+    records this load made get a state.
     """
 
     def __init__(self, data: bytes, storages: dict[str, tuple[int, int]], buffer: mmap.mmap) -> None:
-        super().__init__(io.BytesIO(data))
+        super().__init__(data)
         self._storages = storages  # key -> (data offset, size) in the file, in bytes
         self._buffer = buffer
 
@@ -177,23 +207,41 @@ class _RankFileUnpickler(pickle.Unpickler):
             return _FUNCTIONS[full]
         if full in _RECORDS:
             return _RECORDS[full]
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module == "torch" and name.endswith("Storage"):
+        if module == "torch" and name in TORCH_DTYPES:
+            return TORCH_DTYPES[name]
+        if module == "torch" and name in _STORAGE_TYPES:
             return torch.serialization.StorageType(name)  # type: ignore[no-untyped-call]
-        raise pickle.UnpicklingError(f"global {full} is not allowed")
+        raise RefusedError(f"global {shown(full)} is not allowed")
+
+    def call(self, func: Any, args: tuple[Any, ...]) -> Any:
+        vetted = _FUNCTION_BY_ID.get(id(func)) or _RECORD_BY_ID.get(id(func))
+        if vetted is None or vetted is not func:
+            raise RefusedError(f"calling {described(func)} is not allowed")
+        return vetted(*args)
+
+    def new(self, cls: Any, args: tuple[Any, ...]) -> Any:
+        record = _RECORD_BY_ID.get(id(cls))
+        if record is None or record is not cls:
+            raise RefusedError(f"creating an instance of {described(cls)} is not allowed")
+        return record.__new__(record, *args)
+
+    def build(self, obj: Any, state: Any) -> None:
+        if isinstance(obj, Record):  # only call and new above make one, fresh in this load
+            obj.__setstate__(state)
+        else:
+            super().build(obj, state)
 
     def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
+        if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage"):
+            raise MalformedError("an unexpected persistent id")
         storage_type, key, _location, numel = pid[1:]
         dtype = storage_type.dtype if isinstance(storage_type, torch.serialization.StorageType) else torch.uint8
-        if str(key) not in self._storages or type(numel) is not int or numel < 0:
-            raise pickle.UnpicklingError(f"storage {key!r} is not in the file")
-        offset, size = self._storages[str(key)]
+        if type(key) is not str or key not in self._storages or type(numel) is not int or numel < 0:
+            raise MalformedError(f"storage {shown(key)} is not in the file")
+        offset, size = self._storages[key]
         nbytes = numel * dtype.itemsize
         if nbytes > size:
-            raise pickle.UnpicklingError(f"storage {key!r} claims {nbytes} bytes; the file holds {size}")
+            raise MalformedError(f"storage {shown(key)} does not fit in its record of the file")
         if nbytes:
             data = torch.frombuffer(self._buffer, dtype=torch.uint8, count=nbytes, offset=offset)
         else:
@@ -227,15 +275,17 @@ def load_rank_file(path: Path) -> Any:
     prefix = pickles[0].name[: -len("data.pkl")] + "data/"
     storages = {r.name[len(prefix) :]: (r.data_offset, r.size) for r in records if r.name.startswith(prefix)}
     data = buffer[pickles[0].data_offset : pickles[0].data_offset + pickles[0].size]
+    unpickler = _RankFileUnpickler(data, storages, buffer)
     try:
         with torch_call():
-            return _RankFileUnpickler(data, storages, buffer).load()
+            obj = unpickler.load()
+    except RefusedError as e:
+        raise UnsafeContentError(f"{path}: would run code when loaded, refused ({e})") from e
     except pickle.UnpicklingError as e:
-        if "is not allowed" in str(e):
-            raise UnsafeContentError(f"{path}: would run code when loaded, refused ({e})") from e
         raise CorruptChunkError(f"{path}: does not load ({e})") from e
-    except (EOFError, ValueError, TypeError, RuntimeError, IndexError, AttributeError, KeyError) as e:
-        raise CorruptChunkError(f"{path}: does not load ({type(e).__name__}: {e})") from e
+    if unpickler.end != len(data):
+        raise CorruptChunkError(f"{path}: data.pkl has data after the end of its pickle (at byte {unpickler.end})")
+    return obj
 
 
 def local_value(obj: Any, record: ObjPath) -> Any:

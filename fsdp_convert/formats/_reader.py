@@ -77,6 +77,8 @@ def read_json_file(root: Path, path: Path, max_bytes: int) -> Any:
         return json.loads(raw)
     except OSError as e:
         raise CorruptChunkError(f"{path}: not readable ({e.strerror})") from e
+    except RecursionError as e:
+        raise CorruptChunkError(f"{path}: not readable JSON (it nests too deeply)") from e
     except ValueError as e:
         raise CorruptChunkError(f"{path}: not readable JSON ({json_problem(e)})") from e
 
@@ -110,6 +112,8 @@ def read_safetensors_header(path: Path, *, root: Path | None = None) -> tuple[di
             header = json.loads(f.read(n))
     except OSError as e:
         raise CorruptChunkError(f"{path}: not a readable safetensors file ({e.strerror})") from e
+    except RecursionError as e:
+        raise CorruptChunkError(f"{path}: not a readable safetensors file (its header nests too deeply)") from e
     except ValueError as e:
         raise CorruptChunkError(f"{path}: not a readable safetensors file (its header: {json_problem(e)})") from e
     if not isinstance(header, dict):

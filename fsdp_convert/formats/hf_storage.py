@@ -67,8 +67,8 @@ def _sharding_info(path: Path, header: dict[str, Any]) -> dict[str, list[int]]:
     try:
         info = json.loads(meta[SHARDING_INFO_KEY])
         return {str(fqn): _naturals(v["saved_offsets"]) for fqn, v in info.items()}
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise NotADcpCheckpointError(f"{path}: malformed {SHARDING_INFO_KEY} ({e})") from e
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+        raise NotADcpCheckpointError(f"{path}: malformed {SHARDING_INFO_KEY} ({type(e).__name__})") from e
 
 
 def _naturals(values: Any) -> list[int]:

@@ -11,11 +11,11 @@ the planner and the writers alike.
 
 from __future__ import annotations
 
-import itertools
+import heapq
 import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +40,19 @@ __all__ = [
     "flatten_with_paths",
     "unflatten",
     "check_coverage",
+    "MAX_ENTRIES",
+    "MAX_CHUNKS_PER_TENSOR",
 ]
 
-_DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+_DATA_FILE_RE = re.compile(r"^__(\d{1,9})_(\d+)\.distcp$")  # a rank past 10^9 is not one
+
+# Caps far above real checkpoints. A 1T-parameter MoE with its experts unstacked and Adam holds
+# about 200k entries; on 2048 ranks FSDP stores 2048 chunks of each tensor, split on dim 0 (tensor
+# parallelism splits one more dim: 4 corners each in check_coverage).
+MAX_ENTRIES = 1 << 22
+MAX_CHUNKS_PER_TENSOR = 1 << 20
+MAX_CORNERS = 1 << 20  # chunks x 2^(dims they split): check_coverage's work and memory
+MAX_PAIRS = 1 << 20  # box pairs compared to name two overlapping chunks (a corrupt checkpoint only)
 
 
 ObjPath = tuple[str | int, ...]
@@ -173,12 +183,16 @@ class CheckpointIndex:
     save_id: str | None = None
     producer: str | None = None
     ranks: int | None = None
+    _writer_ranks: tuple[int, ...] = field(init=False, repr=False, compare=False)  # parsed once: asked per entry
+
+    def __post_init__(self) -> None:
+        ranks = {int(m.group(1)) for f in self.data_files if (m := _DATA_FILE_RE.match(Path(f).name))}
+        object.__setattr__(self, "_writer_ranks", tuple(sorted(ranks)))
 
     @property
     def writer_ranks(self) -> tuple[int, ...]:
         """Ranks that wrote data files, parsed from ``__<rank>_<n>.distcp`` names."""
-        ranks = {int(m.group(1)) for f in self.data_files if (m := _DATA_FILE_RE.match(Path(f).name))}
-        return tuple(sorted(ranks))
+        return self._writer_ranks
 
     @property
     def world_size(self) -> int:
@@ -281,7 +295,8 @@ def unflatten(items: Iterable[tuple[ObjPath, Any]]) -> dict[str, Any]:
 
     Raises:
         ValueError: two paths disagree on whether a level is a list or a dict, a path is given
-            twice or runs through another's value, or a list index is missing (names the path).
+            twice or runs through another's value, a list index is missing, or an int does not
+            fit in 64 bits (names the path).
     """
     root: dict[Any, Any] = {}
     list_nodes: set[int] = set()  # ids of dicts that stand for lists (int keys)
@@ -289,6 +304,8 @@ def unflatten(items: Iterable[tuple[ObjPath, Any]]) -> dict[str, Any]:
         node = root
         for i, key in enumerate(path):
             is_index = isinstance(key, int) and not isinstance(key, DictKey)
+            if isinstance(key, int) and not -(1 << 63) <= key < 1 << 63:  # past that, ints can share a hash
+                raise ValueError(f"path {dcp_key(path[:i])[:200]!r} has a key at level {i} that does not fit in 64 bits")
             if node and is_index != (id(node) in list_nodes):
                 raise ValueError(f"path {path!r} mixes list and dict keys at level {i}")
             if is_index:
@@ -318,41 +335,116 @@ def _densify(node: Any, list_nodes: set[int]) -> Any:
     if id(node) in list_nodes:
         keys = sorted(node)
         if keys != list(range(len(keys))):
-            raise ValueError(f"list indices {keys} are not 0..{len(keys) - 1}")
+            raise ValueError(f"list indices {_at(tuple(keys))} are not 0..{len(keys) - 1}")
         return [_densify(node[k], list_nodes) for k in keys]
     return {int(k) if isinstance(k, DictKey) else k: _densify(v, list_nodes) for k, v in node.items()}
 
 
-def _box_end(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(o + s for o, s in zip(offsets, sizes, strict=True))
+def _at(values: tuple[int, ...]) -> str:
+    """Offsets, sizes or a shape for a message: the first 8 dims (a tensor may claim thousands)."""
+    return str(list(values)) if len(values) <= 8 else f"[{', '.join(map(str, values[:8]))}, ...]"
 
 
 def check_coverage(entry: TensorEntry) -> None:
     """Check that the entry's chunks tile its global shape exactly: inside it, no overlap, no gap.
 
-    Runs in O(chunks^2 x ndim), which is small: one chunk per writing rank and placement.
+    Only the ``k`` dims some chunk splits matter (FSDP: dim 0; tensor parallelism: one more).
+    For ``k = 1`` the chunks, sorted along it, must follow one another. For more, each box's
+    ``2^k`` corners weigh +1 or -1 (-1 for an odd number of ends), the tensor's the opposite: the
+    boxes tile it exactly when the weights cancel at every point (their indicators then sum to
+    its). Sorted, never hashed (the ints are the file's): O(n 2^k log n) for n chunks (at most
+    ``MAX_CHUNKS_PER_TENSOR``; n 2^k at most ``MAX_CORNERS``); ``MAX_PAIRS`` to name an overlap.
 
     Raises:
-        CoverageError: a chunk lies outside the shape, two chunks overlap, or elements are missing;
-            the message names the FQN and the chunks' offsets.
+        CoverageError: too many chunks, a chunk lies outside the shape, two chunks overlap, or
+            elements are missing; the message names the FQN and the chunks' offsets.
     """
+    fqn, shape = entry.fqn, entry.shape
+    if len(entry.chunks) > MAX_CHUNKS_PER_TENSOR:
+        raise CoverageError(f"{fqn}: more than {MAX_CHUNKS_PER_TENSOR} chunks, far more than a checkpoint stores; not reading it")
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # (offsets, ends) of the non-empty chunks
     for c in entry.chunks:
-        if len(c.offsets) != len(entry.shape) or len(c.sizes) != len(entry.shape):
-            raise CoverageError(
-                f"{entry.fqn}: chunk at offsets {list(c.offsets)} has not the {len(entry.shape)} dims of its tensor"
-            )
+        if len(c.offsets) != len(shape) or len(c.sizes) != len(shape):
+            raise CoverageError(f"{fqn}: chunk at offsets {_at(c.offsets)} has not the {len(shape)} dims of its tensor")
         if any(o < 0 for o in c.offsets) or any(s < 0 for s in c.sizes):
-            raise CoverageError(f"{entry.fqn}: chunk at offsets {list(c.offsets)} with sizes {list(c.sizes)} is negative")
-    boxes = [(c.offsets, c.sizes) for c in entry.chunks if c.numel > 0]
-    for offsets, sizes in boxes:
-        if any(e > s for e, s in zip(_box_end(offsets, sizes), entry.shape, strict=True)):
+            raise CoverageError(f"{fqn}: chunk at offsets {_at(c.offsets)} with sizes {_at(c.sizes)} is negative")
+        if 0 in c.sizes:
+            continue  # an empty box may lie anywhere
+        ends = tuple(o + s for o, s in zip(c.offsets, c.sizes, strict=True))
+        if any(e > s for e, s in zip(ends, shape, strict=True)):
             raise CoverageError(
-                f"{entry.fqn}: chunk at offsets {list(offsets)} with sizes {list(sizes)} lies outside shape {list(entry.shape)}"
+                f"{fqn}: chunk at offsets {_at(c.offsets)} with sizes {_at(c.sizes)} lies outside shape {_at(shape)}"
             )
-    for (oa, sa), (ob, sb) in itertools.combinations(boxes, 2):
-        ea, eb = _box_end(oa, sa), _box_end(ob, sb)
-        if all(max(a0, b0) < min(a1, b1) for a0, a1, b0, b1 in zip(oa, ea, ob, eb, strict=True)):
-            raise CoverageError(f"{entry.fqn}: chunks at offsets {list(oa)} and {list(ob)} overlap")
+        boxes.append((c.offsets, ends))
+    split = [d for d, extent in enumerate(shape) if any(o[d] != 0 or e[d] != extent for o, e in boxes)]
+    if len(split) > 20 or len(boxes) << len(split) > MAX_CORNERS:
+        raise CoverageError(f"{fqn}: chunks split {len(split)} dims into more boxes than this tool checks; not reading it")
+    if _tiles(boxes, shape, split):
+        return
+    pair = _overlapping_pair(boxes, split)
+    if pair is not None:
+        raise CoverageError(f"{fqn}: chunks at offsets {_at(pair[0])} and {_at(pair[1])} overlap")
     covered = sum(c.numel for c in entry.chunks)
-    if covered != entry.numel:
-        raise CoverageError(f"{entry.fqn}: chunks cover {covered} of {entry.numel} elements; the checkpoint has a gap")
+    if covered < entry.numel:
+        cover = f"cover {covered} of {entry.numel} elements" if entry.numel < 1 << 63 else "miss elements"  # may not print
+        raise CoverageError(f"{fqn}: chunks {cover}; the checkpoint has a gap")
+    raise CoverageError(f"{fqn}: chunks overlap; some elements are stored twice")  # a pair MAX_PAIRS comparisons missed
+
+
+def _corners(lo: tuple[int, ...], hi: tuple[int, ...], split: list[int], radix: list[int]) -> list[tuple[int, bool]]:
+    """The box ``[lo, hi)``'s corners on the ``split`` dims as mixed-radix codes, each with its sign (+ when True)."""
+    corners = [(0, True)]
+    scale = 1
+    for d, r in zip(split, radix, strict=True):
+        corners = [(code + lo[d] * scale, sign) for code, sign in corners] + [
+            (code + hi[d] * scale, not sign) for code, sign in corners
+        ]
+        scale *= r
+    return corners
+
+
+def _tiles(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], shape: tuple[int, ...], split: list[int]) -> bool:
+    """Whether the non-empty boxes ``(offsets, ends)``, inside ``shape``, tile it exactly."""
+    if not split:  # every box is the whole tensor
+        return len(boxes) == 1 or (not boxes and 0 in shape)
+    if len(split) == 1:
+        d, end = split[0], 0
+        for start, stop in sorted((lo[d], hi[d]) for lo, hi in boxes):
+            if start != end:
+                return False
+            end = stop
+        return end == shape[d]
+    radix = [shape[d] + 1 for d in split]  # a coordinate is at most its extent: one code per point
+    plus: list[int] = []
+    minus: list[int] = []
+    for lo, hi in boxes:
+        for code, positive in _corners(lo, hi, split, radix):
+            (plus if positive else minus).append(code)
+    for code, positive in _corners((0,) * len(shape), shape, split, radix):
+        (minus if positive else plus).append(code)
+    plus.sort()
+    minus.sort()
+    return plus == minus
+
+
+def _overlapping_pair(
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], split: list[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Offsets of two overlapping boxes, found by a sweep along ``split[0]``; None if none in ``MAX_PAIRS`` comparisons."""
+    if not split:
+        return (boxes[0][0], boxes[1][0]) if len(boxes) > 1 else None
+    d = split[0]
+    active: list[tuple[int, int]] = []  # heap of (end along d, box) of the boxes the sweep is inside
+    budget = MAX_PAIRS
+    for i in sorted(range(len(boxes)), key=lambda i: boxes[i][0][d]):
+        lo, hi = boxes[i]
+        while active and active[0][0] <= lo[d]:
+            heapq.heappop(active)
+        for _, j in active:
+            if (budget := budget - 1) < 0:
+                return None
+            other_lo, other_hi = boxes[j]
+            if all(max(lo[e], other_lo[e]) < min(hi[e], other_hi[e]) for e in split):
+                return other_lo, lo
+        heapq.heappush(active, (hi[d], i))
+    return None

@@ -115,12 +115,12 @@ class _Local:
 
 
 def _naturals(values: Any, where: str, what: str) -> tuple[int, ...]:
-    """A sequence of non-negative ints from a file, or NotADcpCheckpointError naming ``what`` (not its value)."""
+    """A sequence of non-negative 64-bit ints from a file, or NotADcpCheckpointError naming ``what`` (not its value)."""
     try:
         out = tuple(values)
     except TypeError:
         out = (None,)
-    if not all(type(v) is int and v >= 0 for v in out):
+    if not all(type(v) is int and 0 <= v < 1 << 63 for v in out):
         raise NotADcpCheckpointError(f"{where}: its {what} is not a sequence of non-negative integers")
     return out
 

@@ -127,7 +127,7 @@ def _open_files(job: ConsolidateJob, rank: int, stack: ExitStack) -> list[int]:
     """Open (creating) every output file; rank 0 sizes each to the end of its data."""
     fds = []
     for file in job.plan.files:
-        fd = os.open(_file_path(job, file), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(_file_path(job, file), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         stack.callback(os.close, fd)
         fds.append(fd)
         ends = [o + job.plan.items[i].nbytes for i, o in zip(file.item_ids, file.data_offsets, strict=True) if o is not None]

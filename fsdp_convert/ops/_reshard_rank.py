@@ -117,7 +117,7 @@ def reshard_rank(
             folder = job.tmp_output / sub
             folder.mkdir(exist_ok=True)
             for rank in (r for r in plan.data_ranks if job.files is None or (p, r) in job.files):
-                fds[p, rank] = os.open(folder / rank_filename(rank), os.O_RDWR | os.O_CREAT, 0o644)
+                fds[p, rank] = os.open(folder / rank_filename(rank), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
                 stack.callback(os.close, fds[p, rank])
         mine = {}
         for p, (_, plan) in enumerate(job.plans):

@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from fsdp_convert._location import following_symlinks
 from fsdp_convert.constants import HF_INDEX_FILENAME, HF_SINGLE_FILENAME
 from fsdp_convert.errors import InvalidOptionError, VerificationError
 from fsdp_convert.formats import check_data_files, read_index
@@ -38,7 +39,8 @@ from fsdp_convert.plan import output_format as plan_output_format
 from fsdp_convert.remote import Url, local_output
 from fsdp_convert.resume import consolidate_fingerprint, temporary_output
 from fsdp_convert.transform import TransformOptions
-from fsdp_convert.writers._atomic import LeaveToOwner, check_output_free, writing
+from fsdp_convert.writers._atomic import LeaveToOwner, writing
+from fsdp_convert.writers._output_check import check_output, check_output_free
 from fsdp_convert.writers._space import check_space
 from fsdp_convert.writers.hf_assets import open_hf_assets, tied_output_keys, weights_dtype, write_hf_assets
 from fsdp_convert.writers.safetensors import safetensors_name
@@ -86,6 +88,7 @@ def consolidate(
     options: TransformOptions | None = None,
     output_format: RequestedFormat = "auto",
     overwrite: bool = False,
+    force: bool = False,
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     check_crc: bool = True,
@@ -95,6 +98,7 @@ def consolidate(
     cluster: Cluster | None = None,
     hf_assets: str | os.PathLike[str] | None = None,
     resume: bool = False,
+    follow_symlinks: bool | None = None,
 ) -> ConsolidateResult:
     """Write a DCP checkpoint as one full (unsharded) state dict: a file, or a folder of shards.
 
@@ -130,7 +134,11 @@ def consolidate(
             it refuses a file ``output`` and ``verify_output`` (InvalidOptionError).
         output_format: ``auto`` (by suffix), ``torch`` (torch.save under any name but ``.safetensors``,
             e.g. Lightning's ``.ckpt``) or ``safetensors`` (see ``plan.output_format``).
-        overwrite: replace an existing ``output`` (at the final rename only).
+        overwrite: replace an existing ``output`` (at the final rename only). ``output`` may not be the
+            checkpoint, inside it or one of its folders (nor ``hf_assets``), ``overwrite`` or not, and
+            a link at ``output`` is refused (``writers._output_check.check_output``, before anything is read).
+        force: with ``overwrite``, replace an existing folder that does not look like this tool's
+            output too (``writers._output_check.foreign_entry``).
         memory_budget_bytes: buffers each process may hold, in bytes: peak memory per process is
             the interpreter's plus this, whatever the largest tensor, when chunks are read in place
             (local DCP or safetensors sources); a chunk that must be decoded (a remote source, a
@@ -159,17 +167,23 @@ def consolidate(
             the job id: its manifest must match this plan; records whose bytes read back with their CRC-32
             are kept, the rest written.
 
+        follow_symlinks: read files of the checkpoint that are symbolic links out of its folder
+            (a shared store the step folder links into); by default such a link is refused
+            (UnsafeContentError). None: the process's setting (``--follow-symlinks``).
+
     Returns:
         What was written (``owner`` False on the processes that did not write).
 
     Raises:
         CheckpointNotFoundError, NotADcpCheckpointError, UnsafeContentError: unreadable index.
-        InvalidOptionError: unknown suffix, optimizer state into a safetensors file, bad ``nproc``,
+        InvalidOptionError: ``output`` is the checkpoint (or ``hf_assets``), inside it or one of its folders;
+            unknown suffix, optimizer state into a safetensors file, bad ``nproc``,
             two keys renamed to one; ``hf_assets`` for a file output, without a ``config.json``, or
             whose config unties ``lm_head.weight`` which the output would not hold.
         UnsupportedTransformError: ``optim_keys="ids"`` without param groups listing the parameters,
             or a Lightning ``meta.pt`` holding a tensor (``layout="nested"`` leaves it out).
-        OutputExistsError: ``output`` exists and ``overwrite`` is false.
+        OutputExistsError: ``output`` exists and ``overwrite`` is false, is a link, or is a folder not
+            this tool's and ``force`` is false.
         MissingDataFileError, CorruptChunkError, CoverageError, ShapeMismatchError: bad data files.
         OutputWriteError: the output cannot be written, or (``space_check``) does not fit in the free space.
         WorkerFailedError: a worker died.
@@ -177,6 +191,10 @@ def consolidate(
             ``verify_output`` with a computed tensor (a LoRA merge, whose float rounding depends on
             the row block size) is an InvalidOptionError; an adapter's row maps are recomputed and compared.
     """
+    if follow_symlinks is not None:  # the setting travels in the environment, so workers take it too
+        with following_symlinks(follow_symlinks):
+            return consolidate(**{**locals(), "follow_symlinks": None})
+    check_output(output, (checkpoint_id, hf_assets), overwrite=overwrite, force=force)  # not onto an input, first
     tag = shared_tag(cluster)  # the temporary's name every process of a multi-process job shares
     last = (HF_SINGLE_FILENAME, HF_INDEX_FILENAME)
     with local_output(output, overwrite=overwrite, shared=tag is not None, last=last) as (output, shown):
@@ -192,7 +210,7 @@ def consolidate(
             raise InvalidOptionError("--verify does not read a PEFT adapter folder back; load it with PeftModel.from_pretrained")
         groups = groups_for(fmt, only)
         assets = open_hf_assets(hf_assets, folder_output=fmt == "hf_dir", model="model" in groups) if hf_assets else None
-        check_output_free(output, overwrite=overwrite, directory=fmt == "hf_dir")
+        check_output_free(output, overwrite=overwrite, force=force, directory=fmt == "hf_dir")
         check_data_files(index)
         items = prepare_items(index, options, groups, check_crc=check_crc)
         # verify recomputes an adapter's row maps exactly (derive.Derived.compute); a combine's float

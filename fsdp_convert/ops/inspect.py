@@ -110,11 +110,13 @@ def chunks_per_dim(entry: TensorEntry) -> tuple[int, ...] | None:
     return tuple(len(intervals) for intervals in per_dim)
 
 
-def inspect_checkpoint(checkpoint_id: str | os.PathLike[str]) -> InspectResult:
+def inspect_checkpoint(checkpoint_id: str | os.PathLike[str], *, follow_symlinks: bool | None = None) -> InspectResult:
     """Describe a DCP checkpoint from its ``.metadata`` alone (no data file is opened).
 
     Args:
         checkpoint_id: the checkpoint folder.
+        follow_symlinks: read a ``.metadata`` (or ``meta.pt``) that is a symbolic link out of the
+            folder; by default refused. None: the process's setting (``--follow-symlinks``).
 
     Returns:
         Producer, world size (distinct writer ranks), total bytes, data files, and one
@@ -123,7 +125,7 @@ def inspect_checkpoint(checkpoint_id: str | os.PathLike[str]) -> InspectResult:
     Raises:
         CheckpointNotFoundError, NotADcpCheckpointError, UnsafeContentError: see ``read_index``.
     """
-    index = read_index(checkpoint_id)
+    index = read_index(checkpoint_id, follow_symlinks=follow_symlinks)
     rows = []
     for e, slot in zip(index.entries, classify(index), strict=True):
         if isinstance(e, TensorEntry):

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from fsdp_convert._location import following_symlinks
 from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.errors import InvalidOptionError
 from fsdp_convert.formats import check_data_files, read_index
@@ -41,7 +42,8 @@ from fsdp_convert.remote import Url, as_location, local_output
 from fsdp_convert.reshard_plan import ReshardPlan, plan_reshard, split_by_folder
 from fsdp_convert.resume import reshard_fingerprint, temporary_output
 from fsdp_convert.transform import TransformOptions
-from fsdp_convert.writers._atomic import LeaveToOwner, check_output_free
+from fsdp_convert.writers._atomic import LeaveToOwner
+from fsdp_convert.writers._output_check import ACCELERATE_SHARED_RE, check_output, check_output_free
 from fsdp_convert.writers._space import check_space
 from fsdp_convert.writers.dcp import MetadataEntry, StoredChunk, compress_data_files, rank_filename, require_zstd, write_metadata
 
@@ -82,9 +84,6 @@ class ReshardResult:
     notes: tuple[str, ...] = ()
 
 
-# accelerate's save_state files that hold the same at any world size (written by the main process
-# only): LR schedulers, samplers, the grad scaler, register_for_checkpointing's objects
-_ACCELERATE_SHARED_RE = re.compile(r"^((scheduler|sampler)(_\d+)?\.bin|scaler\.pt|custom_checkpoint_\d+\.pkl)$")
 # accelerate's per-rank RNG states: pickles of the old ranks' generators (and accelerator.step)
 _ACCELERATE_RNG_RE = re.compile(r"^random_states_\d+\.pkl$")
 _DATA_FILE_RE = re.compile(r"^__\d+_\d+\.distcp$")  # a data file, even one .metadata names no payload in
@@ -119,7 +118,7 @@ def _files_beside(index: CheckpointIndex, folders: tuple[str, ...]) -> _Beside:
             continue
         if path.is_file() and (
             (name == LIGHTNING_META_FILENAME and index.producer == "lightning")
-            or (accelerate and _ACCELERATE_SHARED_RE.match(name))
+            or (accelerate and ACCELERATE_SHARED_RE.match(name))  # schedulers, samplers, scaler, custom objects
         ):
             copied.append(name)
         elif accelerate and _ACCELERATE_RNG_RE.match(name):
@@ -198,12 +197,14 @@ def reshard(
     nproc: int | None = None,
     options: TransformOptions | None = None,
     overwrite: bool = False,
+    force: bool = False,
     space_check: bool = True,
     check_crc: bool = True,
     cluster: Cluster | None = None,
     compress: Literal["zstd"] | None = None,
     resume: bool = False,
     progress: bool = False,
+    follow_symlinks: bool | None = None,
 ) -> ReshardResult:
     """Lay a checkpoint out for ``world_size`` ranks: a new DCP folder any DCP loader reads.
 
@@ -236,7 +237,9 @@ def reshard(
         options: key and dtype transforms, as for ``consolidate``; the output keeps the source's
             nesting (``{"model": ..., "optim": ...}``, torchtitan's top-level weights...), so the
             producer's own loader reads it.
-        overwrite: replace an existing ``output`` (at the final rename only).
+        overwrite: replace an existing ``output`` (at the final rename only); as for ``consolidate``, not
+            the checkpoint, inside it or one of its folders.
+        force: with ``overwrite``, replace a folder that does not look like this tool's output too.
         space_check: check the output's size from the plan (every rank file, ``.metadata``, the files
             copied beside) against the free space where its temporary is written, before anything
             is read or created (to a URL: two waves of rank files, ``ops._waves``); an output compressed with
@@ -252,20 +255,28 @@ def reshard(
         progress: a bar on stderr (``progress``: bytes of every worker, binary units, rate, time left),
             drawn by rank 0's worker; ``re-check`` first when resuming.
 
+        follow_symlinks: read files of the checkpoint that are symbolic links out of its folder
+            (a shared store the step folder links into); by default such a link is refused
+            (UnsafeContentError). None: the process's setting (``--follow-symlinks``).
+
     Raises:
         As ``consolidate``; InvalidOptionError for ``world_size < 1``, or ``compress="zstd"`` without
         the ``zstandard`` package (before anything is read).
     """
+    if follow_symlinks is not None:  # the setting travels in the environment, so workers take it too
+        with following_symlinks(follow_symlinks):
+            return reshard(**{**locals(), "follow_symlinks": None})
     if compress is not None:
         if compress != "zstd":
             raise InvalidOptionError(f"--compress {compress}: only zstd is supported")
         require_zstd()
+    check_output(output, (checkpoint_id,), overwrite=overwrite, force=force)  # not onto the input, first
     tag = shared_tag(cluster)
     with local_output(output, overwrite=overwrite, shared=tag is not None, last=(METADATA_FILENAME,)) as (output, shown):
         start = time.monotonic()
         source = as_location(checkpoint_id)
         index = read_index(source, full_files=True)  # a DCP-like folder, or a full file / HF folder
-        check_output_free(output, overwrite=overwrite, directory=True)
+        check_output_free(output, overwrite=overwrite, force=force, directory=True)
         check_data_files(index)
         items = prepare_items(index, options or TransformOptions(), GROUPS, check_crc=check_crc, keep_layout=True)
         workers = job_world_size(nproc, cluster) or default_nproc(

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from fsdp_convert._location import following_symlinks
 from fsdp_convert.constants import UNCASTABLE_DTYPES
 from fsdp_convert.formats.full_file import MODEL_PREFIX, SafetensorsFiles
 from fsdp_convert.formats.index import dtype_name
@@ -195,6 +196,7 @@ def verify(
     optim_dtype: torch.dtype | str | None = None,
     progress: bool = False,
     transform_files: bool = False,
+    follow_symlinks: bool | None = None,
 ) -> VerifyResult:
     """Compare two checkpoints of any formats (DCP, .pt, safetensors, HF folder) key by key.
 
@@ -228,6 +230,10 @@ def verify(
         transform_files: see A through ``options`` even when it is a file (a full checkpoint):
             ``consolidate --verify`` of a file input compares with what its transforms made of it.
 
+        follow_symlinks: read files of the checkpoint that are symbolic links out of its folder
+            (a shared store the step folder links into); by default such a link is refused
+            (UnsafeContentError). None: the process's setting (``--follow-symlinks``).
+
     Returns:
         The keys compared and every difference (``missing``: only in A; ``extra``: only in B).
 
@@ -236,6 +242,9 @@ def verify(
         MissingDataFileError, CoverageError: a side cannot be read.
         InvalidOptionError: ``dtype`` or ``optim_dtype`` names no dtype.
     """
+    if follow_symlinks is not None:  # the setting travels in the environment, so workers take it too
+        with following_symlinks(follow_symlinks):
+            return verify(**{**locals(), "follow_symlinks": None})
     casts = tuple(parse_dtype(d) if isinstance(d, str) else d for d in (dtype, optim_dtype))
     source_a, source_b = _open_sides(a, b, check_crc, options, transform_files)
     if options is None and (source_a.model_only or source_b.model_only) and "dcp" in (source_a.kind, source_b.kind):

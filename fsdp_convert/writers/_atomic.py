@@ -1,4 +1,11 @@
-"""Temporary-sibling outputs renamed into place only when complete."""
+"""Temporary-sibling outputs renamed into place only when complete.
+
+Every name written here is opened relative to a descriptor of OUT's folder and without following
+a link (``writers._nofollow``): the temporary is created with ``O_EXCL`` (a folder with
+``mkdir``, which never follows one), a reused one (``--resume``, a peer's) must be no link and
+hold none, and the final rename is ``renameat`` in that folder, which replaces a name and never
+writes through a link.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ import contextlib
 import errno
 import os
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -14,13 +22,14 @@ from pathlib import Path
 
 from fsdp_convert._signals import hold_signals
 from fsdp_convert.errors import (
-    OutputExistsError,
     OutputWriteError,
     TemporaryExistsError,
     TerminatedError,
     WorkerFailedError,
 )
 from fsdp_convert.writers._lock import acquire_lock
+from fsdp_convert.writers._nofollow import link_refused, open_folder, open_nofollow, refuse_link, refuse_links_inside
+from fsdp_convert.writers._output_check import check_output_free
 
 __all__ = [
     "atomic_output",
@@ -37,25 +46,6 @@ __all__ = [
 ]
 
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG}
-
-
-def check_output_free(output: Path, *, overwrite: bool, directory: bool = False) -> None:
-    """Raise unless ``output`` may be written.
-
-    Args:
-        output: the final output path.
-        overwrite: whether an existing output may be replaced.
-        directory: whether the output is a folder (sharded outputs) rather than a file.
-
-    Raises:
-        OutputExistsError: ``output`` exists and ``overwrite`` is false.
-        OutputWriteError: an existing folder where a file is wanted.
-    """
-    if output.exists() or output.is_symlink():
-        if not overwrite:
-            raise OutputExistsError(f"{output} already exists; pass --overwrite to replace it")
-        if output.is_dir() and not directory:
-            raise OutputWriteError(f"{output} is a folder; give a file path")
 
 
 @contextlib.contextmanager
@@ -80,6 +70,46 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _make_temporary(tmp: Path, dir_fd: int, *, directory: bool, reuse: bool) -> None:
+    """Create the temporary ``tmp`` (its name in OUT's folder ``dir_fd``), or check the one reused.
+
+    A new one is made exclusively (``mkdir``, ``O_EXCL``), so a link planted at its name is never
+    followed. One reused (``reuse``: a peer's of this job, or ``--resume``'s) must not be a link,
+    and a folder must hold none: its files are opened by name. Nor may its manifest folder
+    (``writers._manifest.manifest_dir``), whose records logs are appended to; checked here, so a
+    refusal leaves the interrupted run's temporary and manifest as they were.
+
+    Raises:
+        OutputWriteError: the name is a link (or holds one), is of the wrong kind, or cannot be made.
+    """
+    try:
+        if directory:
+            try:
+                os.mkdir(tmp.name, dir_fd=dir_fd)
+                return
+            except FileExistsError:
+                if not reuse:
+                    raise
+            st = os.stat(tmp.name, dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                raise link_refused(tmp)
+            if not stat.S_ISDIR(st.st_mode):
+                raise OutputWriteError(f"cannot write {tmp}: not a folder; remove it")
+            refuse_links_inside(tmp)
+        else:
+            os.close(open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | (0 if reuse else os.O_EXCL), dir_fd=dir_fd))
+        if reuse:
+            from fsdp_convert.writers._manifest import manifest_dir  # here: it imports the index (torch); this module may not
+
+            refuse_link(manifest_dir(tmp), dir_fd=dir_fd)
+            if os.path.isdir(manifest_dir(tmp)):
+                refuse_links_inside(manifest_dir(tmp))
+    except FileExistsError as e:
+        raise link_refused(tmp) if os.path.islink(tmp) else OutputWriteError(f"cannot create {tmp}: File exists") from e
+    except OSError as e:
+        raise OutputWriteError(f"cannot create {tmp}: {e.strerror}") from e
 
 
 def _remove(path: Path) -> None:
@@ -135,8 +165,11 @@ def check_no_temporary(output: Path, tmp: Path, *, directory: bool, resume: bool
 
     Raises:
         TemporaryExistsError: naming the temporary, its age, and ``--resume``.
+        OutputWriteError: a temporary's name is a symbolic link.
     """
     for left in temporaries(output, directory=directory):
+        if left.is_symlink():
+            raise link_refused(left)  # not a run's: planted, and never written through
         if resume and left == tmp:
             continue
         try:
@@ -195,8 +228,9 @@ def atomic_output(
 ) -> Iterator[Path]:
     """Yield a temporary sibling path; move it onto ``output`` if the block completes.
 
-    For a file output the block creates the file at the yielded path; for a folder output
-    (``directory=True``) the folder is created here and the block fills it. The block must flush
+    The temporary is created here, empty (a file with ``O_EXCL | O_NOFOLLOW``; a folder with
+    ``directory=True``), in OUT's folder opened once (``dir_fd``), and the block writes or fills
+    it; a reused one (``resume``, ``tag``) must be no link and hold none. The block must flush
     and fsync what it writes. On any exception (KeyboardInterrupt included) the temporary is
     removed and ``output`` is left untouched, except that with ``keep`` (a resumable run) an
     exception of ``KEPT_ON`` (Ctrl-C, SIGTERM/SIGHUP, a failed worker) keeps the temporary when
@@ -216,42 +250,55 @@ def atomic_output(
     takes it, the others see its record), and a block that raises ``LeaveToOwner`` leaves without
     touching the temporary (rank 0's process renames it and removes the lock file).
 
+    A folder at ``output`` that does not look like this tool's output is refused before, by the
+    operations' ``writers._output_check.check_output`` (unless ``--force``), not here.
+
     Raises:
-        OutputExistsError: ``output`` exists and ``overwrite`` is false.
+        OutputExistsError: ``output`` exists and ``overwrite`` is false, or is a link.
         OutputLockedError: another run holds the output's lock (naming its host and pid).
         TemporaryExistsError: an earlier run's temporary is left and ``resume`` is false.
-        OutputWriteError: the folder cannot be created or written (permission, space).
+        OutputWriteError: the folder cannot be created or written (permission, space), or a name
+            written (the lock, the temporary) is a link.
     """
-    check_output_free(output, overwrite=overwrite, directory=directory)
-    tmp = temporary or temporary_path(output, tag, directory=directory)
+    check_output_free(output, overwrite=overwrite, force=True, directory=directory)  # force: see above
+    tmp = temporary or temporary_path(output, tag, directory=directory)  # a sibling: its name is opened in OUT's folder
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
+        dir_fd = open_folder(output.parent)
     except OSError as e:
         raise OutputWriteError(f"cannot create {output.parent}: {e.strerror}") from e
-    lock = acquire_lock(output, tag, before_record=partial(check_no_temporary, output, tmp, directory=directory, resume=resume))
+    at = {"src_dir_fd": dir_fd, "dst_dir_fd": dir_fd}  # renameat in OUT's folder
     remove_lock = True
     try:
-        if directory:
-            try:
-                tmp.mkdir(exist_ok=tag is not None or resume)
-            except OSError as e:
-                raise OutputWriteError(f"cannot create {tmp.parent}: {e.strerror}") from e
+        lock = acquire_lock(
+            output, tag, before_record=partial(check_no_temporary, output, tmp, directory=directory, resume=resume)
+        )
+        try:
+            _make_temporary(tmp, dir_fd, directory=directory, reuse=tag is not None or resume)
+        except BaseException:
+            lock.release(remove=True)
+            raise
+    except BaseException:
+        os.close(dir_fd)
+        raise
+    try:
         try:
             yield tmp
         except LeaveToOwner:
             remove_lock = False  # rank 0's process removes it once the output is in place
             return
-        check_output_free(output, overwrite=overwrite, directory=directory)  # someone may have created it meanwhile
+        # someone may have created it meanwhile
+        check_output_free(output, overwrite=overwrite, force=True, directory=directory)
         if directory:
             fsync_dir(tmp)
-        if directory and output.exists():
+        if directory and os.path.lexists(output):
             old = output.parent / f".{output.name}.old-{uuid.uuid4().hex[:12]}"
-            os.replace(output, old)
-            os.replace(tmp, output)
+            os.replace(output.name, old.name, **at)
+            os.replace(tmp.name, output.name, **at)
             _remove(old)
         else:
-            os.replace(tmp, output)
-        fsync_dir(output.parent)
+            os.replace(tmp.name, output.name, **at)
+        os.fsync(dir_fd)
     except OSError as e:
         _remove(tmp)
         if e.errno in _WRITE_ERRNOS:
@@ -270,3 +317,4 @@ def atomic_output(
         raise
     finally:
         lock.release(remove=remove_lock)
+        os.close(dir_fd)

@@ -26,6 +26,13 @@ What each process can see decides the rules:
   once it has checked for a left temporary. Until then a process that finds the flock held and
   the file empty, or naming a dead process of this host, waits for the new record (up to
   ``_RECORD_WAIT_S``) rather than joining or refusing a job that is gone.
+- The lock file is opened relative to a descriptor of the output's folder, with ``O_NOFOLLOW``
+  (``O_EXCL`` to create it), and an existing one must be a regular file with one link
+  (``writers._nofollow``): a link or hard link planted at ``.OUT.lock`` is refused, never
+  truncated or written through. Its record is read from the descriptor taken, not by name.
+
+``check_not_locked`` asks the same question without taking the lock (``--resume`` asks it before
+it looks at a left temporary, so a live run's temporary is never called left).
 """
 
 from __future__ import annotations
@@ -41,11 +48,13 @@ from pathlib import Path
 
 from fsdp_convert._lock_record import SINGLE, LockRecord, lock_name, locked_message, pid_alive
 from fsdp_convert.errors import OutputLockedError, OutputWriteError
+from fsdp_convert.writers._nofollow import NOFOLLOW, open_folder, open_nofollow
 
-__all__ = ["LockRecord", "OutputLock", "acquire_lock", "lock_path"]
+__all__ = ["LockRecord", "OutputLock", "acquire_lock", "check_not_locked", "lock_path"]
 
 _NO_FLOCK = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 _RECORD_WAIT_S = 10.0  # how long a peer waits for a new holder's record (the file empty, or a dead one's), in seconds
+_RECORD_BYTES = 4096  # a record is one short line; no more of the file is read
 
 
 def lock_path(output: Path) -> Path:
@@ -78,11 +87,11 @@ class OutputLock:
         """
         fd, self.fd = self.fd, None
         try:
-            if remove:
+            if remove:  # unlink removes a name, never what a link names
                 if self.taken and fd is not None and _same_file(fd, self.path):
                     self.path.unlink()
                 elif not self.taken and self.record.job != SINGLE:
-                    holder = _read_record(self.path)
+                    holder = _read_record_at(self.path)
                     if holder is not None and holder.job == self.record.job:
                         self.path.unlink()
         except FileNotFoundError:
@@ -92,20 +101,34 @@ class OutputLock:
                 os.close(fd)
 
 
-def _same_file(fd: int, path: Path) -> bool:
+def _same_file(fd: int, path: Path, dir_fd: int | None = None) -> bool:
+    """Whether the name ``path`` (relative to ``dir_fd``, if given) is still the file open as ``fd`` (not following a link)."""
     try:
-        st = os.stat(path)
+        st = os.stat(path.name if dir_fd is not None else path, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         return False
     mine = os.fstat(fd)
     return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
-def _read_record(path: Path) -> LockRecord | None:
+def _read_record(fd: int) -> LockRecord | None:
+    """The record in the open lock file ``fd`` (its first ``_RECORD_BYTES``), or None if empty or unreadable."""
     try:
-        return LockRecord.parse(path.read_text(errors="replace"))
+        return LockRecord.parse(os.pread(fd, _RECORD_BYTES, 0).decode(errors="replace"))
     except OSError:
         return None
+
+
+def _read_record_at(path: Path) -> LockRecord | None:
+    """The record of the lock file at ``path``, opened without following a link; None if absent, a link or unreadable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        return _read_record(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_record(fd: int, record: LockRecord, path: Path) -> None:
@@ -143,14 +166,17 @@ def _flock(fd: int, how: int = fcntl.LOCK_EX) -> bool | None:
     return True
 
 
-def _open(path: Path) -> tuple[int, bool] | None:
-    """Open the lock file, creating it if absent: (fd, created), or None if it vanished meanwhile."""
-    flags = os.O_RDWR | os.O_CLOEXEC
+def _open(path: Path, dir_fd: int) -> tuple[int, bool] | None:
+    """Open the lock file (its name in folder ``dir_fd``), creating it if absent: (fd, created), or None if it vanished meanwhile.
+
+    Raises:
+        OutputWriteError: it cannot be created, or it is a link, not a regular file, or hard-linked.
+    """
     try:
         try:
-            return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
+            return open_nofollow(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, dir_fd=dir_fd), True
         except FileExistsError:
-            return os.open(path, flags), False
+            return open_nofollow(path, os.O_RDWR, dir_fd=dir_fd), False
     except FileNotFoundError:
         return None
     except OSError as e:
@@ -176,19 +202,31 @@ def acquire_lock(output: Path, job: str | None, *, before_record: Callable[[], N
         OutputWriteError: the lock file cannot be created or written (permission, space).
     """
     path = lock_path(output)
+    try:
+        dir_fd = open_folder(path.parent)
+    except OSError as e:
+        raise OutputWriteError(f"cannot create {path}: {e.strerror}") from e
+    try:
+        return _acquire(output, path, dir_fd, job, before_record)
+    finally:
+        os.close(dir_fd)
+
+
+def _acquire(output: Path, path: Path, dir_fd: int, job: str | None, before_record: Callable[[], None] | None) -> OutputLock:
+    """``acquire_lock``, the lock file's name opened in folder ``dir_fd``."""
     me = LockRecord.mine(job)
     deadline = time.monotonic() + _RECORD_WAIT_S
     while True:
-        opened = _open(path)
+        opened = _open(path, dir_fd)
         if opened is None:
             continue  # removed by its holder between our two opens
         fd, created = opened
         try:
             got = _flock(fd)
-            if got is not False and not _same_file(fd, path):
+            if got is not False and not _same_file(fd, path, dir_fd):
                 os.close(fd)  # its holder removed it meanwhile: start again on the new file
                 continue
-            holder = None if created else _read_record(path)
+            holder = None if created else _read_record(fd)
             if got is False and (holder is None or _stale_here(holder, me)) and time.monotonic() < deadline:
                 os.close(fd)  # its new holder has not written its record yet (a dead one's may still be there)
                 time.sleep(0.02)
@@ -238,3 +276,43 @@ def _join(path: Path, me: LockRecord, fd: int) -> OutputLock:
         os.close(fd)
         return OutputLock(path, me, None, taken=False)
     return OutputLock(path, me, fd, taken=False)
+
+
+def check_not_locked(output: Path, job: str | None) -> None:
+    """Raise if another job is writing ``output`` (its lock held), without taking the lock; touches nothing.
+
+    The lock file is opened read-only without following a link, its record read, and its flock
+    tried exclusively for an instant (released at once): held means a live run. A record of this
+    ``job`` is the job's own (another node or worker of it). Where flock is unsupported, a holder
+    on this host is live if its pid is; a holder on another host cannot be checked from here and
+    is refused as ``acquire_lock`` would refuse it. A lock that is free and names a process of
+    this host is a dead run's: it passes, and ``acquire_lock`` takes it over.
+
+    Raises:
+        OutputLockedError: another job holds it (exit 4): the message names its pid and host and
+            says to wait, suggesting no removal while it is alive.
+    """
+    try:
+        fd = os.open(lock_path(output), os.O_RDONLY | os.O_NONBLOCK | NOFOLLOW)
+    except OSError:
+        return  # none there (or a link, which acquire_lock refuses)
+    try:
+        holder = _read_record(fd)
+        got = _flock(fd)
+        if got:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+    me = LockRecord.mine(job)
+    if holder is not None and job is not None and holder.job == job:
+        return  # this job's own lock
+    remote = holder is not None and holder.host != me.host
+    if got is True and remote:
+        raise OutputLockedError(locked_message(output, lock_name(output.name), holder, unverified=True))
+    live = got is False or (got is None and holder is not None and (remote or pid_alive(holder.pid)))
+    if live:
+        who = "another process" if holder is None else f"pid {holder.pid} on {holder.host}"
+        raise OutputLockedError(
+            f"{output} is being written by another run, {who} (lock {lock_name(output.name)}); "
+            "wait for it to finish (if it stops unfinished, run again with --resume)"
+        )

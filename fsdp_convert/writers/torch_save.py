@@ -159,14 +159,16 @@ class _HeaderImage:
         pass
 
     def pread(self, length: int, offset: int) -> bytes:
+        # O(log parts + parts touched): a zip of a million records is read a record at a time
         out = bytearray(max(0, min(length, self.size - offset)))
-        i = max(0, bisect.bisect_right(self._starts, offset) - 1)
-        for start, part in zip(self._starts[i:], self._parts[i:], strict=True):
-            if start >= offset + len(out):
-                break
-            lo, hi = max(start, offset), min(start + len(part), offset + len(out))
+        end = offset + len(out)
+        j = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        while j < len(self._starts) and self._starts[j] < end:
+            start, part = self._starts[j], self._parts[j]
+            lo, hi = max(start, offset), min(start + len(part), end)
             if lo < hi:
                 out[lo - offset : hi - offset] = part[lo - start : hi - start]
+            j += 1
         return bytes(out)
 
     def pwrite(self, data: bytes, offset: int) -> None:

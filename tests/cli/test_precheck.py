@@ -23,7 +23,8 @@ from tests._samples import Sample
 # was imported by then. {d} is a folder holding an empty folder "ck" and a file "exists.pt".
 USAGE_ERRORS = {
     "existing OUT": (["consolidate", "{d}/ck", "{d}/exists.pt"], 4, "{d}/exists.pt already exists; pass --overwrite"),
-    "existing OUT folder (reshard)": (["reshard", "{d}/ck", "{d}/ck", "--world-size", "2"], 4, "{d}/ck already exists"),
+    "existing OUT (reshard)": (["reshard", "{d}/ck", "{d}/exists.pt", "--world-size", "2"], 4, "{d}/exists.pt already exists"),
+    "OUT is the input": (["reshard", "{d}/ck", "{d}/ck", "--world-size", "2", "--overwrite"], 2, "{d}/ck is the input {d}/ck"),
     "bad suffix": (["consolidate", "{d}/ck", "{d}/out.txt"], 2, "unknown output suffix '.txt'"),
     "--dtype fp8": (["consolidate", "{d}/ck", "{d}/out.pt", "--dtype", "fp8"], 2, "--dtype 'fp8' is not a dtype"),
     "bad --rename": (["reshard", "{d}/ck", "{d}/new", "--world-size", "1", "--rename", "x"], 2, "expected REGEX=REPLACEMENT"),
@@ -199,7 +200,8 @@ def test_a_number_after_v_before_the_command(argv: list[str], bad: bool) -> None
 
 
 def test_output_exists_is_output_exists_error(tmp_path: Path) -> None:
+    (tmp_path / "ck").mkdir()
     (tmp_path / "o.pt").write_bytes(b"")
-    assert isinstance(_raised(_consolidate_check(tmp_path, tmp_path / "o.pt")), OutputExistsError)
+    assert isinstance(_raised(_consolidate_check(tmp_path / "ck", tmp_path / "o.pt")), OutputExistsError)
     (tmp_path / "link.pt").symlink_to(tmp_path / "gone.pt")  # a dangling link is taken too, as the library does
-    assert isinstance(_raised(_consolidate_check(tmp_path, tmp_path / "link.pt")), OutputExistsError)
+    assert isinstance(_raised(_consolidate_check(tmp_path / "ck", tmp_path / "link.pt")), OutputExistsError)

@@ -132,8 +132,13 @@ def _chunk_cells(doc: dict[str, Any]) -> dict[str, tuple[int, list[int] | None]]
 
 
 @pytest.mark.parametrize("source", SOURCES)
-def test_inspect_shows_how_tp_cut_each_tensor(runner: CliRunner, meshes: Path, source: str) -> None:
+def test_inspect_shows_how_tp_cut_each_tensor(
+    runner: CliRunner, meshes: Path, source: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """--json gives chunks per dim; the table writes a cut on several dims, or on one other than 0, out."""
+    from fsdp_convert.cli import inspect_cmd
+
+    monkeypatch.setattr(inspect_cmd, "_stdout_is_terminal", lambda: True)  # the table as an 80-column terminal shows it
     ckpt = meshes / "tp" / source
     result = runner.invoke(app, ["inspect", str(ckpt), "--json"])
     assert result.exit_code == 0, result.stderr

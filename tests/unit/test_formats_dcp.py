@@ -94,3 +94,47 @@ def test_missing_paths(tmp_path: Path) -> None:
         read_index(tmp_path / "nope")
     with pytest.raises(NotADcpCheckpointError, match="no .metadata"):
         read_index(tmp_path)
+
+
+def test_metadata_over_the_cap_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    from fsdp_convert.formats._dcp_metadata import METADATA_MAX_BYTES
+
+    meta = tmp_path / ".metadata"
+    with open(meta, "wb") as f:
+        f.truncate(METADATA_MAX_BYTES + 1)  # sparse: no disk used; reading it would take 8 GiB of memory
+    with pytest.raises(NotADcpCheckpointError) as refused:
+        read_index(tmp_path)
+    assert str(refused.value) == f"{meta} is over 8 GiB, far more than a DCP .metadata holds; not reading it"
+
+
+def test_bytes_after_the_metadata_pickle_are_refused(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    _save_ws1(ck)
+    good = (ck / ".metadata").read_bytes()
+    (ck / ".metadata").write_bytes(good + b"\x00")
+    with pytest.raises(NotADcpCheckpointError, match=rf"data after the end of its pickle \(at byte {len(good)}\)"):
+        read_index(ck)
+    (ck / ".metadata").write_bytes(good + good)  # two pickles, as a careless append would leave
+    with pytest.raises(NotADcpCheckpointError, match="a DCP .metadata is one pickle"):
+        read_index(ck)
+
+
+@pytest.mark.parametrize(
+    ("where", "value"),
+    [("fqn", "model.w\nerror: all good"), ("data file", "__0_0\x1b[2J.distcp"), ("planner path", "model\r")],
+)
+def test_names_that_would_break_the_error_line_are_refused(tmp_path: Path, where: str, value: str) -> None:
+    ck = tmp_path / "ck"
+    _save_ws1(ck)
+    meta = load_metadata(ck / ".metadata")
+    if where == "fqn":
+        meta.state_dict_metadata[value] = meta.state_dict_metadata.pop("model.w")
+    elif where == "data file":
+        for info in meta.storage_data.values():
+            info.relative_path = value
+    else:
+        meta.planner_data["model.w"] = (value, "w")
+    (ck / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(NotADcpCheckpointError, match="printable") as refused:
+        read_index(ck)
+    assert str(refused.value).isprintable()

@@ -84,7 +84,7 @@ def _rewrite(src: Path, dst: Path, rename: dict[str, str], cut: dict[str, int]) 
     ("rename", "cut", "message"),
     [
         ({"data/0": "data/7"}, {}, "is not in the file"),
-        ({}, {"data/0": 12}, "claims 24 bytes; the file holds 12"),
+        ({}, {"data/0": 12}, "does not fit in its record"),
     ],
     ids=["storage missing", "storage short"],
 )

@@ -1,0 +1,245 @@
+"""Write stage, first of all: may OUT be written? Not onto an input, through a link, or over a folder this tool did not write.
+
+``check_output`` is the one rule. The operations (``ops.consolidate``, ``ops.reshard``) apply it
+before anything else, and the command line's precheck (``cli._precheck``) applies the same
+function before torch is imported; nothing here imports torch. Its parts:
+
+- **OUT is not an input.** OUT may not be an input (the checkpoint, ``--hf-assets``), inside
+  one, or one of its ancestors (which ``--overwrite`` would delete with the input in it): exit 2,
+  ``--overwrite`` or not. Local paths are compared by real path (links resolved) and by
+  ``(st_dev, st_ino)`` of every existing ancestor (a bind mount, another spelling of the same
+  folder); URLs by normalized URL (``remote.normal_url``). A local path and a URL never clash.
+- **OUT is no link.** A symbolic link at OUT is refused (exit 4), with ``--overwrite`` too:
+  replacing it would leave its target as it was while the user meant to write there, and writing
+  through it is what this tool never does (``writers._nofollow``).
+- **OUT is free**, or ``--overwrite`` is given (exit 4). A folder where a file is wanted is refused
+  (exit 1).
+- **A folder replaced is this tool's output.** ``--overwrite`` deletes the folder it replaces, so
+  an existing folder must *look like this tool's output* (``foreign_entry``), else ``--overwrite
+  --force`` is needed (exit 4). A folder looks like this tool's output when it is empty, or every
+  entry in it is one of the names this tool writes there:
+
+  - files: ``.metadata``, ``__<r>_<n>.distcp`` (``reshard``); ``model.safetensors``,
+    ``model-<i>-of-<n>.safetensors``, ``model.safetensors.index.json``, ``optimizer.pt``,
+    ``extra_state.pt`` (``consolidate`` to a folder); ``adapter_model.safetensors``,
+    ``adapter_config.json`` (``--lora-only``); ``HF_ASSET_FILENAMES`` (``--hf-assets``, as
+    ``writers.hf_assets.ASSET_FILENAMES``); Lightning's ``meta.pt`` and accelerate's
+    ``scheduler*.bin``, ``sampler*.bin``, ``scaler.pt``, ``custom_checkpoint_<n>.pkl`` (copied by
+    ``reshard``);
+  - folders: ``additional_chat_templates/`` holding ``*.jinja`` files only (``--hf-assets``);
+    accelerate's ``pytorch_model_fsdp_<n>/`` and ``optimizer_<n>/`` holding ``.metadata`` and
+    ``__<r>_<n>.distcp`` files only (``reshard`` of an accelerate checkpoint).
+
+  Any other entry (a ``README.md``, a hidden file, a checkpoint folder ``step-1000/``) makes the
+  folder not this tool's: the message names the first one found. A URL's objects are not listed:
+  an upload replaces only the objects it writes, and deletes none.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from fsdp_convert.errors import InvalidOptionError, OutputExistsError, OutputWriteError
+from fsdp_convert.remote import Url, as_location, normal_url
+
+__all__ = ["ACCELERATE_SHARED_RE", "HF_ASSET_FILENAMES", "check_output", "check_output_free", "foreign_entry"]
+
+# what transformers' save_pretrained writes beside the weights: writers.hf_assets.ASSET_FILENAMES
+# (which imports torch), the same set (tests/unit/test_writers_output_check.py checks it)
+HF_ASSET_FILENAMES: frozenset[str] = frozenset(
+    {
+        *("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json"),
+        *("added_tokens.json", "tokenizer.json", "chat_template.jinja", "chat_template.json", "tokenizer.model"),
+        *("vocab.json", "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.model", "sentencepiece.bpe.model"),
+        *("spm.model", "spm_char.model", "source.spm", "target.spm", "bpe.codes", "dict.txt", "emoji.json"),
+        *("entity_vocab.json", "byte_maps.json", "normalizer.json", "prophetnet.tokenizer", "target_vocab.json"),
+        *("vocab-src.json", "vocab-tgt.json", "word_pronunciation.json", "word_shape.json", "preprocessor_config.json"),
+        *("processor_config.json", "video_preprocessor_config.json", "audio_tokenizer_config.json"),
+    }
+)
+# accelerate's save_state files that hold the same at any world size (written by the main process only: LR
+# schedulers, samplers, the grad scaler, register_for_checkpointing's objects), which reshard copies beside
+ACCELERATE_SHARED_RE = re.compile(r"^((scheduler|sampler)(_\d+)?\.bin|scaler\.pt|custom_checkpoint_\d+\.pkl)$")
+_DCP_FILE_RE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$")
+_OUR_FILE_RE = re.compile(
+    r"^(model\.safetensors|model-\d{5,}-of-\d{5,}\.safetensors|model\.safetensors\.index\.json|optimizer\.pt"
+    r"|extra_state\.pt|adapter_model\.safetensors|adapter_config\.json|meta\.pt)$"
+)
+_CHAT_TEMPLATE_DIR = "additional_chat_templates"  # writers.hf_assets.CHAT_TEMPLATE_DIR
+_ACCELERATE_DIR_RE = re.compile(r"^(pytorch_model_fsdp|optimizer)_\d+$")  # formats.dcp's accelerate folders
+
+
+def _shown(name: str) -> str:
+    """A file name as a message shows it: as it is if printable, else escaped (a name may hold control bytes)."""
+    return name if name.isprintable() else ascii(name)
+
+
+def _ours(entry: os.DirEntry[str], top: bool) -> bool:
+    """Whether one entry of an existing output folder is a name this tool writes there (see the module docstring)."""
+    name = entry.name
+    if entry.is_dir(follow_symlinks=False):
+        if top and name == _CHAT_TEMPLATE_DIR:
+            return _only(entry.path, lambda e: e.name.endswith(".jinja") and not e.is_dir(follow_symlinks=False))
+        if top and _ACCELERATE_DIR_RE.match(name):
+            return _only(entry.path, lambda e: bool(_DCP_FILE_RE.match(e.name)) and not e.is_dir(follow_symlinks=False))
+        return False
+    if _DCP_FILE_RE.match(name):
+        return True
+    return top and bool(_OUR_FILE_RE.match(name) or name in HF_ASSET_FILENAMES or ACCELERATE_SHARED_RE.match(name))
+
+
+def _only(folder: str, allowed: Callable[[os.DirEntry[str]], bool]) -> bool:
+    """Whether every entry of ``folder`` is ``allowed``."""
+    with os.scandir(folder) as entries:
+        return all(allowed(e) for e in entries)
+
+
+def foreign_entry(folder: Path) -> str | None:
+    """The first entry of ``folder`` this tool does not write there (shown for a message); None if it looks like its output.
+
+    Reads the folder's listing only (and the listing of each subfolder this tool writes), stopping
+    at the first foreign entry; nothing is opened.
+    """
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if not _ours(entry, top=True):
+                return _shown(entry.name) + ("/" if entry.is_dir(follow_symlinks=False) else "")
+    return None
+
+
+def check_output_free(output: Path, *, overwrite: bool, force: bool = False, directory: bool | None = False) -> None:
+    """Raise unless local ``output`` may be written: no link, free or ``overwrite``, a folder replaced only if it is this tool's.
+
+    Args:
+        output: the final output path.
+        overwrite: whether an existing output may be replaced.
+        force: replace an existing folder that does not look like this tool's output too.
+        directory: whether the output is a folder (sharded outputs) rather than a file; None: not known yet.
+
+    Raises:
+        OutputExistsError: ``output`` is a symbolic link; it exists and ``overwrite`` is false; or it is a
+            folder that does not look like this tool's output and ``force`` is false.
+        OutputWriteError: an existing folder where a file is wanted.
+    """
+    try:
+        st = os.lstat(output)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise OutputExistsError(
+            f"{output} is a symbolic link; fsdp-convert neither writes through a link nor replaces one: "
+            "name the real path, or remove the link"
+        )
+    if not overwrite:
+        raise OutputExistsError(f"{output} already exists; pass --overwrite to replace it")
+    if not stat.S_ISDIR(st.st_mode):
+        return
+    if directory is False:
+        raise OutputWriteError(f"{output} is a folder; give a file path")
+    foreign = None if force else foreign_entry(output)
+    if foreign is not None:
+        said = f"{output} is a folder fsdp-convert did not write (it holds {foreign}), which replacing it deletes"
+        raise OutputExistsError(
+            f"{said}: pass force=True as well to replace it anyway, or name another output",
+            cli_message=f"{said}: pass --overwrite --force to replace it anyway, or name another OUT",
+        )
+
+
+def _real_key(path: Path) -> tuple[str, ...]:
+    return Path(os.path.realpath(path)).parts
+
+
+def _ids(path: Path) -> list[tuple[int, int]]:
+    """``(st_dev, st_ino)`` of ``path`` (if it exists) and of each existing ancestor, nearest first."""
+    ids = []
+    for p in (path, *path.parents):
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        ids.append((st.st_dev, st.st_ino))
+    return ids
+
+
+def _url_key(url: Url) -> tuple[str, ...]:
+    scheme, _, rest = normal_url(url).partition("://")
+    return (scheme, *(part for part in rest.split("/") if part))
+
+
+def _relation(output: Path | Url, source: Path | Url) -> str | None:
+    """How ``output`` stands to input ``source``: ``is``, ``is inside``, ``holds``, or None (apart)."""
+    if isinstance(output, Url) != isinstance(source, Url):
+        return None
+    if isinstance(output, Url) and isinstance(source, Url):
+        out_key, in_key = _url_key(output), _url_key(source)
+    else:
+        assert isinstance(output, Path) and isinstance(source, Path)
+        out_key, in_key = _real_key(output), _real_key(source)
+        out_ids, in_ids = _ids(Path(os.path.realpath(output))), _ids(Path(os.path.realpath(source)))
+        out_self = out_ids[0] if os.path.exists(output) else None
+        in_self = in_ids[0] if os.path.exists(source) else None
+        if out_self is not None and out_self == in_self:
+            return "is"
+        if in_self is not None and in_self in out_ids:
+            return "is inside"
+        if out_self is not None and out_self in in_ids:
+            return "holds"
+    if out_key == in_key:
+        return "is"
+    if out_key[: len(in_key)] == in_key:
+        return "is inside"
+    if in_key[: len(out_key)] == out_key:
+        return "holds"
+    return None
+
+
+_WHY = {
+    "is": "writing it would destroy the input",
+    "is inside": "writing there would change the input",
+    "holds": "replacing it (--overwrite) would delete the input",
+}
+
+
+def check_output(
+    output: str | os.PathLike[str],
+    inputs: Iterable[str | os.PathLike[str] | None],
+    *,
+    overwrite: bool,
+    force: bool = False,
+    directory: bool | None = None,
+    free: bool = True,
+) -> None:
+    """The one check of OUT before anything is read or written (module docstring): not an input, no link, free.
+
+    Args:
+        output: OUT as the user gave it (a local path, ``file://`` path or fsspec URL).
+        inputs: what the run reads (the checkpoint, ``--hf-assets``); None entries are skipped.
+        overwrite: ``--overwrite``.
+        force: ``--force``: replace a folder that does not look like this tool's output.
+        directory: whether OUT is a folder output; None if not known yet.
+        free: check that a local OUT is free (False: leave that to a later check, as with ``--resume``);
+            a link at OUT is refused either way.
+
+    Raises:
+        InvalidOptionError: OUT is an input, inside one, or one of its ancestors (exit 2).
+        OutputExistsError: OUT is a link, exists without ``overwrite``, or is a folder not this
+            tool's without ``force`` (exit 4).
+        OutputWriteError: an existing folder where a file is wanted.
+    """
+    out = as_location(output)
+    for source in inputs:
+        if source is None:
+            continue
+        relation = _relation(out, as_location(source))
+        if relation is not None:
+            raise InvalidOptionError(f"{out} {relation} the input {as_location(source)}: {_WHY[relation]}; name another OUT")
+    if isinstance(out, Url):
+        return
+    if free:
+        check_output_free(out, overwrite=overwrite, force=force, directory=directory)
+    elif out.is_symlink():
+        check_output_free(out, overwrite=False)  # the link's own message
