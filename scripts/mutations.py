@@ -171,6 +171,14 @@ MUTATIONS: list[Mutation] = [
         "tests/integration/test_hostile_output.py::test_resume_beside_a_live_run_names_it_and_suggests_no_removal",
     ),
     Mutation(
+        "hash-flooding-keys-accepted",
+        "no quadratic trap in a small file: dict keys or set elements made to share one hash are refused",
+        "fsdp_convert/formats/_safe_pickle.py",
+        "            if counts[h] > MAX_SAME_HASH:",
+        "            if False:",
+        "tests/unit/test_unpickler_hostile.py::test_keys_made_to_share_one_hash_are_refused",
+    ),
+    Mutation(
         "existing-output-precheck-skipped",
         "a usage error (an existing OUT, a bad suffix, --dtype fp8, a missing checkpoint) is answered before torch is imported",
         "fsdp_convert/cli/_precheck.py",

@@ -8,7 +8,8 @@
 - EXT1/2/4 resolve names through the process-wide ``copyreg`` extension registry, INST and OBJ
   call classes, PERSID and BINPERSID call ``persistent_load``;
 - a dict key or set element is hashed in C, and hashing a tuple nested a million deep overflows
-  the C stack: the process dies of SIGSEGV (CPython 3.10 to 3.13 have no recursion check there).
+  the C stack: the process dies of SIGSEGV (CPython 3.10 to 3.13 have no recursion check there);
+- unsalted hashes (ints, tuples) can be made to collide: over ``MAX_SAME_HASH`` alike are refused.
 
 So this reads the opcodes itself (about 2x the C unpickler's time; see ``SafeUnpickler.load``):
 protocols 2 to 5, the data opcodes only; no opcode changes an object it did not create in this
@@ -23,7 +24,7 @@ import pickle
 import pickletools
 import reprlib
 import struct
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +47,7 @@ _OPCODE_NAMES = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opc
 # unsafe. Others not handled (protocol 0 and 1 text, out-of-band buffers) are malformed input.
 _CODE_OPCODES = frozenset({"INST", "OBJ", "NEWOBJ_EX", "EXT1", "EXT2", "EXT4", "PERSID"})
 _FLAT_KEYS = frozenset({str, int, float, bool, bytes, type(None)})
+MAX_SAME_HASH = 64  # keys of one container sharing one unsalted hash (real checkpoints: 1)
 _unpack_from = struct.unpack_from
 _shortrepr = reprlib.Repr()
 _shortrepr.maxstring = _shortrepr.maxother = 80
@@ -66,11 +68,7 @@ class MalformedError(pickle.UnpicklingError):
 
 
 def shown(value: Any) -> str:
-    """A short, one-line, printable rendering of a value read from a file, for error messages.
-
-    At most about 80 characters, control characters escaped, nesting cut short; never raises
-    (a huge int would, with ``repr``).
-    """
+    """A value read from a file as one printable line of at most 80 characters (never raises, unlike ``repr``)."""
     try:
         text = value if isinstance(value, str) and value.isprintable() else _shortrepr.repr(value)
     except Exception:
@@ -79,11 +77,7 @@ def shown(value: Any) -> str:
 
 
 def torch_size(dims: Any) -> torch.Size:
-    """``torch.Size(dims)`` of a tuple or list of 64-bit ints (a pickled ``torch.Size``).
-
-    Raises:
-        MalformedError, TypeError, ValueError: anything else.
-    """
+    """``torch.Size(dims)`` of a tuple or list of 64-bit ints; else MalformedError, TypeError or ValueError."""
     if type(dims) is not tuple and type(dims) is not list:
         raise MalformedError("a torch.Size of something other than a sequence")
     return torch.Size(dims)  # TypeError or ValueError unless every item is a 64-bit int
@@ -130,6 +124,7 @@ class SafeUnpickler:
     def __init__(self, data: bytes | memoryview | Any) -> None:
         self._data = data
         self.end = 0  # after load(): the offset just past STOP, in bytes
+        self._hashes: dict[int, Counter[int]] = {}  # id of a container -> keys per unsalted hash
 
     # --- hooks ----------------------------------------------------------------------------------
 
@@ -171,15 +166,23 @@ class SafeUnpickler:
             return key
         raise MalformedError(f"a dict key or set element is a {t.__name__}")
 
+    def _unflooded(self, target: object, keys: list[Any]) -> list[Any]:
+        """``keys`` (checked by ``_key``) for ``target``; more than ``MAX_SAME_HASH`` sharing an unsalted hash is refused."""
+        if not _FLAT_KEYS.issuperset(map(type, keys)):  # hashes types only, never a key
+            keys = [self._key(k) for k in keys]
+        counts = self._hashes.setdefault(id(target), Counter())
+        for h in [hash(k) for k in keys if type(k) is not str and type(k) is not bytes]:
+            counts[h] += 1
+            if counts[h] > MAX_SAME_HASH:
+                raise MalformedError(f"over {MAX_SAME_HASH} dict keys or set elements made to share one hash")
+        return keys
+
     def _setitems(self, target: Any, items: list[Any]) -> None:
         if type(target) is not dict and type(target) is not OrderedDict:
             raise RefusedError(f"refusing to set items of {described(target)}")
         if len(items) % 2:
             raise MalformedError("SETITEMS with an odd number of items")
-        keys = items[0::2]
-        if not _FLAT_KEYS.issuperset(map(type, keys)):  # hashes types only, never a key
-            keys = [self._key(k) for k in keys]
-        target.update(zip(keys, items[1::2]))
+        target.update(zip(self._unflooded(target, items[0::2]), items[1::2]))
 
     def load(self) -> Any:
         """Interpret the pickle at the start of ``data``; ``self.end`` is where it stopped.
@@ -356,12 +359,12 @@ def _interpret(unpickler: SafeUnpickler, data: Any) -> Any:
                 push = stack.append
                 if type(stack[-1]) is not set:
                     raise RefusedError(f"refusing to add items to {described(stack[-1])}")
-                stack[-1].update(unpickler._key(k) for k in items)
+                stack[-1].update(unpickler._unflooded(stack[-1], items))
             elif op == 0x91:  # FROZENSET
                 items = stack
                 stack = metastack.pop()
                 push = stack.append
-                push(frozenset(unpickler._key(k) for k in items))
+                push(frozenset(unpickler._unflooded(items, items)))
             elif op == 0x93:  # STACK_GLOBAL
                 name = stack.pop()
                 module = stack.pop()

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import get_args
 
 from fsdp_convert._location import following_symlinks
 from fsdp_convert.constants import HF_INDEX_FILENAME, HF_SINGLE_FILENAME
@@ -23,6 +24,7 @@ from fsdp_convert.formats.index import Location
 from fsdp_convert.items import leave_out_model_keys, prepare_items
 from fsdp_convert.launch import Cluster, job_world_size, run_ranks, shared_tag
 from fsdp_convert.lora import ADAPTER_WEIGHTS_NAME, lora_only, write_adapter_config
+from fsdp_convert.ops._arguments import byte_count, choice, count, transform_options
 from fsdp_convert.ops._consolidate_rank import ConsolidateJob, consolidate_rank, write_index
 from fsdp_convert.ops._waves import consolidate_in_waves, consolidate_staging_bytes
 from fsdp_convert.ops.verify import verify
@@ -194,6 +196,11 @@ def consolidate(
     if follow_symlinks is not None:  # the setting travels in the environment, so workers take it too
         with following_symlinks(follow_symlinks):
             return consolidate(**{**locals(), "follow_symlinks": None})
+    # a Python caller's bad value is an InvalidOptionError naming the keyword (the CLI checked its flags)
+    only, output_format = choice("--only", only, get_args(Only)), choice("--format", output_format, get_args(RequestedFormat))
+    options, nproc = transform_options(options), None if nproc is None else count("--nproc", nproc)
+    memory_budget_bytes = byte_count("--memory-budget", memory_budget_bytes)
+    max_shard_bytes = byte_count("--max-shard-size", max_shard_bytes)
     check_output(output, (checkpoint_id, hf_assets), overwrite=overwrite, force=force)  # not onto an input, first
     tag = shared_tag(cluster)  # the temporary's name every process of a multi-process job shares
     last = (HF_SINGLE_FILENAME, HF_INDEX_FILENAME)

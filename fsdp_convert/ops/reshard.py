@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from fsdp_convert._location import following_symlinks
+from fsdp_convert._location import following_symlinks, open_inside
 from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.errors import InvalidOptionError
 from fsdp_convert.formats import check_data_files, read_index
@@ -35,6 +35,7 @@ from fsdp_convert.formats.index import CheckpointIndex, Location, dcp_key
 from fsdp_convert.items import prepare_items
 from fsdp_convert.launch import Cluster, job_world_size, shared_tag
 from fsdp_convert.layout import GROUPS
+from fsdp_convert.ops._arguments import count, transform_options
 from fsdp_convert.ops._reshard_rank import ReshardJob, reshard_rank
 from fsdp_convert.ops._waves import reshard_in_waves, reshard_staging_bytes
 from fsdp_convert.plan import RECORD_TAIL_BYTES, default_nproc
@@ -137,14 +138,16 @@ def _files_beside(index: CheckpointIndex, folders: tuple[str, ...]) -> _Beside:
 
 
 def _copy_beside(root: Path, tmp: Path, names: tuple[str, ...]) -> None:
-    """Copy each file byte for byte (never loaded) into the output, fsynced."""
+    """Copy each file byte for byte (never loaded) into the output, fsynced; a link out of ``root`` is refused."""
     for name in names:
-        shutil.copyfile(root / name, tmp / name)
-        fd = os.open(tmp / name, os.O_RDONLY)
+        source = open_inside(root, root / name)  # no file followed out of the checkpoint (UnsafeContentError)
         try:
-            os.fsync(fd)
+            with open(source, "rb", closefd=False) as src, open(tmp / name, "xb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+                dst.flush()
+                os.fsync(dst.fileno())
         finally:
-            os.close(fd)
+            os.close(source)
 
 
 def _write_index(folder: Path, plan: ReshardPlan, values: list[StoredChunk], version: str | None, compress: bool) -> None:
@@ -266,6 +269,9 @@ def reshard(
     if follow_symlinks is not None:  # the setting travels in the environment, so workers take it too
         with following_symlinks(follow_symlinks):
             return reshard(**{**locals(), "follow_symlinks": None})
+    # a Python caller's bad value is an InvalidOptionError naming the keyword (the CLI checked its flags)
+    world_size, options = count("--world-size", world_size), transform_options(options)
+    nproc = None if nproc is None else count("--nproc", nproc)
     if compress is not None:
         if compress != "zstd":
             raise InvalidOptionError(f"--compress {compress}: only zstd is supported")

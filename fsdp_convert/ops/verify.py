@@ -22,6 +22,7 @@ from fsdp_convert.formats.full_file import MODEL_PREFIX, SafetensorsFiles
 from fsdp_convert.formats.index import dtype_name
 from fsdp_convert.launch import Cluster, WorkerGroup, job_world_size, run_ranks, worker_bars
 from fsdp_convert.layout import Group, group_of_top
+from fsdp_convert.ops._arguments import choice, count, tolerance, transform_options
 from fsdp_convert.ops._sources import DcpSource, Source, open_source
 from fsdp_convert.plan import Only
 from fsdp_convert.progress import StepProgress
@@ -245,6 +246,9 @@ def verify(
     if follow_symlinks is not None:  # the setting travels in the environment, so workers take it too
         with following_symlinks(follow_symlinks):
             return verify(**{**locals(), "follow_symlinks": None})
+    # a Python caller's bad value is an InvalidOptionError naming the keyword (the CLI checked its flags)
+    only, atol, rtol = choice("--only", only, ("all", "model", "optim")), tolerance("--atol", atol), tolerance("--rtol", rtol)
+    nproc, options = None if nproc is None else count("--nproc", nproc), None if options is None else transform_options(options)
     casts = tuple(parse_dtype(d) if isinstance(d, str) else d for d in (dtype, optim_dtype))
     source_a, source_b = _open_sides(a, b, check_crc, options, transform_files)
     if options is None and (source_a.model_only or source_b.model_only) and "dcp" in (source_a.kind, source_b.kind):

@@ -268,3 +268,19 @@ def test_rank_files_never_build_a_mesh(fsdp2_layouts: Path, tmp_path: Path) -> N
         fsdp_convert.consolidate(ck, tmp_path / "x.pt", nproc=1)
     assert not dist.is_initialized()
     assert not (tmp_path / "x.pt").exists()
+
+
+def test_accelerate_side_file_linked_out_of_the_checkpoint_is_not_copied(accelerate_run: Path, tmp_path: Path) -> None:
+    """reshard copies accelerate's side files (scheduler.bin, ...) byte for byte: never one that links out of the folder."""
+    ck = tmp_path / "accelerate"
+    shutil.copytree(accelerate_run / "accelerate", ck)
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"API_KEY=do-not-copy")
+    (ck / "scheduler.bin").symlink_to(secret)
+    out = tmp_path / "out"
+    with pytest.raises(fsdp_convert.UnsafeContentError, match="scheduler.bin"):
+        fsdp_convert.reshard(ck, out, world_size=2, nproc=1)
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    # with the user's word, the link is followed (a shared store the step folder links into)
+    fsdp_convert.reshard(ck, out, world_size=2, nproc=1, follow_symlinks=True)
+    assert (out / "scheduler.bin").read_bytes() == secret.read_bytes()

@@ -165,3 +165,24 @@ def test_transform_options_takes_options_a_dict_of_fields_or_none() -> None:
         _arguments.transform_options({"dtyp": "bf16"})
     with pytest.raises(errors.InvalidOptionError, match="^options.dtype='fp8' is not a dtype"):
         _arguments.transform_options({"dtype": "fp8"})
+
+
+@pytest.mark.parametrize(
+    ("call", "keyword"),
+    [
+        (lambda ck, out: fsdp_convert.consolidate(ck, out, only="weights"), "only"),
+        (lambda ck, out: fsdp_convert.consolidate(ck, out, nproc="2"), "nproc"),
+        (lambda ck, out: fsdp_convert.consolidate(ck, out, memory_budget_bytes="1GiB"), "memory_budget_bytes"),
+        (lambda ck, out: fsdp_convert.consolidate(ck, out, options="bf16"), "options"),
+        (lambda ck, out: fsdp_convert.reshard(ck, out, world_size="2"), "world_size"),
+        (lambda ck, out: fsdp_convert.verify(ck, ck, atol="x"), "atol"),
+        (lambda ck, out: fsdp_convert.verify(ck, ck, only="x"), "only"),
+    ],
+)
+def test_a_bad_keyword_value_is_an_invalid_option_naming_the_keyword(
+    call: object, keyword: str, ws3_ckpt: Sample, tmp_path: Path
+) -> None:
+    """Not a TypeError or AttributeError from deep in a plan (which the CLI would report as an internal error)."""
+    with pytest.raises(fsdp_convert.InvalidOptionError, match=keyword):
+        call(ws3_ckpt.checkpoint, tmp_path / "out.pt")  # type: ignore[operator]
+    assert not (tmp_path / "out.pt").exists()

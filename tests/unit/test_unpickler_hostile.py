@@ -315,3 +315,31 @@ def test_a_real_metadata_loads_as_pickle_loads_it(ws3_ckpt: Sample, tmp_path: Pa
     path = tmp_path / ".metadata"
     path.write_bytes(pickle.dumps(torchs, protocol=2))  # protocol 2, as older savers wrote: BINPUT, GLOBAL
     assert load_metadata(path) == torchs
+
+
+def _colliding_ints(n: int) -> list[int]:
+    """``n`` ints that all hash to 1 (an int's hash is its value modulo 2**61 - 1)."""
+    return [1 + i * (2**61 - 1) for i in range(n)]
+
+
+def _long1(value: int) -> bytes:
+    raw = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(raw)]) + raw
+
+
+@pytest.mark.parametrize("container", ["dict", "set", "frozenset"])
+def test_keys_made_to_share_one_hash_are_refused(container: str) -> None:
+    """100k such keys cost a dict quadratic time (minutes from a 1.3 MB planner_data); 65 are refused at once."""
+    keys = b"".join(_long1(k) for k in _colliding_ints(_safe_pickle.MAX_SAME_HASH + 1))
+    body = {
+        "dict": b"}(" + b"".join(_long1(k) + b"N" for k in _colliding_ints(_safe_pickle.MAX_SAME_HASH + 1)) + b"u",
+        "set": b"\x8f(" + keys + b"\x90",
+        "frozenset": b"(" + keys + b"\x91",
+    }[container]
+    with pytest.raises(_safe_pickle.MalformedError, match="share one hash"):
+        _safe_pickle.SafeUnpickler(b"\x80\x04" + body + b".").load()
+    # as many keys with distinct hashes load, and so do colliding keys in separate containers
+    plain = b"\x80\x04}(" + b"".join(_long1(k) + b"N" for k in range(1000)) + b"u."
+    assert len(_safe_pickle.SafeUnpickler(plain).load()) == 1000
+    few = b"".join(b"}(" + _long1(k) + b"Nu" for k in _colliding_ints(200))
+    assert len(_safe_pickle.SafeUnpickler(b"\x80\x04(" + few + b"l.").load()) == 200
