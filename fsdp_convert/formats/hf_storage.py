@@ -68,13 +68,18 @@ def _sharding_info(path: Path, header: dict[str, Any]) -> dict[str, list[int]]:
         info = json.loads(meta[SHARDING_INFO_KEY])
         return {str(fqn): _naturals(v["saved_offsets"]) for fqn, v in info.items()}
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
-        raise NotADcpCheckpointError(f"{path}: malformed {SHARDING_INFO_KEY} ({type(e).__name__})") from e
+        # _naturals' own words; anything else by its kind only (a KeyError or JSON error would quote the file)
+        said = str(e) if str(e) == _NOT_NATURALS else type(e).__name__
+        raise NotADcpCheckpointError(f"{path}: malformed {SHARDING_INFO_KEY} ({said})") from e
+
+
+_NOT_NATURALS = "not a list of non-negative integers"
 
 
 def _naturals(values: Any) -> list[int]:
     """A JSON list of non-negative integers, or ValueError."""
     if not isinstance(values, list) or not all(type(v) is int and v >= 0 for v in values):
-        raise ValueError("not a list of non-negative integers")  # the file's text is not quoted
+        raise ValueError(_NOT_NATURALS)  # the file's text is not quoted
     return values
 
 

@@ -50,10 +50,11 @@ def test_cli_consolidates_torchrun_checkpoint_with_two_workers(torchrun_sample: 
 
 
 def test_cli_error_in_a_real_process_is_one_line(torchrun_sample: Path, tmp_path: Path) -> None:
-    proc = _run("-m", "fsdp_convert", "consolidate", str(tmp_path), str(tmp_path / "o.pt"))
+    (tmp_path / "empty").mkdir()
+    proc = _run("-m", "fsdp_convert", "consolidate", str(tmp_path / "empty"), str(tmp_path / "o.pt"))
     assert proc.returncode == 3
     assert proc.stdout == ""
-    assert proc.stderr.strip().splitlines() == [f"error: {tmp_path} has no .metadata; not a DCP checkpoint"]
+    assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'empty'} has no .metadata; not a DCP checkpoint"]
 
 
 def test_worker_error_reaches_the_parent(torchrun_sample: Path, tmp_path: Path) -> None:
