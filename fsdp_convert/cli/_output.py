@@ -11,6 +11,8 @@ from typing import Any
 from rich.cells import cell_len
 from rich.console import Console
 
+from fsdp_convert.progress import human_bytes  # one unit system for results and progress bars (binary, as ls -h)
+
 __all__ = ["console", "err_console", "command_help", "print_json", "human_bytes", "print_result", "shorten_middle"]
 
 console = Console(soft_wrap=True)
@@ -35,16 +37,6 @@ def print_json(doc: dict[str, Any]) -> None:
     """Write exactly one JSON document to stdout (no colour, no wrapping)."""
     sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     sys.stdout.flush()
-
-
-def human_bytes(n: int) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
 
 
 def shorten_middle(name: str, width: int) -> str:
