@@ -32,9 +32,9 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from fsdp_convert._location import Url
-from fsdp_convert._lock_record import LockRecord, lock_name, locked_message, pid_alive
 from fsdp_convert.errors import InvalidOptionError, OutputLockedError, OutputWriteError
+from fsdp_convert.location import Url
+from fsdp_convert.lock_record import LockRecord, lock_name, locked_message, pid_alive
 
 __all__ = ["lock_url", "object_lock"]
 

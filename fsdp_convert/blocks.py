@@ -22,8 +22,8 @@ from fsdp_convert._pagecache import PageCache
 from fsdp_convert.derive import Derived, Input, concat, row_span
 from fsdp_convert.errors import CorruptChunkError, ShapeMismatchError
 from fsdp_convert.formats import Reader
-from fsdp_convert.formats._reader import StoredBytes
 from fsdp_convert.formats.index import ChunkEntry, TensorEntry
+from fsdp_convert.formats.reader import StoredBytes
 
 __all__ = ["MoverLike", "ChunkSource", "pwrite_all", "rows_of", "box", "check_crc", "read_rows", "move_derived"]
 

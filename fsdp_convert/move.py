@@ -20,7 +20,7 @@ range in its output file, and whichever worker owns the tensor writes it there w
   holds that chunk.
 
 Every write is reported as a ``Piece`` (output offset, length, CRC-32), so rank 0 fills in the
-output's CRC-32 fields (``formats._crc.combine``) without reading the data back.
+output's CRC-32 fields (``formats.crc.combine``) without reading the data back.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from fsdp_convert.blocks import ChunkSource, box, check_crc, move_derived, pwrit
 from fsdp_convert.derive import Derived
 from fsdp_convert.errors import CorruptChunkError
 from fsdp_convert.formats import Reader
-from fsdp_convert.formats._crc import combine
-from fsdp_convert.formats._reader import StoredBytes
+from fsdp_convert.formats.crc import combine
 from fsdp_convert.formats.index import ChunkEntry, TensorEntry
-from fsdp_convert.writers._buffer import byte_view, dense
+from fsdp_convert.formats.reader import StoredBytes
+from fsdp_convert.writers.buffer import byte_view, dense
 
 __all__ = ["Piece", "MoveJob", "Mover", "move_all", "pwrite_all", "pieces_crc", "range_crc", "JOIN_POLL_S"]
 

@@ -36,8 +36,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from fsdp_convert._location import Location, Url
-from fsdp_convert._lock_record import pid_alive
 from fsdp_convert._object_lock import lock_url, object_lock
 from fsdp_convert.errors import (
     CheckpointNotFoundError,
@@ -46,6 +44,8 @@ from fsdp_convert.errors import (
     OutputExistsError,
     OutputWriteError,
 )
+from fsdp_convert.location import Location, Url
+from fsdp_convert.lock_record import pid_alive
 
 __all__ = [
     "Url",

@@ -421,7 +421,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "reshard-reads-every-chunk",
         "Only the source chunks a target chunk meets are read (a chunk that must be decoded too: a remote source, a stream-transformed payload).",
-        "fsdp_convert/formats/_reader.py",
+        "fsdp_convert/formats/reader.py",
         "            if chunk.numel == 0 or any(a >= b for a, b in zip(lo, hi, strict=True)):\n                continue\n            data = self.read_chunk(entry, chunk)",
         "            data = self.read_chunk(entry, chunk) if chunk.numel else None\n            if chunk.numel == 0 or any(a >= b for a, b in zip(lo, hi, strict=True)):\n                continue",
         "tests/unit/test_move.py::test_fallback_to_decode_gives_the_same_bytes[dim0-rows1-None]",

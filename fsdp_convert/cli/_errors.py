@@ -51,7 +51,7 @@ def torch_ready() -> None:
     Raises:
         TorchFeatureError: the installed torch lacks an API this tool uses (the message names its version).
     """
-    from fsdp_convert._torch import check_torch
+    from fsdp_convert.torch_compat import check_torch
 
     check_torch()
 

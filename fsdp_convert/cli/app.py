@@ -11,7 +11,6 @@ from typing import Annotated
 
 import typer
 
-from fsdp_convert._signals import raise_or_defer
 from fsdp_convert.cli import verify_cmd
 from fsdp_convert.cli._errors import set_debug
 from fsdp_convert.cli._output import console, err_console
@@ -21,6 +20,7 @@ from fsdp_convert.cli.consolidate_cmd import consolidate_command
 from fsdp_convert.cli.inspect_cmd import inspect_command
 from fsdp_convert.cli.reshard_cmd import reshard_command
 from fsdp_convert.errors import InvalidOptionError, TerminatedError
+from fsdp_convert.signals import raise_or_defer
 
 __all__ = ["app", "main", "EXIT_CODES", "version_line"]
 
@@ -103,7 +103,7 @@ def main() -> None:
     """Console-script entry point: SIGTERM and SIGHUP unwind like Ctrl-C, so no half output stays.
 
     The handlers hold a signal that lands while torch's C++ code is calling back into Python
-    until that call returns (``fsdp_convert._signals``).
+    until that call returns (``fsdp_convert.signals``).
     """
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_terminate)

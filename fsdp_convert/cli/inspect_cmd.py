@@ -9,12 +9,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from fsdp_convert._location import following_symlinks
 from fsdp_convert.cli._errors import handle_errors, torch_ready
 from fsdp_convert.cli._options import CheckpointArg, FollowSymlinksOpt, JsonOpt
 from fsdp_convert.cli._output import command_help, console, human_bytes, print_json, shorten_middle
 from fsdp_convert.cli._precheck import check_checkpoint
 from fsdp_convert.cli._verbosity import QuietOpt, VerboseOpt, set_verbosity
+from fsdp_convert.location import following_symlinks
 
 if TYPE_CHECKING:
     from fsdp_convert.ops.inspect import EntrySummary, InspectResult

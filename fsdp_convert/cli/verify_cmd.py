@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
-from fsdp_convert._location import following_symlinks
 from fsdp_convert.cli._errors import handle_errors, rank_prefix, torch_ready
 from fsdp_convert.cli._options import (
     CASTING,
@@ -33,6 +32,7 @@ from fsdp_convert.cli._run_options import (
     workers,
 )
 from fsdp_convert.cli._verbosity import QuietOpt, VerboseOpt, set_verbosity, show_progress
+from fsdp_convert.location import following_symlinks
 
 if TYPE_CHECKING:
     from fsdp_convert.ops.verify import VerifyResult

@@ -15,9 +15,9 @@ builds a ``CheckpointIndex`` (``formats/index.py``, the data model, no I/O) and 
 ``open_checkpoint`` is the one place that decides what a path is. Submodules are imported where
 used, so that importing ``formats.index`` loads nothing else.
 
-Every local file a format opens is checked to lie inside the checkpoint (``_location.inside``):
+Every local file a format opens is checked to lie inside the checkpoint (``location.inside``):
 a symbolic link out of it is refused unless ``follow_symlinks=True`` (the CLI's
-``--follow-symlinks``) or the process's ``_location.following_symlinks`` setting allows it.
+``--follow-symlinks``) or the process's ``location.following_symlinks`` setting allows it.
 """
 
 from __future__ import annotations
@@ -27,15 +27,15 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from fsdp_convert._location import following_symlinks, inside
 from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.errors import MissingDataFileError
+from fsdp_convert.location import following_symlinks, inside
 
 if TYPE_CHECKING:
     import torch
 
-    from fsdp_convert.formats._reader import StoredBytes
     from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Location, TensorEntry
+    from fsdp_convert.formats.reader import StoredBytes
 
 __all__ = ["Reader", "SourceFormat", "detect_format", "read_index", "open_reader", "open_checkpoint", "check_data_files"]
 
@@ -124,7 +124,7 @@ def read_index(
             per tensor, no data files); otherwise such a path is refused as not a DCP checkpoint.
         follow_symlinks: read files that symbolic links in the folder lead to outside it (a
             checkpoint whose files link into a shared store); None: the process's setting
-            (``_location.following_symlinks``, default off).
+            (``location.following_symlinks``, default off).
 
     Raises:
         CheckpointNotFoundError: the path does not exist.
@@ -222,7 +222,7 @@ def check_data_files(index: CheckpointIndex, *, follow_symlinks: bool | None = N
 
     Raises:
         MissingDataFileError: naming the first missing or unreadable file.
-        UnsafeContentError: a data file is a symbolic link out of the checkpoint (``_location.inside``).
+        UnsafeContentError: a data file is a symbolic link out of the checkpoint (``location.inside``).
     """
     from fsdp_convert.formats.index import Url
     from fsdp_convert.remote import size_of

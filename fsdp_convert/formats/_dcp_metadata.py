@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
 
-from fsdp_convert._torch import MEM_FORMAT_ENCODING, StorageInfo
 from fsdp_convert.constants import METADATA_FILENAME, SUPPORTED_DTYPES
 from fsdp_convert.errors import NotADcpCheckpointError, UnsafeContentError
 from fsdp_convert.formats._dcp_payloads import BOTH_OPTIONS_HINT, ReadAt, SizeOf, is_raw_chunk, place_raw_chunks
@@ -37,6 +36,7 @@ from fsdp_convert.formats._safe_pickle import (
     shown,
 )
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Entry, Location, ObjPath, TensorEntry
+from fsdp_convert.torch_compat import MEM_FORMAT_ENCODING, StorageInfo
 
 __all__ = ["METADATA_MAX_BYTES", "check_metadata_size", "load_metadata", "metadata_from_bytes", "build_index"]
 

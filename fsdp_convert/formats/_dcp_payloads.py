@@ -17,7 +17,7 @@
   own ``FileSystemReader`` cannot load these (it ``torch.load``s the shared range).
 - ``_extensions=[ZStandard()]``: each payload is a zstd stream of the torch.save zip, and
   ``transform_descriptors`` says so (``["stream.zstd/1"]``). ``decode_stream`` undoes it through
-  torch's own ``ExtensionRegistry`` where importable (``_torch.stream_transform_from``), else
+  torch's own ``ExtensionRegistry`` where importable (``torch_compat.stream_transform_from``), else
   through the ``zstandard`` package.
 
 128 KB of zstd can decode to 4 GiB, so a stream-transformed chunk's claim is bounded before any
@@ -42,12 +42,12 @@ from typing import IO, Any
 
 import torch
 
-from fsdp_convert._signals import torch_call
-from fsdp_convert._torch import stream_transform_from
-from fsdp_convert._zip import ZipFormatError, read_records
 from fsdp_convert.constants import METADATA_FILENAME, SAFETENSORS_TO_TORCH
 from fsdp_convert.errors import CheckpointError, CorruptChunkError, NotADcpCheckpointError, UnsupportedTransformError
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Entry, TensorEntry
+from fsdp_convert.signals import torch_call
+from fsdp_convert.torch_compat import stream_transform_from
+from fsdp_convert.zip_records import ZipFormatError, read_records
 
 __all__ = [
     "ZSTD_DESCRIPTOR",
@@ -312,7 +312,7 @@ def _zstd_decoder_missing() -> bool:
 def decode_stream(descriptors: tuple[str, ...], stream: IO[bytes], where: str) -> IO[bytes]:
     """A readable (not seekable) stream of ``stream`` decoded through DCP's stream transforms, in order.
 
-    Through torch's own ``ExtensionRegistry`` (``_torch.stream_transform_from``) where this torch
+    Through torch's own ``ExtensionRegistry`` (``torch_compat.stream_transform_from``) where this torch
     has one, else through the ``zstandard`` package, which knows ``stream.zstd/1`` alone.
 
     Args:

@@ -14,7 +14,7 @@ import os
 import zlib
 from typing import Any
 
-from fsdp_convert._zip import ZipRecord
+from fsdp_convert.zip_records import ZipRecord
 
 __all__ = ["ByteRangeFile", "RecordHash"]
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from fsdp_convert._torch import dtensor_local_box
 from fsdp_convert.errors import CorruptChunkError, NotADcpCheckpointError, TorchFeatureError
 from fsdp_convert.formats.index import ChunkEntry
+from fsdp_convert.torch_compat import dtensor_local_box
 
 __all__ = [
     "Placement",
@@ -137,7 +137,7 @@ def strided_box(
     (torch's ``_compute_local_shape_and_global_offset``); the offset is the first index kept, or
     the dim's extent when none is (as DCP records). A rank whose indices on a dim are not one
     run holds no box: ``(_StridedShard(0, sf), Replicate())`` interleaves rows. Work is
-    O(placements x split factor); torch's function (``_torch.dtensor_local_box``) checks the box
+    O(placements x split factor); torch's function (``torch_compat.dtensor_local_box``) checks the box
     where it is cheap.
 
     Returns:

@@ -21,9 +21,6 @@ from typing import Any
 
 import torch
 
-from fsdp_convert._signals import torch_call
-from fsdp_convert._torch import REBUILD_TENSOR_V2
-from fsdp_convert._zip import ZipFormatError, read_records
 from fsdp_convert.errors import CorruptChunkError, UnsafeContentError
 from fsdp_convert.formats._safe_pickle import (
     TORCH_DTYPES,
@@ -36,6 +33,9 @@ from fsdp_convert.formats._safe_pickle import (
     torch_size,
 )
 from fsdp_convert.formats.index import ObjPath
+from fsdp_convert.signals import torch_call
+from fsdp_convert.torch_compat import REBUILD_TENSOR_V2
+from fsdp_convert.zip_records import ZipFormatError, read_records
 
 __all__ = ["Record", "SHARDED_TENSOR", "kind", "load_rank_file", "local_value"]
 

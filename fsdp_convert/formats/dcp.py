@@ -30,9 +30,6 @@ from typing import IO, Any, NoReturn, cast
 
 import torch
 
-from fsdp_convert._location import inside, open_inside
-from fsdp_convert._signals import torch_call
-from fsdp_convert._zip import ZipFormatError, read_records
 from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.errors import (
     CheckpointNotFoundError,
@@ -52,7 +49,6 @@ from fsdp_convert.formats._dcp_payloads import (
     payload_formats,
 )
 from fsdp_convert.formats._range import ByteRangeFile, RecordHash
-from fsdp_convert.formats._reader import ChunkedReader, StoredBytes, check_payload
 from fsdp_convert.formats.index import (
     MAX_ENTRIES,
     BytesEntry,
@@ -63,7 +59,11 @@ from fsdp_convert.formats.index import (
     TensorEntry,
     Url,
 )
+from fsdp_convert.formats.reader import ChunkedReader, StoredBytes, check_payload
+from fsdp_convert.location import inside, open_inside
 from fsdp_convert.remote import as_location, read_bytes, read_range, size_of
+from fsdp_convert.signals import torch_call
+from fsdp_convert.zip_records import ZipFormatError, read_records
 
 __all__ = ["read_dcp_index", "load_metadata", "metadata_subfolders", "DcpReader", "LIGHTNING_META_FILENAME", "payload_formats"]
 
@@ -99,7 +99,7 @@ def read_dcp_index(checkpoint_id: str | os.PathLike[str]) -> CheckpointIndex:
         NotADcpCheckpointError: no ``.metadata`` in the folder, or it is malformed.
         UnsafeContentError: ``.metadata`` would run code when unpickled, or a file the index
             reads (``.metadata``, ``meta.pt``, a data file) is a symbolic link out of the folder
-            (``_location.inside``; the process's ``following_symlinks`` setting allows it).
+            (``location.inside``; the process's ``following_symlinks`` setting allows it).
         MissingDataFileError, CorruptChunkError: a data file holding safetensors-stored chunks
             is missing, or its safetensors header is unreadable.
     """
@@ -125,7 +125,7 @@ def read_dcp_index(checkpoint_id: str | os.PathLike[str]) -> CheckpointIndex:
 
 
 def _metadata_path(root: Path, folder: Path) -> Path:
-    """``folder``'s ``.metadata``, checked to lie inside ``root`` (``_location.inside``)."""
+    """``folder``'s ``.metadata``, checked to lie inside ``root`` (``location.inside``)."""
     inside(root, folder / METADATA_FILENAME)
     return folder / METADATA_FILENAME
 

@@ -6,7 +6,7 @@ DCP's flattening (``formats.index.flatten_with_paths``). Safetensors names get a
 in the flat view (``SafetensorsFiles``), which ``file_index`` drops for weights alone (as
 ``model.state_dict()`` has them) and keeps beside a folder's ``optimizer.pt``. Nothing is loaded
 whole: torch.save files are memory-mapped, safetensors read per tensor. A file's format comes
-from its first bytes (``_reader.sniff_file``), so a torch.save file under any name (``.ckpt``) is read.
+from its first bytes (``reader.sniff_file``), so a torch.save file under any name (``.ckpt``) is read.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from fsdp_convert.constants import (
     torch_shape,
 )
 from fsdp_convert.errors import CheckpointNotFoundError, CorruptChunkError, NotADcpCheckpointError
-from fsdp_convert.formats._reader import library_problem, load_torch_save, read_json_file, read_safetensors_header, sniff_file
 from fsdp_convert.formats.index import (
     BytesEntry,
     CheckpointIndex,
@@ -44,6 +43,7 @@ from fsdp_convert.formats.index import (
     TensorEntry,
     flatten_with_paths,
 )
+from fsdp_convert.formats.reader import library_problem, load_torch_save, read_json_file, read_safetensors_header, sniff_file
 
 __all__ = [
     "MODEL_PREFIX",
@@ -85,7 +85,7 @@ def _unreadable(value: Any) -> str | None:
 
 
 class TorchSaveFile:
-    """A torch.save file as flat keys, loaded by ``_reader.load_torch_save`` (``weights_only=True``, memory-mapped).
+    """A torch.save file as flat keys, loaded by ``reader.load_torch_save`` (``weights_only=True``, memory-mapped).
 
     Args:
         path: the file.
@@ -176,7 +176,7 @@ class SafetensorsFiles:
             CorruptChunkError: a file safetensors cannot open, or a malformed header.
             NotADcpCheckpointError: a dtype this tool does not read, an ``F4`` shape that does not
                 fill whole bytes, or a name two files hold.
-            UnsafeContentError: a file of a folder is a symbolic link out of it (``_location.inside``).
+            UnsafeContentError: a file of a folder is a symbolic link out of it (``location.inside``).
         """
         tensors: dict[str, tuple[Path, torch.dtype, tuple[int, ...]]] = {}
         for file in files:
@@ -317,7 +317,7 @@ def open_full_file(path: Path) -> FullFile:
     """Open a full checkpoint by what the path holds.
 
     A folder (see ``is_hf_folder``), with its ``optimizer.pt`` and ``extra_state.pt``; a file by
-    its first bytes (``_reader.sniff_file``: a torch.save zip or legacy pickle, or safetensors),
+    its first bytes (``reader.sniff_file``: a torch.save zip or legacy pickle, or safetensors),
     whatever its name, else by its suffix: ``.pt``/``.pth``/``.bin`` torch.save, ``.safetensors``.
 
     Raises:

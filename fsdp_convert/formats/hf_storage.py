@@ -22,9 +22,9 @@ import torch
 
 from fsdp_convert.constants import SAFETENSORS_SUFFIXES, SAFETENSORS_TO_TORCH, torch_shape
 from fsdp_convert.errors import CorruptChunkError, NotADcpCheckpointError, ShapeMismatchError
-from fsdp_convert.formats._reader import ChunkedReader, StoredBytes
-from fsdp_convert.formats._reader import read_safetensors_header as read_header
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Entry, TensorEntry
+from fsdp_convert.formats.reader import ChunkedReader, StoredBytes
+from fsdp_convert.formats.reader import read_safetensors_header as read_header
 
 __all__ = [
     "SHARDING_INFO_KEY",
@@ -48,7 +48,7 @@ def has_sharding_info(root: Path) -> bool:
     """True when a safetensors file in ``root`` carries DCP sharding info (``HuggingFaceStorageWriter``).
 
     Raises:
-        UnsafeContentError: a safetensors file is a symbolic link out of ``root`` (``_location.inside``).
+        UnsafeContentError: a safetensors file is a symbolic link out of ``root`` (``location.inside``).
     """
     for path in safetensors_files(root):
         try:
@@ -96,7 +96,7 @@ def describe_safetensors_dcp(root: Path) -> CheckpointIndex:
             dtype name not in the table, or two files that disagree on a tensor's dtype or number of dims.
         CorruptChunkError: an unreadable header, or a tensor's byte range that lies outside its
             file, does not fit its shape, or overlaps another tensor's.
-        UnsafeContentError: a safetensors file is a symbolic link out of ``root`` (``_location.inside``).
+        UnsafeContentError: a safetensors file is a symbolic link out of ``root`` (``location.inside``).
     """
     files = safetensors_files(root)
     if not files:

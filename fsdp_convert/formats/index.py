@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from fsdp_convert._location import Location, Url
 from fsdp_convert.errors import CoverageError
+from fsdp_convert.location import Location, Url
 
 __all__ = [
     "ObjPath",
-    "Url",  # from _location, as every format and operation names them
+    "Url",  # from location, as every format and operation names them
     "Location",
     "ChunkEntry",
     "TensorEntry",

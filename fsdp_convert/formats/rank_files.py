@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from fsdp_convert._location import inside
 from fsdp_convert.errors import (
     CorruptChunkError,
     InvalidOptionError,
@@ -30,7 +29,6 @@ from fsdp_convert.errors import (
 )
 from fsdp_convert.formats._rank_pieces import Placement, check_elements, drop_replicas, mesh_sizes, strided_box
 from fsdp_convert.formats._rank_unpickler import SHARDED_TENSOR, Record, kind, load_rank_file, local_value
-from fsdp_convert.formats._reader import ChunkedReader
 from fsdp_convert.formats.index import (
     MAX_ENTRIES,
     BytesEntry,
@@ -42,6 +40,8 @@ from fsdp_convert.formats.index import (
     Url,
     dcp_key,
 )
+from fsdp_convert.formats.reader import ChunkedReader
+from fsdp_convert.location import inside
 
 __all__ = ["RANK_FILE_RE", "find_rank_files", "rank_files_index", "RankFilesReader"]
 

@@ -16,13 +16,13 @@ import time
 from dataclasses import dataclass
 from typing import get_args
 
-from fsdp_convert._location import following_symlinks
 from fsdp_convert.constants import HF_INDEX_FILENAME, HF_SINGLE_FILENAME
 from fsdp_convert.errors import InvalidOptionError, VerificationError
 from fsdp_convert.formats import check_data_files, read_index
 from fsdp_convert.formats.index import Location
 from fsdp_convert.items import leave_out_model_keys, prepare_items
 from fsdp_convert.launch import Cluster, job_world_size, run_ranks, shared_tag
+from fsdp_convert.location import following_symlinks
 from fsdp_convert.lora import ADAPTER_WEIGHTS_NAME, lora_only, write_adapter_config
 from fsdp_convert.ops._arguments import byte_count, choice, count, transform_options
 from fsdp_convert.ops._consolidate_rank import ConsolidateJob, consolidate_rank, write_index

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from fsdp_convert._location import following_symlinks, open_inside
 from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.errors import InvalidOptionError
 from fsdp_convert.formats import check_data_files, read_index
@@ -35,6 +34,7 @@ from fsdp_convert.formats.index import CheckpointIndex, Location, dcp_key
 from fsdp_convert.items import prepare_items
 from fsdp_convert.launch import Cluster, job_world_size, shared_tag
 from fsdp_convert.layout import GROUPS
+from fsdp_convert.location import following_symlinks, open_inside
 from fsdp_convert.ops._arguments import count, transform_options
 from fsdp_convert.ops._reshard_rank import ReshardJob, reshard_rank
 from fsdp_convert.ops._waves import reshard_in_waves, reshard_staging_bytes

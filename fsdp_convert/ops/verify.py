@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from fsdp_convert._location import following_symlinks
 from fsdp_convert.constants import UNCASTABLE_DTYPES
 from fsdp_convert.formats.full_file import MODEL_PREFIX, SafetensorsFiles
 from fsdp_convert.formats.index import dtype_name
 from fsdp_convert.launch import Cluster, WorkerGroup, job_world_size, run_ranks, worker_bars
 from fsdp_convert.layout import Group, group_of_top
+from fsdp_convert.location import following_symlinks
 from fsdp_convert.ops._arguments import choice, count, tolerance, transform_options
 from fsdp_convert.ops._sources import DcpSource, Source, open_source
 from fsdp_convert.plan import Only

@@ -20,13 +20,13 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
-from fsdp_convert._signals import hold_signals
 from fsdp_convert.errors import (
     OutputWriteError,
     TemporaryExistsError,
     TerminatedError,
     WorkerFailedError,
 )
+from fsdp_convert.signals import hold_signals
 from fsdp_convert.writers._lock import acquire_lock
 from fsdp_convert.writers._nofollow import link_refused, open_folder, open_nofollow, refuse_link, refuse_links_inside
 from fsdp_convert.writers._output_check import check_output_free

@@ -46,8 +46,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_convert._lock_record import SINGLE, LockRecord, lock_name, locked_message, pid_alive
 from fsdp_convert.errors import OutputLockedError, OutputWriteError
+from fsdp_convert.lock_record import SINGLE, LockRecord, lock_name, locked_message, pid_alive
 from fsdp_convert.writers._nofollow import NOFOLLOW, open_folder, open_nofollow
 
 __all__ = ["LockRecord", "OutputLock", "acquire_lock", "check_not_locked", "lock_path"]

@@ -45,9 +45,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_convert._location import open_inside
 from fsdp_convert.errors import OutputWriteError
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex
+from fsdp_convert.location import open_inside
 from fsdp_convert.writers._nofollow import open_in, refuse_link
 
 __all__ = [
@@ -234,7 +234,7 @@ def source_state(index: CheckpointIndex) -> SourceFiles:
 
     Raises:
         UnsafeContentError, CorruptChunkError: a data file is a link out of the checkpoint, or not
-            a regular file (``_location.open_inside``, as every reader opens it).
+            a regular file (``location.open_inside``, as every reader opens it).
     """
     root = index.checkpoint_id
     if not isinstance(root, Path):

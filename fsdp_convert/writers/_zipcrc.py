@@ -4,7 +4,7 @@ torch's zip writer computes CRC-32 with miniz at about 0.35 GB/s here, a quarter
 write speed; zlib's ``crc32`` runs at several GB/s and releases the GIL. So the torch.save writer
 asks torch's writer for no CRCs, the workers hash each record's data as they write it, and the
 values are patched in afterwards: into the data descriptor after the record's data (torch's
-writer sets flag bit 3) and into the central-directory entry (``fsdp_convert._zip`` finds both).
+writer sets flag bit 3) and into the central-directory entry (``fsdp_convert.zip_records`` finds both).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import struct
 import zlib
 from typing import Protocol
 
-from fsdp_convert._zip import DESCRIPTOR_SIGNATURE, read_records
+from fsdp_convert.zip_records import DESCRIPTOR_SIGNATURE, read_records
 
 __all__ = ["ZipImage", "FileImage", "patch_crcs"]
 

@@ -37,10 +37,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from fsdp_convert._torch import StorageInfo
 from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.errors import InvalidOptionError
 from fsdp_convert.formats.index import ObjPath, plain_path
+from fsdp_convert.torch_compat import StorageInfo
 
 __all__ = [
     "StoredChunk",

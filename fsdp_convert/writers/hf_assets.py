@@ -5,7 +5,7 @@ code. The files transformers' ``save_pretrained`` writes beside the weights (``P
 ``GenerationConfig``, a tokenizer's and a processor's ``save_pretrained``) are copied from DIR, a
 local folder or an fsspec URL (``remote``), as bytes and by a fixed allow-list of names
 (``ASSET_FILENAMES``): never weights, indexes or code, and only regular files inside DIR (a
-symbolic link out of it is refused, ``_location.inside``, unless ``--follow-symlinks``; a hub
+symbolic link out of it is refused, ``location.inside``, unless ``--follow-symlinks``; a hub
 cache snapshot's links into its repo's ``blobs`` are inside). ``config.json`` (at most
 ``CONFIG_MAX_BYTES``) is parsed as JSON only; its
 ``dtype``/``torch_dtype`` is set to the dtype of the weights written (``rewrite_config``), and its
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from fsdp_convert._location import follows_symlinks, inside, open_inside, read_inside
 from fsdp_convert.errors import CheckpointNotFoundError, InvalidOptionError, OutputWriteError
+from fsdp_convert.location import follows_symlinks, inside, open_inside, read_inside
 from fsdp_convert.remote import Url, as_location, filesystem, read_bytes, size_of
 from fsdp_convert.writers._space import free_bytes, human_bytes
 
@@ -209,7 +209,7 @@ def open_hf_assets(
         folder_output: the output is a Hugging Face folder (the only output assets go with).
         model: the output holds the model weights (not ``--only optim``).
         follow_symlinks: copy what symbolic links in a local folder lead to outside it; None: the
-            process's setting (``_location.follows_symlinks``).
+            process's setting (``location.follows_symlinks``).
 
     Returns:
         The parsed config and the allowed files found (``ASSET_FILENAMES``, and ``*.jinja`` in
@@ -370,7 +370,7 @@ def write_hf_assets(assets: HfAssets, folder: Path, *, dtype: torch.dtype | None
     """Copy the assets into an output folder (the hidden temporary, before its rename), config last.
 
     Files are copied as bytes (a local file, or a link's target inside the folder, opened by
-    ``_location.open_inside``; an fsspec object read whole), written with mode 0644 and fsynced;
+    ``location.open_inside``; an fsspec object read whole), written with mode 0644 and fsynced;
     ``config.json`` is ``rewrite_config(..., dtype)``. First, ``assets.nbytes`` must fit the free
     space there.
 

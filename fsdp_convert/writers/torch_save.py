@@ -33,8 +33,9 @@ from typing import Any
 
 import torch
 
-from fsdp_convert._signals import torch_call
-from fsdp_convert._torch import (
+from fsdp_convert.formats.index import ObjPath, unflatten
+from fsdp_convert.signals import torch_call
+from fsdp_convert.torch_compat import (
     REBUILD_TENSOR_V2,
     REBUILD_TENSOR_V3,
     open_torch_save_writer,
@@ -42,9 +43,8 @@ from fsdp_convert._torch import (
     storage_alignment,
     storage_type_for,
 )
-from fsdp_convert._zip import read_records
-from fsdp_convert.formats.index import ObjPath, unflatten
 from fsdp_convert.writers._zipcrc import patch_crcs
+from fsdp_convert.zip_records import read_records
 
 __all__ = [
     "TensorSlot",

@@ -15,10 +15,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from fsdp_convert._zip import read_records
 from fsdp_convert.cli import app
 from fsdp_convert.formats import read_index
 from fsdp_convert.formats.dcp import load_metadata
+from fsdp_convert.zip_records import read_records
 from tests._samples import Sample
 
 Case = Callable[[Path, Path], tuple[list[str], int, list[str]]]  # (ck, tmp) -> (extra args, exit code, needles)

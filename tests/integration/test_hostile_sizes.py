@@ -23,10 +23,10 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from typer.testing import CliRunner
 
 import fsdp_convert
-from fsdp_convert._torch import StorageInfo, dtensor_local_box
 from fsdp_convert.cli import app
 from fsdp_convert.formats._rank_pieces import MAX_MESH_RANKS, Placement, strided_box
 from fsdp_convert.formats.dcp import load_metadata
+from fsdp_convert.torch_compat import StorageInfo, dtensor_local_box
 from fsdp_convert.writers.torch_save import _HeaderImage
 from tests._dist import run_ranks
 from tests._samples import Sample, _sample

@@ -1,4 +1,4 @@
-"""formats/_crc.py: combine gives the CRC-32 of a concatenation from its parts' CRC-32s, as zlib.crc32 of the whole."""
+"""formats/crc.py: combine gives the CRC-32 of a concatenation from its parts' CRC-32s, as zlib.crc32 of the whole."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from fsdp_convert.formats._crc import combine
+from fsdp_convert.formats.crc import combine
 
 
 @pytest.mark.parametrize("sizes", [[1], [7, 0, 13], [4096, 1, 65537], [0]])

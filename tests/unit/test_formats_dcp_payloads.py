@@ -17,11 +17,11 @@ from torch.distributed.checkpoint._extension import ZStandard
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from fsdp_convert._zip import read_records
 from fsdp_convert.errors import CorruptChunkError, NotADcpCheckpointError, UnsupportedTransformError
 from fsdp_convert.formats import open_checkpoint, read_index
 from fsdp_convert.formats._dcp_payloads import payload_formats
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, TensorEntry
+from fsdp_convert.zip_records import read_records
 from tests._compare import tensor_bytes
 
 zstandard = pytest.importorskip("zstandard")

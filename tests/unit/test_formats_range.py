@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_convert._zip import ZipRecord, read_records
 from fsdp_convert.formats._range import ByteRangeFile
+from fsdp_convert.zip_records import ZipRecord, read_records
 
 BEFORE, AFTER = b"<" * 37, b">" * 41  # bytes around the range that must never be read
 

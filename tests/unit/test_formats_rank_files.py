@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_convert._torch import dtensor_local_box
 from fsdp_convert.errors import MissingDataFileError, NotADcpCheckpointError
 from fsdp_convert.formats._rank_unpickler import _RECORDS, Record
 from fsdp_convert.formats.rank_files import _local_box, _placements, _strided_boxes, find_rank_files, rank_files_index
+from fsdp_convert.torch_compat import dtensor_local_box
 
 
 def _touch(root: Path, *names: str) -> None:

@@ -1,4 +1,4 @@
-"""formats/_reader.py: a box or a full tensor is assembled from the chunks it meets, and only those are read."""
+"""formats/reader.py: a box or a full tensor is assembled from the chunks it meets, and only those are read."""
 
 from __future__ import annotations
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from fsdp_convert import _object_lock, remote
-from fsdp_convert._lock_record import LockRecord
 from fsdp_convert._object_lock import lock_url, object_lock
 from fsdp_convert.errors import InvalidOptionError, OutputLockedError, OutputWriteError
+from fsdp_convert.lock_record import LockRecord
 from fsdp_convert.remote import Url
 from tests.unit.test_writers_lock import _dead_pid
 

@@ -1,4 +1,4 @@
-"""_signals.py: raise_or_defer raises at once outside torch_call, and at the end of the outermost torch_call inside it."""
+"""signals.py: raise_or_defer raises at once outside torch_call, and at the end of the outermost torch_call inside it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from fsdp_convert._signals import raise_or_defer, torch_call
+from fsdp_convert.signals import raise_or_defer, torch_call
 
 
 class _Stop(Exception):

@@ -1,4 +1,4 @@
-"""_torch.py: the private torch names it wraps still mean what the package takes them to mean."""
+"""torch_compat.py: the private torch names it wraps still mean what the package takes them to mean."""
 
 from __future__ import annotations
 
@@ -15,11 +15,17 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint.metadata import TensorProperties
 from typer.testing import CliRunner
 
-from fsdp_convert import _torch
-from fsdp_convert._torch import MEM_FORMAT_ENCODING, StorageInfo, open_torch_save_writer, storage_alignment, storage_type_for
-from fsdp_convert._zip import read_records
+from fsdp_convert import torch_compat
 from fsdp_convert.cli import app
 from fsdp_convert.errors import TorchFeatureError
+from fsdp_convert.torch_compat import (
+    MEM_FORMAT_ENCODING,
+    StorageInfo,
+    open_torch_save_writer,
+    storage_alignment,
+    storage_type_for,
+)
+from fsdp_convert.zip_records import read_records
 
 
 def test_storage_alignment_is_where_torch_save_puts_storages() -> None:
@@ -75,11 +81,11 @@ def test_tensor_properties_pickle_their_memory_format_as_mem_format_encoding() -
 
 @pytest.fixture
 def fresh_features() -> object:
-    _torch._resolve.cache_clear()
-    _torch.storage_type_for.cache_clear()
+    torch_compat._resolve.cache_clear()
+    torch_compat.storage_type_for.cache_clear()
     yield
-    _torch._resolve.cache_clear()
-    _torch.storage_type_for.cache_clear()
+    torch_compat._resolve.cache_clear()
+    torch_compat.storage_type_for.cache_clear()
 
 
 @dataclasses.dataclass
@@ -112,12 +118,12 @@ BREAKS = {
 
 
 def test_every_feature_is_checked_by_a_test() -> None:
-    assert set(BREAKS) == set(_torch.FEATURES)
+    assert set(BREAKS) == set(torch_compat.FEATURES)
 
 
 def test_this_torch_has_every_feature(fresh_features: object) -> None:
-    _torch.check_torch()
-    for feature in _torch.FEATURES.values():
+    torch_compat.check_torch()
+    for feature in torch_compat.FEATURES.values():
         assert feature.get() is not None
 
 
@@ -131,20 +137,20 @@ def test_a_missing_feature_is_one_line_naming_the_torch_version(
     else:
         monkeypatch.setattr(module, attr, replacement)
     with pytest.raises(TorchFeatureError) as err:
-        _torch.FEATURES[key].get()
+        torch_compat.FEATURES[key].get()
     message = str(err.value)
     assert "\n" not in message
-    assert f"torch {torch.__version__} lacks" in message and _torch.TESTED_TORCH in message
+    assert f"torch {torch.__version__} lacks" in message and torch_compat.TESTED_TORCH in message
     with pytest.raises(TorchFeatureError):
-        _torch.check_torch()
+        torch_compat.check_torch()
 
 
 @pytest.mark.parametrize(
     ("key", "call"),
     [
-        ("storage_alignment", lambda: _torch.storage_alignment()),
-        ("torch_save_writer", lambda: _torch.open_torch_save_writer(io.BytesIO())),
-        ("storage_type_map", lambda: _torch.storage_type_for(torch.float32)),
+        ("storage_alignment", lambda: torch_compat.storage_alignment()),
+        ("torch_save_writer", lambda: torch_compat.open_torch_save_writer(io.BytesIO())),
+        ("storage_type_map", lambda: torch_compat.storage_type_for(torch.float32)),
     ],
 )
 def test_the_wrappers_raise_the_feature_error_at_use(

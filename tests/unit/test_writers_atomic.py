@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_convert._signals import raise_or_defer
 from fsdp_convert.errors import (
     CorruptChunkError,
     OutputExistsError,
@@ -18,6 +17,7 @@ from fsdp_convert.errors import (
     TerminatedError,
     WorkerFailedError,
 )
+from fsdp_convert.signals import raise_or_defer
 from fsdp_convert.writers import atomic_output
 from fsdp_convert.writers._atomic import LeaveToOwner, kept_note, temporary_path
 

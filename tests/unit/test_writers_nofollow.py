@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_convert._lock_record import LockRecord
 from fsdp_convert.errors import OutputExistsError, OutputLockedError, OutputWriteError
+from fsdp_convert.lock_record import LockRecord
 from fsdp_convert.writers import atomic_output
 from fsdp_convert.writers._lock import acquire_lock, check_not_locked, lock_path
 from fsdp_convert.writers._manifest import RecordLog, manifest_dir, start_manifest

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from fsdp_convert._torch import open_torch_save_writer
-from fsdp_convert._zip import read_records
+from fsdp_convert.torch_compat import open_torch_save_writer
 from fsdp_convert.writers._zipcrc import FileImage, patch_crcs
+from fsdp_convert.zip_records import read_records
 
 PAYLOADS = {"data/0": bytes(range(256)) * 3, "data/1": b"\x07" * 100, "extra": b"small record"}
 

@@ -1,4 +1,4 @@
-"""_zip.py: read_records finds every record of a torch.save zip where zipfile does, and refuses what is not one."""
+"""zip_records.py: read_records finds every record of a torch.save zip where zipfile does, and refuses what is not one."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import zipfile
 import pytest
 import torch
 
-from fsdp_convert._zip import ZipFormatError, ZipRecord, read_records
+from fsdp_convert.zip_records import ZipFormatError, ZipRecord, read_records
 
 
 def _torch_save_bytes() -> bytes:

@@ -20,10 +20,10 @@ from typing import IO, Any, Literal
 
 import torch
 
-from fsdp_convert._location import follows_symlinks, open_inside, read_inside
 from fsdp_convert.constants import READ_LOG_ENV
 from fsdp_convert.errors import CorruptChunkError, MissingDataFileError, ShapeMismatchError, UnsafeContentError
 from fsdp_convert.formats.index import BytesEntry, ChunkEntry, Location, TensorEntry, Url
+from fsdp_convert.location import follows_symlinks, open_inside, read_inside
 from fsdp_convert.remote import as_location, read_range, size_of
 
 __all__ = [
@@ -68,7 +68,7 @@ def read_json_file(root: Path, path: Path, max_bytes: int) -> Any:
 
     Raises:
         CorruptChunkError: larger than ``max_bytes``, unreadable, or not JSON (messages quote none of it).
-        UnsafeContentError: a symbolic link out of ``root`` (``_location.inside``).
+        UnsafeContentError: a symbolic link out of ``root`` (``location.inside``).
     """
     try:
         raw = read_inside(root, path, max_bytes)
@@ -92,7 +92,7 @@ def read_safetensors_header(path: Path, *, root: Path | None = None) -> tuple[di
     Args:
         path: the file.
         root: the checkpoint folder it is part of; a link out of it is refused
-            (``_location.inside``). None: ``path`` is what the user named.
+            (``location.inside``). None: ``path`` is what the user named.
 
     Raises:
         CorruptChunkError: truncated file, oversized or malformed header, not a regular file.
@@ -226,7 +226,7 @@ class ChunkedReader:
         checkpoint_id: the checkpoint folder (local, or an fsspec URL).
         check_crc: check the CRC-32s the format stores, for every payload read.
         follow_symlinks: read data files that symbolic links lead to outside the folder; None:
-            the process's setting (``_location.follows_symlinks``), taken now.
+            the process's setting (``location.follows_symlinks``), taken now.
     """
 
     def __init__(
@@ -291,7 +291,7 @@ class ChunkedReader:
 
         Raises:
             MissingDataFileError: it cannot be opened. UnsafeContentError: a link out of the
-                folder (``_location.open_inside``). CorruptChunkError: not a regular file.
+                folder (``location.open_inside``). CorruptChunkError: not a regular file.
         """
         opened = self._files.get(relative_path)
         if opened is None and isinstance(self.root, Url):
