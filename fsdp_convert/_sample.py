@@ -29,6 +29,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.fsdp import fully_shard
 
+from fsdp_convert.signals import exit_process
+
 CHECKPOINT_DIRNAME = "checkpoint"
 TRUTH_FILENAME = "truth.pt"
 
@@ -204,6 +206,7 @@ def main() -> None:
         train_and_save(dist.get_rank(), dist.get_world_size(), args.out, cfg, write_truth=not args.no_truth)
     finally:
         dist.destroy_process_group()
+    exit_process(0)  # no C++ teardown after the group is gone: it can abort a finished run
 
 
 if __name__ == "__main__":

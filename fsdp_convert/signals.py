@@ -11,11 +11,15 @@ steps that must not be cut in two.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import os
+import sys
 import threading
 from collections.abc import Iterator
+from typing import NoReturn
 
-__all__ = ["torch_call", "hold_signals", "raise_or_defer"]
+__all__ = ["torch_call", "hold_signals", "raise_or_defer", "exit_process"]
 
 _local = threading.local()
 
@@ -54,3 +58,21 @@ def raise_or_defer(exc: BaseException) -> None:
             _local.pending = exc
         return
     raise exc
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the process with ``code`` once its work is done, skipping C++ static teardown.
+
+    Runs the ``atexit`` handlers (logging, multiprocessing, temporary folders) and flushes stdout
+    and stderr, then ``os._exit``. A process that joined a gloo group (or held a TCPStore) may
+    otherwise abort in interpreter finalization, after its last Python line, when a torch thread
+    is still joinable ("terminate called without an active exception", SIGABRT), turning a
+    finished job into a failed one (about 1 run in 20 of a 3-rank ``torchrun``).
+    """
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a broken pipe: nothing more can reach it
+            pass
+    os._exit(code)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from importlib.metadata import PackageNotFoundError
@@ -20,7 +19,7 @@ from fsdp_convert.cli.consolidate_cmd import consolidate_command
 from fsdp_convert.cli.inspect_cmd import inspect_command
 from fsdp_convert.cli.reshard_cmd import reshard_command
 from fsdp_convert.errors import InvalidOptionError, TerminatedError
-from fsdp_convert.signals import raise_or_defer
+from fsdp_convert.signals import exit_process, raise_or_defer
 
 __all__ = ["app", "main", "EXIT_CODES", "version_line"]
 
@@ -88,9 +87,6 @@ app.command("reshard", epilog=EXIT_CODES)(reshard_command)
 app.command("verify", epilog=verify_cmd.EXIT_CODES)(verify_cmd.verify_command)
 
 
-_SIGNAL_EXIT_CODES = frozenset({128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGHUP})
-
-
 def _on_terminate(signum: int, frame: object) -> None:
     raise_or_defer(TerminatedError(signum))
 
@@ -116,11 +112,9 @@ def main() -> None:
     try:
         app()
     except SystemExit as e:
-        if e.code in _SIGNAL_EXIT_CODES:
-            # Interrupted: the output is already cleaned up and the error printed. Skip interpreter
-            # finalization, where a torch thread pool caught mid-task can abort the process
-            # ("terminate called without an active exception") and turn exit 130 into a SIGABRT.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(e.code)
-        raise
+        # The work is done, or cleaned up and its error printed. Skip interpreter finalization,
+        # where a torch thread still joinable (a gloo group under torchrun, a thread pool caught
+        # mid-task by a signal) can abort the process and turn its exit code into a SIGABRT.
+        if isinstance(e.code, str):
+            err_console.print(e.code, markup=False, highlight=False)
+        exit_process(e.code if isinstance(e.code, int) else 0 if e.code is None else 1)

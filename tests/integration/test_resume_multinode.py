@@ -123,7 +123,9 @@ def test_a_users_torchrun_job_killed_mid_write_resumes(
     # torchrun starts each worker in a session of its own: it reports the killed ones and exits 1
     assert killed.returncode == 1, killed.stderr[-2000:]
     if killed_ranks != "both":
-        (line,) = [line for line in killed.stderr.splitlines() if line.startswith("error: ")]
+        errors = [line for line in killed.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1, killed.stderr[-4000:]
+        (line,) = errors
         assert line.endswith("is kept: run again with --resume to finish it, or remove it"), line
     (tmp,) = [name for name in _left(tmp_path) if ".tmp-" in name]
     assert tmp.startswith(".hf.tmp-torchrun-"), tmp
