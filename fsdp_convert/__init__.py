@@ -6,6 +6,7 @@ if TYPE_CHECKING:
     from fsdp_convert.launch import Cluster
     from fsdp_convert.ops.consolidate import ConsolidateResult, consolidate
     from fsdp_convert.ops.inspect import EntrySummary, InspectResult, inspect_checkpoint
+    from fsdp_convert.ops.options import ConsolidateOptions, ReshardOptions, VerifyOptions
     from fsdp_convert.ops.reshard import ReshardResult, reshard
     from fsdp_convert.ops.verify import Difference, VerifyResult, verify
     from fsdp_convert.transform import TransformOptions
@@ -46,6 +47,9 @@ _LAZY = {
     "verify": ("fsdp_convert.ops.verify", "verify"),
     "VerifyResult": ("fsdp_convert.ops.verify", "VerifyResult"),
     "Difference": ("fsdp_convert.ops.verify", "Difference"),
+    "ConsolidateOptions": ("fsdp_convert.ops.options", "ConsolidateOptions"),
+    "ReshardOptions": ("fsdp_convert.ops.options", "ReshardOptions"),
+    "VerifyOptions": ("fsdp_convert.ops.options", "VerifyOptions"),
     "TransformOptions": ("fsdp_convert.transform", "TransformOptions"),
     "Cluster": ("fsdp_convert.launch", "Cluster"),
 }
@@ -81,6 +85,9 @@ __all__ = [
     "reshard",
     "verify",
     # their options
+    "ConsolidateOptions",
+    "ReshardOptions",
+    "VerifyOptions",
     "TransformOptions",
     "Cluster",
     # their results

@@ -4,7 +4,8 @@ A Python caller's bad value (``only="weights"``, ``nproc="4"``, ``memory_budget_
 ``options={"dtype": "bf16"}``) is an ``InvalidOptionError`` naming the keyword and what it takes,
 never a ``TypeError`` or ``AttributeError`` from deep in a plan. The CLI checks its flags before it
 calls an operation, so these fire for Python callers only; the messages name the flag, which
-``str(e)`` words as the keyword (``errors.FLAG_KEYWORDS``).
+``str(e)`` words as the keyword (``errors.FLAG_KEYWORDS``). ``ops.options`` runs them as its
+dataclasses are built.
 """
 
 from __future__ import annotations
@@ -54,8 +55,13 @@ def tolerance(flag: str, value: object) -> float | None:
     return float(value)
 
 
-def transform_options(value: object) -> TransformOptions:
-    """``options``: a ``TransformOptions``, a mapping of its fields (``{"dtype": "bf16"}``), or None (the defaults).
+def transform_options(value: object, keyword: str = "options") -> TransformOptions:
+    """A ``TransformOptions``, a mapping of its fields (``{"dtype": "bf16"}``), or None (the defaults).
+
+    Args:
+        value: what the caller passed.
+        keyword: the keyword the messages name: ``options`` (the operations' argument) or
+            ``transform`` (the field of ``ops.options``' classes).
 
     Raises:
         InvalidOptionError: another type, an unknown field, or a bad field value (``TransformOptions``).
@@ -68,5 +74,5 @@ def transform_options(value: object) -> TransformOptions:
         try:
             return TransformOptions(**value)
         except TypeError as e:  # an unknown field, or a positional-only mistake
-            raise InvalidOptionError(f"options {dict(value)!r}: {e}") from None
-    raise InvalidOptionError(f"options: expected a TransformOptions (or a dict of its fields), got {type(value).__name__}")
+            raise InvalidOptionError(f"{keyword} {dict(value)!r}: {e}") from None
+    raise InvalidOptionError(f"{keyword}: expected a TransformOptions (or a dict of its fields), got {type(value).__name__}")
