@@ -165,7 +165,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "resume-beside-a-live-run",
         "--resume beside a live run names it (exit 4) and suggests no removal",
-        "fsdp_convert/resume.py",
+        "fsdp_convert/writers/_temporary.py",
         "        check_not_locked(output, tag)  # a live run's temporary is not an interrupted one",
         "        pass",
         "tests/integration/test_hostile_output.py::test_resume_beside_a_live_run_names_it_and_suggests_no_removal",

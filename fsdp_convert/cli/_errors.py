@@ -14,7 +14,7 @@ import typer
 
 from fsdp_convert.cli._output import err_console
 from fsdp_convert.errors import CheckpointError, TerminatedError
-from fsdp_convert.writers._atomic import kept_note
+from fsdp_convert.writers import kept_note
 
 __all__ = ["handle_errors", "torch_ready", "set_debug", "debug_enabled", "rank_prefix", "EX_SOFTWARE"]
 
@@ -102,7 +102,7 @@ def handle_errors(trouble: int | None = None) -> Iterator[None]:
     file) exits 1 naming the file. With ``trouble`` (``verify``'s 2, as ``cmp`` and ``diff``) both
     exit with that code instead. Any other exception is a bug: ``internal error: ...``, exit 70
     (``EX_SOFTWARE``). Ctrl-C exits 130, SIGTERM 143, SIGHUP 129 (``interrupted (SIGTERM)``); a
-    resumable run that kept its temporary (``writers._atomic.kept_note``) says so on the same line.
+    resumable run that kept its temporary (``writers.kept_note``) says so on the same line.
     With ``--debug`` the traceback is printed too. Imports no torch: ``torch_ready`` does, when a
     command gets that far.
     """

@@ -5,7 +5,7 @@ Each repeats a rule the library applies again later, in the same words, for call
 library: ``transform.parse_dtype`` (``constants.DTYPE_NAMES``) and ``transform.parse_rename``; ``plan.output_format`` (an
 auto format, by OUT's suffix) and ``plan.groups_for``; the ``--lora-only`` checks of
 ``ops.consolidate``; ``formats.dcp.read_dcp_index`` and ``ops.verify.open_source`` (a missing
-input). OUT itself is checked by the library's own function, ``writers._output_check.check_output``
+input). OUT itself is checked by the library's own function, ``writers.check_output``
 (not an input or around one, no link, free, a folder replaced only if it is this tool's or with
 ``--force``), which imports no torch. tests/cli/test_precheck.py checks that each pair agrees. An
 fsspec URL (``scheme://``) is left to the library, but for ``check_output``; ``file://`` is local.
@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 
 from fsdp_convert.errors import CheckpointNotFoundError, InvalidOptionError
-from fsdp_convert.writers._output_check import check_output
+from fsdp_convert.writers import check_output
 
 __all__ = [
     "DTYPE_NAMES",

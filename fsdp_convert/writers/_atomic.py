@@ -243,7 +243,7 @@ def atomic_output(
     first and held until the end (removed on success or failure). The temporary's name is
     deterministic (``temporary_path``); one left by an earlier run is refused unless ``resume``,
     which reuses this run's own (same tag) as it is, or ``temporary``: an earlier job's that
-    ``resume.find_temporary`` chose (every process of the job chose the same).
+    ``writers._temporary.find_temporary`` chose (every process of the job chose the same).
 
     With ``tag`` (a run id every node of a multi-node run shares) the temporary's name is the same
     in every process, a folder may already exist, the job's processes share the lock (the first

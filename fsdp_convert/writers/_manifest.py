@@ -14,7 +14,9 @@ output (``.OUT.tmp-local``, ``.full.tmp-local.pt``), a folder named like it with
 
   ``source`` hashes the checkpoint's index (its ``.metadata`` or index file, and the entries
   read), ``options`` what changes the output's bytes (transforms, dtypes, adapters, buffer size),
-  ``layout`` every output file's name and size and every record's ``(file, offset, length)``;
+  ``layout`` the record map (``writers._temporary.RecordMap``): every output file's name and size
+  and every record's ``(file, offset, length)`` (the key keeps its name, so a manifest an earlier
+  version wrote still resumes);
   ``sources`` says what each data file held when the run began (``source_state``): a data file
   replaced since (another save's, same layout and ``.metadata``) would mix two saves in one output.
 - ``records-<writer>.jsonl``: one JSON line per record once its bytes are written *and fsynced*,
@@ -58,7 +60,7 @@ __all__ = [
     "manifest_dir",
     "has_manifest",
     "digest",
-    "Source",
+    "SourceDigest",
     "source_state",
     "start_manifest",
     "check_manifest",
@@ -111,7 +113,7 @@ def digest(*parts: object) -> str:
     return h.hexdigest()
 
 
-def _layout_digest(files: dict[str, int], records: Sequence[Record]) -> str:
+def _record_map_digest(files: dict[str, int], records: Sequence[Record]) -> str:
     return digest(sorted(files.items()), sorted(records))
 
 
@@ -130,12 +132,14 @@ def _write_json(path: Path, obj: object) -> None:
         os.close(fd)
 
 
-def start_manifest(tmp: Path, *, source: str | Source, options: str, files: dict[str, int], records: Sequence[Record]) -> None:
+def start_manifest(
+    tmp: Path, *, source: str | SourceDigest, options: str, files: dict[str, int], records: Sequence[Record]
+) -> None:
     """Write a fresh manifest for temporary output ``tmp`` (any old one is removed first). Rank 0's process, before any data.
 
     Args:
         tmp: the temporary output (file or folder).
-        source: digest of the checkpoint's index (``digest``), with its data files' state (``Source``).
+        source: digest of the checkpoint's index (``digest``), with its data files' state (``SourceDigest``).
         options: digest of what changes the output's bytes.
         files: every output file's name (``""`` for a file output) and size, in bytes.
         records: every record of the plan.
@@ -148,15 +152,17 @@ def start_manifest(tmp: Path, *, source: str | Source, options: str, files: dict
         refuse_link(folder)  # planted: neither removed nor written through
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        source = Source.of(source)
-        fingerprint = {"source": source.digest, "options": options, "layout": _layout_digest(files, records)}
+        source = SourceDigest.of(source)
+        fingerprint = {"source": source.digest, "options": options, "layout": _record_map_digest(files, records)}
         manifest = {"version": MANIFEST_VERSION, "fingerprint": fingerprint, "files": files, "records": len(records)}
         _write_json(folder / _MANIFEST_FILENAME, {**manifest, "sources": source.files})
     except OSError as e:
         raise OutputWriteError(f"cannot write {folder}: {e.strerror}") from e
 
 
-def check_manifest(tmp: Path, *, source: str | Source, options: str, files: dict[str, int], records: Sequence[Record]) -> None:
+def check_manifest(
+    tmp: Path, *, source: str | SourceDigest, options: str, files: dict[str, int], records: Sequence[Record]
+) -> None:
     """Check that ``tmp``'s manifest describes the same plan; touches nothing.
 
     Args:
@@ -180,7 +186,7 @@ def check_manifest(tmp: Path, *, source: str | Source, options: str, files: dict
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise OutputWriteError(f"cannot resume {tmp}: no usable manifest at {path} ({e}); remove {tmp} and run again") from e
     hint = f"rerun with the interrupted run's arguments, or remove {tmp} and run without --resume"
-    source = Source.of(source)
+    source = SourceDigest.of(source)
     if fingerprint.get("source") != source.digest:
         raise OutputWriteError(f"cannot resume {tmp}: the checkpoint differs from the interrupted run's; {hint}")
     if (changed := _changed_source(old.get("sources"), source)) is not None:
@@ -189,7 +195,7 @@ def check_manifest(tmp: Path, *, source: str | Source, options: str, files: dict
         raise OutputWriteError(
             f"cannot resume {tmp}: the options that change the output differ from the interrupted run's; {hint}"
         )
-    if fingerprint.get("layout") != _layout_digest(files, records):
+    if fingerprint.get("layout") != _record_map_digest(files, records):
         name = next((n for n in sorted(set(files) | set(old_files)) if files.get(n) != old_files.get(n)), None)
         shown = name or "(the output file)"
         what = f"{shown}: {old_files.get(name)} bytes then, {files.get(name)} now" if name is not None else "record offsets"
@@ -201,7 +207,7 @@ PAYLOAD_TAIL_BYTES = 1024  # a one-tensor torch.save zip's central directory (ev
 
 
 @dataclass(frozen=True, slots=True)
-class Source:
+class SourceDigest:
     """What a run reads: the digest of the checkpoint's index and each data file's state when the run began.
 
     Attributes:
@@ -215,9 +221,9 @@ class Source:
     root: str = ""
 
     @classmethod
-    def of(cls, source: str | Source, index: CheckpointIndex | None = None) -> Source:
-        """``source`` as a ``Source``: a bare digest gets ``index``'s ``source_state`` (none without an index)."""
-        if isinstance(source, Source):
+    def of(cls, source: str | SourceDigest, index: CheckpointIndex | None = None) -> SourceDigest:
+        """``source`` as a ``SourceDigest``: a bare digest gets ``index``'s ``source_state`` (none without an index)."""
+        if isinstance(source, SourceDigest):
             return source
         return cls(source, {}) if index is None else cls(source, source_state(index), str(index.checkpoint_id))
 
@@ -262,7 +268,7 @@ def source_state(index: CheckpointIndex) -> SourceFiles:
     return state
 
 
-def _changed_source(old: object, source: Source) -> str | None:
+def _changed_source(old: object, source: SourceDigest) -> str | None:
     """How the first data file whose state differs from the manifest's (``old``) changed, or None if none did."""
     if not isinstance(old, dict):
         return "the interrupted run recorded no state of the checkpoint's data files (an older fsdp-convert)"

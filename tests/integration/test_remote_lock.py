@@ -18,9 +18,9 @@ import pytest
 
 import fsdp_convert
 from fsdp_convert import remote
-from fsdp_convert._object_lock import object_lock
 from fsdp_convert.errors import OutputLockedError, OutputWriteError
 from fsdp_convert.remote import Url
+from fsdp_convert.writers._object_lock import lock_url, object_lock
 from tests._samples import Sample
 from tests.integration.test_object_storage import _S3, s3  # noqa: F401  (the moto server fixture)
 from tests.integration.test_one_writer import WAIT_S, _kill, _run, _start, _wait_paused, pause  # noqa: F401
@@ -49,7 +49,7 @@ def _writes(server: _S3) -> list[str]:
 
 
 def _refusal(url: Url, who: str) -> str:
-    lock = remote.lock_url(url)
+    lock = lock_url(url)
     return f"error: {url} is being written by {who} (lock {lock}); wait for it, or remove the lock if that process is gone"
 
 
@@ -92,7 +92,7 @@ def test_a_second_run_on_the_same_url_is_refused_and_uploads_nothing(
 def test_a_dead_holders_lock_is_taken_over_one_on_another_host_refused(s3: _S3, ws3_ckpt: Sample, tmp_path: Path) -> None:  # noqa: F811
     fs = remote.filesystem("s3")
     url = _out("full.pt")
-    lock = remote.lock_url(url)
+    lock = lock_url(url)
     args = ["consolidate", str(ws3_ckpt.checkpoint), url]
     env = {**os.environ, **s3.env, "OMP_NUM_THREADS": "1"}
 
@@ -117,7 +117,7 @@ def test_the_create_is_exclusive_on_s3_past_the_existence_check(
     """Two runs that both find no lock: moto refuses the second ``If-None-Match: *`` PUT (412)."""
     fs = remote.filesystem("s3")
     url = _out("full.pt")
-    lock = remote.lock_url(url)
+    lock = lock_url(url)
     holder = b"host-b 1234 1700000000.000 -\n"
     fs.pipe_file(lock, holder, mode="create")
     monkeypatch.setattr(fs, "exists", lambda path: False)  # as if it checked before the other created it
@@ -135,7 +135,7 @@ def test_the_lock_is_removed_after_a_failed_run(s3: _S3, ws3_ckpt: Sample, monke
     s3.requests.clear()
     bad = _run(["consolidate", str(ws3_ckpt.checkpoint), url, "--lora-only"], {**os.environ, **s3.env})
     assert bad.returncode == 2 and "--lora-only writes a PEFT adapter folder" in bad.stderr, bad.stderr
-    lock_key = "/" + remote.lock_url(url).removeprefix("s3://")
+    lock_key = "/" + lock_url(url).removeprefix("s3://")
     assert _writes(s3) == [lock_key, lock_key]  # taken (PUT), then removed (DELETE)
     assert _objects(url) == {}
 

@@ -21,6 +21,7 @@ import fsdp_convert
 from fsdp_convert import remote
 from fsdp_convert.constants import HF_INDEX_FILENAME, METADATA_FILENAME
 from fsdp_convert.ops import _waves
+from fsdp_convert.writers import _staging
 from tests._samples import Sample
 from tests.integration.test_object_storage import _S3, s3  # noqa: F401  (the moto server fixture)
 
@@ -31,7 +32,7 @@ SHARD_BYTES = 4096  # the 3-rank sample's model (41 kB) in about 11 shards
 
 @pytest.fixture
 def staging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[int], Path]]:
-    """Mount a tmpfs of the given size (bytes) as the folder remote outputs are staged in (``remote``'s ``mkdtemp`` only).
+    """Mount a tmpfs of the given size (bytes) as the folder remote outputs are staged in (``_staging``'s ``mkdtemp`` only).
 
     Without root (CI runs as root) the folder is not capped; the staging peak the tests measure
     (``_staged_peak``) still bounds what the run held there."""
@@ -44,7 +45,7 @@ def staging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callabl
                 ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(folder)], capture_output=True, text=True
             )
             assert done.returncode == 0, f"root cannot mount a tmpfs here: {done.stderr.strip()}"
-        monkeypatch.setattr(remote, "tempfile", SimpleNamespace(mkdtemp=partial(tempfile.mkdtemp, dir=folder)))
+        monkeypatch.setattr(_staging, "tempfile", SimpleNamespace(mkdtemp=partial(tempfile.mkdtemp, dir=folder)))
         return folder
 
     yield mount

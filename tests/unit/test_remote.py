@@ -1,4 +1,4 @@
-"""remote.py: URLs join like paths; outputs to an fsspec URL are written locally, then uploaded whole or wave by wave.
+"""remote.py and writers._staging.local_output: URLs join like paths; fsspec URL outputs are written locally, then uploaded.
 
 fsspec's in-process ``memory://`` filesystem stands in for object storage; ``file://`` is a local path.
 """
@@ -21,7 +21,8 @@ from fsdp_convert.errors import (
     OutputExistsError,
     OutputWriteError,
 )
-from fsdp_convert.remote import Url, as_location, is_url, local_output
+from fsdp_convert.remote import Url, as_location, is_url
+from fsdp_convert.writers.transaction import local_output
 
 fsspec = pytest.importorskip("fsspec")
 

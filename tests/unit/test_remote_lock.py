@@ -1,4 +1,4 @@
-"""_object_lock.py: one writer per object-storage output, a lock object ``.<name>.lock`` beside it, on ``memory://``."""
+"""writers/_object_lock.py: one writer per object-storage output, a lock object ``.<name>.lock`` beside it, on ``memory://``."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from typing import Any
 
 import pytest
 
-from fsdp_convert import _object_lock, remote
-from fsdp_convert._object_lock import lock_url, object_lock
+from fsdp_convert import remote
 from fsdp_convert.errors import InvalidOptionError, OutputLockedError, OutputWriteError
 from fsdp_convert.lock_record import LockRecord
 from fsdp_convert.remote import Url
+from fsdp_convert.writers import _object_lock
+from fsdp_convert.writers._object_lock import lock_url, object_lock
+from fsdp_convert.writers.transaction import local_output
 from tests.unit.test_writers_lock import _dead_pid
 
 fsspec = pytest.importorskip("fsspec")
@@ -193,13 +195,13 @@ def test_another_create_failure_is_a_write_error(out: Url) -> None:
 
 def test_staged_upload_holds_the_lock_for_the_whole_block(out: Url) -> None:
     lock = lock_url(out)
-    with remote.local_output(out, overwrite=False, shared=False, last=()) as (local, _):
+    with local_output(out, overwrite=False, shared=False, last=()) as (local, _):
         assert _record(lock) is not None and not remote.exists(out)
         with pytest.raises(OutputLockedError, match="is being written by pid"):
-            with remote.local_output(out, overwrite=True, shared=False, last=()):
+            with local_output(out, overwrite=True, shared=False, last=()):
                 pytest.fail("got in")
         local.write_bytes(b"whole")
     assert _fs().cat_file(out) == b"whole" and not _fs().exists(lock)
     with pytest.raises(InvalidOptionError, match="name a path inside the bucket"):
-        with remote.local_output("memory://a-bucket-itself", overwrite=False, shared=False, last=()):
+        with local_output("memory://a-bucket-itself", overwrite=False, shared=False, last=()):
             pytest.fail("got in")

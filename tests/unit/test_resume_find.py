@@ -1,4 +1,4 @@
-"""``resume.find_temporary``: which interrupted run's temporary ``--resume`` continues, read only."""
+"""``writers.transaction.find_temporary``: which interrupted run's temporary ``--resume`` continues, read only."""
 
 from __future__ import annotations
 
@@ -8,21 +8,27 @@ from pathlib import Path
 import pytest
 
 from fsdp_convert.errors import OutputWriteError
-from fsdp_convert.resume import Fingerprint, Layout, find_temporary, temporary_output
-from fsdp_convert.writers._atomic import temporary_path
-from fsdp_convert.writers._manifest import Record, start_manifest
+from fsdp_convert.writers.transaction import (
+    Fingerprint,
+    Record,
+    RecordMap,
+    find_temporary,
+    start_manifest,
+    temporary_output,
+    temporary_path,
+)
 
 RECORDS = [(0, Record("", 0, 64)), (0, Record("", 64, 32))]
-FINGERPRINT = Fingerprint(layout=Layout({0: ""}, {"": 96}, RECORDS), source="checkpoint", options="options")
+FINGERPRINT = Fingerprint(record_map=RecordMap({0: ""}, {"": 96}, RECORDS), source="checkpoint", options="options")
 
 
 def _left(output: Path, tag: str | None, fingerprint: Fingerprint = FINGERPRINT) -> Path:
     """A temporary of ``output`` as a killed run of job ``tag`` leaves it: data and a manifest."""
     tmp = temporary_path(output, tag, directory=False)
     tmp.write_bytes(bytes(96))
-    layout = fingerprint.layout
-    records = [r for _, r in layout.records]
-    start_manifest(tmp, source=fingerprint.source, options=fingerprint.options, files=layout.sizes, records=records)
+    record_map = fingerprint.record_map
+    records = [r for _, r in record_map.records]
+    start_manifest(tmp, source=fingerprint.source, options=fingerprint.options, files=record_map.sizes, records=records)
     return tmp
 
 
@@ -60,7 +66,7 @@ def test_several_left_are_refused_naming_them(tmp_path: Path) -> None:
 
 def test_another_plans_temporary_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "full.pt"
-    other = Fingerprint(layout=FINGERPRINT.layout, source="checkpoint", options="--dtype bf16")
+    other = Fingerprint(record_map=FINGERPRINT.record_map, source="checkpoint", options="--dtype bf16")
     left = _left(out, "rdzv-a", other)
     with pytest.raises(OutputWriteError, match="options that change the output differ") as e:
         _find(out, "rdzv-b")

@@ -11,9 +11,10 @@ import pytest
 
 from fsdp_convert.errors import InvalidOptionError, OutputExistsError, OutputWriteError
 from fsdp_convert.formats import dcp
-from fsdp_convert.remote import Url, normal_url, staging_prefix
+from fsdp_convert.remote import Url, normal_url
 from fsdp_convert.writers import _output_check, hf_assets
 from fsdp_convert.writers._output_check import check_output, check_output_free, foreign_entry
+from fsdp_convert.writers.transaction import staging_prefix
 
 
 @pytest.fixture

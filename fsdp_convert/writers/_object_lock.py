@@ -1,6 +1,6 @@
 """One writer per object-storage output: a lock object ``.<name>.lock`` beside it, created exclusively.
 
-``remote.staged_upload`` holds it from before the staging folder is made until the last upload
+``writers._staging.staged_upload`` holds it from before the staging folder is made until the last upload
 (the operations' wave uploads included), and removes it at the end, on success or failure (Ctrl-C
 included), if it still holds this process's ``LockRecord`` (``host pid since -``: remote outputs
 are single-node only). A lock already there is seen by an existence check; if none is, the lock
