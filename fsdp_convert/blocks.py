@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import zlib
-from typing import Protocol
 
 import torch
 
@@ -25,22 +25,9 @@ from fsdp_convert.formats import Reader
 from fsdp_convert.formats.index import ChunkEntry, TensorEntry
 from fsdp_convert.formats.reader import StoredBytes
 
-__all__ = ["MoverLike", "ChunkSource", "pwrite_all", "rows_of", "box", "check_crc", "read_rows", "move_derived"]
+__all__ = ["ChunkReads", "ChunkSource", "pwrite_all", "rows_of", "box", "check_crc", "read_rows", "move_derived"]
 
 COMPUTE_ITEMSIZE = 4  # a combine function's intermediates, fp32, per element
-
-
-class MoverLike(Protocol):
-    """What a ``ChunkSource`` and ``move_derived`` use of ``move.Mover`` (its reader, buffers and checks)."""
-
-    reader: Reader
-    piece_bytes: int
-    cache: PageCache
-
-    def _buffer(self, which: int, nbytes: int) -> memoryview: ...
-    def _check_stop(self) -> None: ...
-    def _verify(self, stored: StoredBytes) -> None: ...
-    def _read_exact(self, stored: StoredBytes, view: memoryview, at: int) -> None: ...
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -69,11 +56,77 @@ def check_crc(stored: StoredBytes, crc: int) -> None:
         )
 
 
+class ChunkReads:
+    """A mover thread's reading side: its reader, two reusable buffers, the page cache and the stop flag.
+
+    ``move.Mover`` is one; ``ChunkSource`` and ``move_derived`` read through this public interface.
+
+    Args:
+        reader: the source's reader (owned by the caller, used by this thread only).
+        piece_bytes: size of each of the (at most two) buffers, in bytes.
+        drop_cache: drop what is read and written from the page cache (see ``_pagecache.PageCache``).
+        stop: set by another thread to make the next ``check_stop`` raise ``InterruptedError``.
+    """
+
+    def __init__(
+        self, reader: Reader, piece_bytes: int, *, drop_cache: bool = False, stop: threading.Event | None = None
+    ) -> None:
+        self.reader = reader
+        self.piece_bytes = piece_bytes
+        self.cache = PageCache(drop_cache)
+        self._stop = stop
+        self._buffers: list[bytearray] = [bytearray(0), bytearray(0)]
+
+    def buffer(self, which: int, nbytes: int) -> memoryview:
+        """The first ``nbytes`` of buffer ``which`` (0: output, 1: chunk rows); valid until its next call.
+
+        A buffer grows to ``max(nbytes, piece_bytes)`` when it is too small, and is kept for reuse.
+        """
+        if len(self._buffers[which]) < nbytes:
+            self._buffers[which] = bytearray(max(nbytes, self.piece_bytes))
+        return memoryview(self._buffers[which])[:nbytes]
+
+    def check_stop(self) -> None:
+        """Raise ``InterruptedError`` when another thread asked this one to stop (called between pieces)."""
+        if self._stop is not None and self._stop.is_set():
+            raise InterruptedError("stopped")
+
+    def verify(self, stored: StoredBytes) -> None:
+        """Check a chunk's stored CRC-32 by reading it through (for a chunk copied only in part), in buffer 1.
+
+        Raises:
+            CorruptChunkError: the CRC-32 differs, or the file is shorter than the record.
+        """
+        if stored.crc32 is None:
+            return
+        crc, done = 0, 0
+        while done < stored.nbytes:
+            self.check_stop()
+            view = self.buffer(1, min(self.piece_bytes, stored.nbytes - done))
+            self.read_exact(stored, view, done)
+            crc = zlib.crc32(view, crc)
+            done += len(view)
+        check_crc(stored, crc)
+
+    def read_exact(self, stored: StoredBytes, view: memoryview, at: int) -> None:
+        """Fill ``view`` with the located chunk's bytes from ``at`` (bytes from the record's start).
+
+        Raises:
+            CorruptChunkError: a short read (the file changed while it was read).
+        """
+        got = os.preadv(stored.fd, [view], stored.offset + at)
+        if got != len(view):
+            raise CorruptChunkError(
+                f"{stored.where}: short read ({got} of {len(view)} bytes); the file changed while it was read"
+            )
+        self.cache.read(stored.fd, stored.offset + at, len(view))
+
+
 class ChunkSource:
     """A chunk's rows, handed out in order: read from its located bytes, or sliced from the decoded chunk.
 
     Args:
-        mover: the mover whose reader and second buffer are used.
+        mover: the mover thread's reads (its reader and second buffer).
         entry: the tensor.
         chunk: the chunk.
         begin: first row of the tensor that will be asked for (dim-0 index of the tensor).
@@ -81,14 +134,14 @@ class ChunkSource:
             once for its CRC-32 first.
     """
 
-    def __init__(self, mover: MoverLike, entry: TensorEntry, chunk: ChunkEntry, begin: int, end: int) -> None:
+    def __init__(self, mover: ChunkReads, entry: TensorEntry, chunk: ChunkEntry, begin: int, end: int) -> None:
         self.mover, self.entry, self.chunk = mover, entry, chunk
         self.stored: StoredBytes | None = mover.reader.locate(entry, chunk)
         (c0, *_), (c_rows, *_) = box(chunk)
         self.last = min(end, c0 + c_rows) - c0  # the chunk's last row needed, plus one
         self.checked = self.stored is None or self.stored.crc32 is None
         if self.stored is not None and (begin > c0 or self.last < c_rows):
-            mover._verify(self.stored)  # read in part: its stored CRC-32 covers the whole chunk
+            mover.verify(self.stored)  # read in part: its stored CRC-32 covers the whole chunk
             self.checked = True
         self.decoded: torch.Tensor | None = None
         self.crc = 0
@@ -108,8 +161,8 @@ class ChunkSource:
                 self.decoded = None  # its last rows needed: free it once copied
             return part
         row_bytes = math.prod(rest) * self.entry.dtype.itemsize
-        view = self.mover._buffer(1, (b - a) * row_bytes)
-        self.mover._read_exact(self.stored, view, a * row_bytes)
+        view = self.mover.buffer(1, (b - a) * row_bytes)
+        self.mover.read_exact(self.stored, view, a * row_bytes)
         if a <= self.done_to < b:
             self.crc = zlib.crc32(view[(self.done_to - a) * row_bytes :], self.crc)
             self.done_to = b
@@ -121,7 +174,7 @@ class ChunkSource:
     def finish(self) -> None:
         """Check the stored CRC-32 if the rows asked for left it unchecked (a selection with gaps)."""
         if not self.checked and self.stored is not None:
-            self.mover._verify(self.stored)
+            self.mover.verify(self.stored)
             self.checked = True
 
 
@@ -156,7 +209,7 @@ def read_rows(
 class _InputReader:
     """One input of a derived tensor: its rows for each block, read over the span they cover."""
 
-    def __init__(self, mover: MoverLike, inp: Input, entry: TensorEntry, begin: int, end: int) -> None:
+    def __init__(self, mover: ChunkReads, inp: Input, entry: TensorEntry, begin: int, end: int) -> None:
         self.inp, self.entry = inp, entry
         self.view = inp.view or entry.shape or (1,)
         self.per_row = self.view[0] // max(rows_of(entry.shape)[0], 1)  # view rows per tensor row
@@ -210,7 +263,7 @@ class _InputReader:
 
 
 def move_derived(
-    mover: MoverLike,
+    mover: ChunkReads,
     derived: Derived,
     entries: tuple[TensorEntry, ...],
     dtype: torch.dtype,
@@ -252,14 +305,14 @@ def move_derived(
     combine = derived.combine or concat
     runs = []
     for r0 in range(begin, end, block):
-        mover._check_stop()
+        mover.check_stop()
         r1 = min(end, r0 + block)
         result = combine([reader.part(r0, r1) for reader in readers])
         want = (r1 - r0, *view[1:])
         if tuple(result.shape) != want:
             names = ", ".join(e.fqn for e in entries)
             raise ShapeMismatchError(f"derived from {names}: rows [{r0}, {r1}) came out {tuple(result.shape)}, not {want}")
-        out = mover._buffer(0, (r1 - r0) * row_elems * dtype.itemsize)
+        out = mover.buffer(0, (r1 - r0) * row_elems * dtype.itemsize)
         torch.frombuffer(out, dtype=dtype).view(want).copy_(result)
         at = offset + (r0 - begin) * row_elems * dtype.itemsize
         pwrite_all(fd, out, at)

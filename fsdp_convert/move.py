@@ -34,10 +34,8 @@ from typing import Any
 
 import torch
 
-from fsdp_convert._pagecache import PageCache
-from fsdp_convert.blocks import ChunkSource, box, check_crc, move_derived, pwrite_all, rows_of
+from fsdp_convert.blocks import ChunkReads, ChunkSource, box, check_crc, move_derived, pwrite_all, rows_of
 from fsdp_convert.derive import Derived
-from fsdp_convert.errors import CorruptChunkError
 from fsdp_convert.formats import Reader
 from fsdp_convert.formats.crc import combine
 from fsdp_convert.formats.index import ChunkEntry, TensorEntry
@@ -115,8 +113,10 @@ def _overlaps(chunk: ChunkEntry, begin: int, end: int) -> bool:
     return c0 < end and begin < c0 + c_rows
 
 
-class Mover:
+class Mover(ChunkReads):
     """Moves tensors from a reader's chunks into output files; one per thread.
+
+    Reads through ``blocks.ChunkReads`` (its reader, buffers, page cache and stop flag).
 
     Args:
         reader: the source's reader (owned by the caller, used by this thread only).
@@ -136,11 +136,7 @@ class Mover:
         stop: threading.Event | None = None,
         on_bytes: Callable[[int], None] | None = None,
     ) -> None:
-        self.reader = reader
-        self.piece_bytes = piece_bytes
-        self.cache = PageCache(drop_cache)
-        self._stop = stop
-        self._buffers: list[bytearray] = [bytearray(0), bytearray(0)]
+        super().__init__(reader, piece_bytes, drop_cache=drop_cache, stop=stop)
         self._on_bytes = on_bytes
         self._reported = 0  # bytes of the current job given to on_bytes
 
@@ -148,15 +144,6 @@ class Mover:
         if self._on_bytes is not None and nbytes:
             self._reported += nbytes
             self._on_bytes(nbytes)
-
-    def _buffer(self, which: int, nbytes: int) -> memoryview:
-        if len(self._buffers[which]) < nbytes:
-            self._buffers[which] = bytearray(max(nbytes, self.piece_bytes))
-        return memoryview(self._buffers[which])[:nbytes]
-
-    def _check_stop(self) -> None:
-        if self._stop is not None and self._stop.is_set():
-            raise InterruptedError("stopped")
 
     def move(self, job: MoveJob) -> list[Piece]:
         """Write ``job``'s tensor at its offset; return the pieces written, in file order.
@@ -196,7 +183,7 @@ class Mover:
             stored = self.reader.locate(job.entry, chunk)
             if stored is not None:
                 if (begin, end) != (0, stored.nbytes):
-                    self._verify(stored)  # read in part: its stored CRC-32 covers the whole chunk
+                    self.verify(stored)  # read in part: its stored CRC-32 covers the whole chunk
                 pieces.append(Piece(job.file, dst, end - begin, self._stream(stored, begin, end, job.fd, dst)))
                 continue
             if (lo, hi) == (c0, c0 + c_rows):
@@ -218,42 +205,19 @@ class Mover:
         """
         crc, done = 0, begin
         while done < end:
-            self._check_stop()
-            view = self._buffer(0, min(self.piece_bytes, end - done))
+            self.check_stop()
+            view = self.buffer(0, min(self.piece_bytes, end - done))
             nxt = done + len(view)
             self.cache.will_read(stored.fd, stored.offset + nxt, min(self.piece_bytes, end - nxt))
-            self._read_exact(stored, view, done)
+            self.read_exact(stored, view, done)
             crc = zlib.crc32(view, crc)
             pwrite_all(fd, view, dst + done - begin)
             self.cache.wrote(fd, dst + done - begin, len(view))
             self._wrote(len(view))
             done += len(view)
         if (begin, end) == (0, stored.nbytes):
-            self._check_crc(stored, crc)
+            check_crc(stored, crc)
         return crc
-
-    def _verify(self, stored: StoredBytes) -> None:
-        """Check a chunk's stored CRC-32 by reading it through (for a chunk copied only in part)."""
-        if stored.crc32 is None:
-            return
-        crc, done = 0, 0
-        while done < stored.nbytes:
-            self._check_stop()
-            view = self._buffer(1, min(self.piece_bytes, stored.nbytes - done))
-            self._read_exact(stored, view, done)
-            crc = zlib.crc32(view, crc)
-            done += len(view)
-        self._check_crc(stored, crc)
-
-    def _read_exact(self, stored: StoredBytes, view: memoryview, at: int) -> None:
-        got = os.preadv(stored.fd, [view], stored.offset + at)
-        if got != len(view):
-            raise CorruptChunkError(
-                f"{stored.where}: short read ({got} of {len(view)} bytes); the file changed while it was read"
-            )
-        self.cache.read(stored.fd, stored.offset + at, len(view))
-
-    _check_crc = staticmethod(check_crc)
 
     def _move_row_blocks(self, job: MoveJob, chunks: list[ChunkEntry]) -> list[Piece]:
         entry = job.entry
@@ -265,9 +229,9 @@ class Mover:
         sources = {id(c): ChunkSource(self, entry, c, begin, end) for c in chunks}
         pieces = []
         for r0 in range(begin, end, block_rows):
-            self._check_stop()
+            self.check_stop()
             r1 = min(end, r0 + block_rows)
-            out = self._buffer(0, (r1 - r0) * row_elems * job.dtype.itemsize)
+            out = self.buffer(0, (r1 - r0) * row_elems * job.dtype.itemsize)
             block = torch.frombuffer(out, dtype=job.dtype).view(r1 - r0, *shape[1:])
             for chunk in chunks:
                 (c0, *rest_offsets), (c_rows, *rest_sizes) = _box(chunk)

@@ -358,8 +358,8 @@ AdapterOpt = Annotated[
     typer.Option(
         "--adapter",
         metavar="NAME",
-        help="Map model weights to another framework's names and layouts: torchtitan-llama3-to-hf, "
-        "hf-to-torchtitan-llama3, torchtitan-qwen3-to-hf, hf-to-torchtitan-qwen3, or your module:function.",
+        help="Map model weights to another framework's names and layouts: a built-in adapter such as "
+        "torchtitan-llama3-to-hf (docs/huggingface.md lists them), or your module:function.",
         show_default=False,
         rich_help_panel=ADAPTERS,
     ),

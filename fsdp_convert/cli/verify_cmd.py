@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -35,7 +35,7 @@ from fsdp_convert.cli._verbosity import QuietOpt, VerboseOpt, set_verbosity, sho
 from fsdp_convert.location import following_symlinks
 
 if TYPE_CHECKING:
-    from fsdp_convert.ops.verify import VerifyResult
+    from fsdp_convert.ops.verify import VerifyOptions, VerifyResult
 
 # one line each, under 78 columns, so --help never breaks a command in two
 EXAMPLES = """
@@ -119,11 +119,11 @@ OptimDtypeOpt = Annotated[
 NprocOpt = Annotated[int | None, nproc_option("Worker processes comparing keys (alias: --nproc-per-node). \\[default: 1]")]
 
 
-def verify(*args: Any, **kwargs: Any) -> VerifyResult:
+def verify(a: str, b: str, options: VerifyOptions) -> VerifyResult:
     """``ops.verify.verify``, imported on first call, so ``--help`` and ``--version`` start without torch."""
     from fsdp_convert.ops.verify import verify as operation
 
-    return operation(*args, **kwargs)
+    return operation(a, b, options)
 
 
 def _render(result: VerifyResult) -> None:
@@ -170,22 +170,21 @@ def verify_command(
         nproc = workers(nproc, nproc_per_node)
         check_verify(a, b)
         torch_ready()
-        from fsdp_convert.transform import TransformOptions, parse_dtype
+        from fsdp_convert.ops.options import VerifyOptions
+        from fsdp_convert.transform import TransformOptions
 
-        options = TransformOptions() if as_consolidated else None
-        result = verify(
-            a,
-            b,
+        options = VerifyOptions(
             atol=atol,
             rtol=rtol,
             check_crc=not no_crc,
-            options=options,
+            transform=TransformOptions() if as_consolidated else None,
             nproc=nproc,
             cluster=cluster_options(nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id),
-            dtype=None if dtype is None else parse_dtype(dtype.value),
-            optim_dtype=None if optim_dtype is None else parse_dtype(optim_dtype.value),
+            dtype=None if dtype is None else dtype.value,  # a name; VerifyOptions makes it the torch.dtype
+            optim_dtype=None if optim_dtype is None else optim_dtype.value,
             progress=show_progress(progress, json_output),
         )
+        result = verify(a, b, options)
     if not result.owner:
         console.print(f"{rank_prefix()}compared this node's share; rank 0 reports the result", markup=False, highlight=False)
         return

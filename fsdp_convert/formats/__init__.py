@@ -12,8 +12,11 @@ builds a ``CheckpointIndex`` (``formats/index.py``, the data model, no I/O) and 
   their first bytes, whatever the name), or a Hugging Face or PEFT folder: every output of
   ``consolidate``, which ``consolidate``, ``reshard`` and ``verify`` take besides the sharded formats.
 
-``open_checkpoint`` is the one place that decides what a path is. Submodules are imported where
-used, so that importing ``formats.index`` loads nothing else.
+``FORMATS`` is the one ordered table of source formats (each row: ``detect``, ``read_index``, its
+``Reader`` class); ``open_checkpoint`` is the one place that decides what a path is: it returns a
+``Source`` (format row + index) that operations, movers and workers take, so nothing detects a
+format twice. Submodules are imported where used, so that importing ``formats.index`` loads
+nothing else.
 
 Every local file a format opens is checked to lie inside the checkpoint (``location.inside``):
 a symbolic link out of it is refused unless ``follow_symlinks=True`` (the CLI's
@@ -22,7 +25,10 @@ a symbolic link out of it is refused unless ``follow_symlinks=True`` (the CLI's
 
 from __future__ import annotations
 
+import importlib
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -37,9 +43,22 @@ if TYPE_CHECKING:
     from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Location, TensorEntry
     from fsdp_convert.formats.reader import StoredBytes
 
-__all__ = ["Reader", "SourceFormat", "detect_format", "read_index", "open_reader", "open_checkpoint", "check_data_files"]
+__all__ = [
+    "FORMATS",
+    "Reader",
+    "Source",
+    "SourceFormat",
+    "SourceFormatName",
+    "check_data_files",
+    "detect_format",
+    "open_checkpoint",
+    "open_reader",
+    "read_index",
+    "source_format",
+    "source_format_named",
+]
 
-SourceFormat = Literal["dcp", "rank_files", "hf_storage", "full_file"]
+SourceFormatName = Literal["dcp", "rank_files", "hf_storage", "full_file"]
 
 
 class Reader(Protocol):
@@ -82,8 +101,178 @@ class Reader(Protocol):
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None: ...
 
 
-def detect_format(checkpoint_id: str | os.PathLike[str], *, full_files: bool = False) -> SourceFormat:
-    """Which source format a path holds, from its file names (and safetensors headers) alone.
+@dataclass(frozen=True, slots=True)
+class SourceFormat:
+    """One row of the source format table: how a path of the format is recognised, indexed and read.
+
+    A row pickles by name and unpickles as the same row of ``FORMATS`` (a ``Source`` travels to
+    workers in jobs).
+
+    Attributes:
+        name: ``dcp``, ``rank_files``, ``hf_storage`` or ``full_file``.
+        detect: True when a path (``remote.as_location``) holds this format, from file names
+            (and safetensors headers) alone; asked in table order, the first yes wins.
+        read_index: the ``CheckpointIndex`` of such a path; no tensor data is read.
+        reader: the format's ``Reader`` class, called as ``reader(checkpoint_id, check_crc=...)``.
+        full: a full (unsharded) checkpoint, asked only when full files are accepted.
+    """
+
+    name: SourceFormatName
+    detect: Callable[[Location], bool]
+    read_index: Callable[[Location], CheckpointIndex]
+    reader: Callable[..., Reader]
+    full: bool = False
+
+    def __reduce__(self) -> tuple[Callable[[str], SourceFormat], tuple[str]]:
+        return source_format_named, (self.name,)
+
+    def open(
+        self, checkpoint_id: str | os.PathLike[str] | Location, *, check_crc: bool = True, follow_symlinks: bool | None = None
+    ) -> Source:
+        """Read the index of ``checkpoint_id`` as this format, without detecting it again.
+
+        Args:
+            checkpoint_id: a path of this format (local or fsspec URL).
+            check_crc: as for ``Source``.
+            follow_symlinks: as for ``read_index``; the ``Source`` keeps it for its readers.
+
+        Raises:
+            As ``read_index``.
+        """
+        from fsdp_convert.remote import as_location
+
+        with following_symlinks(follow_symlinks):
+            index = self.read_index(as_location(checkpoint_id))
+        return Source(format=self, index=index, check_crc=check_crc, follow_symlinks=follow_symlinks)
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """A checkpoint whose format is decided and whose index is read: what operations, movers and workers take.
+
+    Picklable (it travels to workers in jobs): its format by name, its index as data.
+
+    Attributes:
+        format: its row of the format table (``FORMATS``).
+        index: its index (``formats.index.CheckpointIndex``).
+        check_crc: readers check the CRC-32s the format stores (DCP payloads' zip records) on every read.
+        follow_symlinks: readers read files that symbolic links lead to outside the checkpoint;
+            None: the process's setting (``location.following_symlinks``) where the reader is made.
+    """
+
+    format: SourceFormat
+    index: CheckpointIndex
+    check_crc: bool = True
+    follow_symlinks: bool | None = None
+
+    @property
+    def checkpoint_id(self) -> Location:
+        """Where the checkpoint is (its index's ``checkpoint_id``)."""
+        return self.index.checkpoint_id
+
+    def open_reader(self) -> Reader:
+        """A reader of this checkpoint's bytes, of its format's reader class (one per thread; close it, or use ``with``).
+
+        Raises:
+            As the format's reader; for a full file, as ``formats.full_file.open_full_file``.
+        """
+        with following_symlinks(self.follow_symlinks):
+            return self.format.reader(self.index.checkpoint_id, check_crc=self.check_crc)
+
+    def check_data_files(self) -> None:
+        """Check that every data file the index names exists, is readable, and lies inside the checkpoint.
+
+        Raises:
+            MissingDataFileError: naming the first missing or unreadable file.
+            UnsafeContentError: a data file is a symbolic link out of the checkpoint (``location.inside``).
+        """
+        check_data_files(self.index, follow_symlinks=self.follow_symlinks)
+
+
+def _lazy(module: str, attr: str) -> Callable[..., Any]:
+    """``module.attr`` called, the module imported on the first call (importing ``formats`` loads no format)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), attr)(*args, **kwargs)
+
+    return call
+
+
+def _is_local_dir(root: Location) -> bool:
+    return isinstance(root, Path) and root.is_dir()
+
+
+def _is_dcp(root: Location) -> bool:
+    """A remote URL, a path that is no folder, a folder with ``.metadata`` or with DCP folders inside (accelerate's)."""
+    from fsdp_convert.formats.dcp import metadata_subfolders
+
+    if not isinstance(root, Path) or not root.is_dir() or (root / METADATA_FILENAME).is_file():
+        return True
+    return bool(metadata_subfolders(root))
+
+
+def _has_rank_files(root: Location) -> bool:
+    from fsdp_convert.formats.rank_files import find_rank_files
+
+    return isinstance(root, Path) and root.is_dir() and bool(find_rank_files(root))
+
+
+def _has_sharding_info(root: Location) -> bool:
+    from fsdp_convert.formats.hf_storage import has_sharding_info
+
+    return isinstance(root, Path) and root.is_dir() and has_sharding_info(root)
+
+
+def _is_full_checkpoint(root: Location) -> bool:
+    from fsdp_convert.formats.full_file import is_full_checkpoint
+
+    return is_full_checkpoint(root)
+
+
+_DCP, _RANK, _HF, _FULL = (f"fsdp_convert.formats.{m}" for m in ("dcp", "rank_files", "hf_storage", "full_file"))
+
+# The source formats, in the order a path is tried; a path none claims is read as DCP, whose
+# reader names what is wrong with it.
+FORMATS: tuple[SourceFormat, ...] = (
+    SourceFormat("full_file", _is_full_checkpoint, _lazy(_FULL, "file_index"), _lazy(_FULL, "FileBoxReader"), full=True),
+    SourceFormat("dcp", _is_dcp, _lazy(_DCP, "read_dcp_index"), _lazy(_DCP, "DcpReader")),
+    SourceFormat("rank_files", _has_rank_files, _lazy(_RANK, "rank_files_index"), _lazy(_RANK, "RankFilesReader")),
+    SourceFormat("hf_storage", _has_sharding_info, _lazy(_HF, "describe_safetensors_dcp"), _lazy(_HF, "HfStorageReader")),
+)
+_FALLBACK = FORMATS[1]
+
+
+def source_format_named(name: str) -> SourceFormat:
+    """The row of ``FORMATS`` called ``name``.
+
+    Raises:
+        KeyError: no such format.
+    """
+    for fmt in FORMATS:
+        if fmt.name == name:
+            return fmt
+    raise KeyError(name)
+
+
+def source_format(checkpoint_id: str | os.PathLike[str] | Location, *, full_files: bool = False) -> SourceFormat:
+    """The first row of ``FORMATS`` whose ``detect`` claims the path, else DCP's (whose reader names what is wrong).
+
+    Args:
+        checkpoint_id: a local path or fsspec URL.
+        full_files: also try the full-file format (a local file, a Hugging Face or PEFT folder).
+
+    Raises:
+        NotADcpCheckpointError: the folder cannot be listed, or holds rank files of two saves.
+        MissingDataFileError: a rank file is missing.
+    """
+    from fsdp_convert.remote import as_location
+
+    root = as_location(checkpoint_id)
+    return next((f for f in FORMATS if (full_files or not f.full) and f.detect(root)), _FALLBACK)
+
+
+def detect_format(checkpoint_id: str | os.PathLike[str], *, full_files: bool = False) -> SourceFormatName:
+    """The name of the source format a path holds (``source_format(...).name``).
 
     With ``full_files``, a local file or a Hugging Face or PEFT folder (no ``.metadata``; see
     ``full_file.is_hf_folder``) is ``full_file``. Otherwise a remote URL, a folder
@@ -92,39 +281,32 @@ def detect_format(checkpoint_id: str | os.PathLike[str], *, full_files: bool = F
     safetensors files carrying DCP sharding info is ``hf_storage``.
 
     Raises:
-        NotADcpCheckpointError: the folder cannot be listed, or holds rank files of two saves.
-        MissingDataFileError: a rank file is missing.
+        As ``source_format``.
     """
-    from fsdp_convert.formats import dcp, full_file, hf_storage, rank_files
-    from fsdp_convert.remote import as_location
-
-    root = as_location(checkpoint_id)
-    if full_files and full_file.is_full_checkpoint(root):
-        return "full_file"
-    if not isinstance(root, Path) or not root.is_dir() or (root / METADATA_FILENAME).is_file():
-        return "dcp"
-    if dcp.metadata_subfolders(root):
-        return "dcp"
-    if rank_files.find_rank_files(root):
-        return "rank_files"
-    if hf_storage.has_sharding_info(root):
-        return "hf_storage"
-    return "dcp"
+    return source_format(checkpoint_id, full_files=full_files).name
 
 
-def read_index(
-    checkpoint_id: str | os.PathLike[str], *, full_files: bool = False, follow_symlinks: bool | None = None
-) -> CheckpointIndex:
-    """The ``CheckpointIndex`` of a checkpoint of any source format; no tensor data is read.
+def open_checkpoint(
+    checkpoint_id: str | os.PathLike[str] | Location,
+    *,
+    full_files: bool = False,
+    check_crc: bool = True,
+    follow_symlinks: bool | None = None,
+) -> Source:
+    """The one place a path's format is decided: its row of ``FORMATS``, and its index read as that format.
 
     Args:
         checkpoint_id: a DCP folder (local or fsspec URL), accelerate's checkpoint folder, a
             folder of per-rank torch.save files, or of ``HuggingFaceStorageWriter`` shards.
         full_files: also take a full checkpoint (``formats.full_file.file_index``: one chunk
             per tensor, no data files); otherwise such a path is refused as not a DCP checkpoint.
+        check_crc: the readers check the CRC-32s the format stores (``Source.check_crc``).
         follow_symlinks: read files that symbolic links in the folder lead to outside it (a
             checkpoint whose files link into a shared store); None: the process's setting
-            (``location.following_symlinks``, default off).
+            (``location.following_symlinks``, default off). The ``Source`` keeps it for its readers.
+
+    Returns:
+        The checkpoint's ``Source``: format, index; ``open_reader()`` reads its bytes.
 
     Raises:
         CheckpointNotFoundError: the path does not exist.
@@ -134,22 +316,24 @@ def read_index(
         MissingDataFileError, CorruptChunkError: a rank file or safetensors header is missing or broken.
     """
     with following_symlinks(follow_symlinks):
-        return _read_index(checkpoint_id, full_files=full_files)
+        fmt = source_format(checkpoint_id, full_files=full_files)
+    return fmt.open(checkpoint_id, check_crc=check_crc, follow_symlinks=follow_symlinks)
 
 
-def _read_index(checkpoint_id: str | os.PathLike[str], *, full_files: bool) -> CheckpointIndex:
-    from fsdp_convert.formats import dcp, full_file, hf_storage, rank_files
-    from fsdp_convert.remote import as_location
+def read_index(
+    checkpoint_id: str | os.PathLike[str], *, full_files: bool = False, follow_symlinks: bool | None = None
+) -> CheckpointIndex:
+    """The ``CheckpointIndex`` of a checkpoint of any source format (``open_checkpoint(...).index``).
 
-    fmt = detect_format(checkpoint_id, full_files=full_files)
-    root = as_location(checkpoint_id)
-    if fmt == "full_file":
-        return full_file.file_index(root)
-    if fmt == "rank_files" and isinstance(root, Path):
-        return rank_files.rank_files_index(root)
-    if fmt == "hf_storage" and isinstance(root, Path):
-        return hf_storage.describe_safetensors_dcp(root)
-    return dcp.read_dcp_index(checkpoint_id)
+    Args:
+        checkpoint_id: as for ``open_checkpoint``.
+        full_files: as for ``open_checkpoint``.
+        follow_symlinks: as for ``open_checkpoint``.
+
+    Raises:
+        As ``open_checkpoint``.
+    """
+    return open_checkpoint(checkpoint_id, full_files=full_files, follow_symlinks=follow_symlinks).index
 
 
 def open_reader(
@@ -159,58 +343,21 @@ def open_reader(
     full_files: bool = True,
     follow_symlinks: bool | None = None,
 ) -> Reader:
-    """A reader for the checkpoint at ``checkpoint_id``, of the format ``detect_format`` finds.
+    """A reader for the checkpoint at ``checkpoint_id``, of the format ``source_format`` finds; reads no index.
 
-    Opens nothing until the first read (a full file: its header or pickle); workers call this
-    with the path the index was read from, so whatever ``read_index`` accepted is read.
+    For a path whose ``Source`` is at hand, ``Source.open_reader`` reads without detecting again.
 
     Args:
-        checkpoint_id: as for ``read_index``.
+        checkpoint_id: as for ``open_checkpoint``.
         check_crc: check the CRC-32s the format stores (DCP payloads' zip records) on every read.
-        full_files: as for ``read_index``; by default a full file is read as one (``read_index``
-            has already decided whether it is accepted).
-        follow_symlinks: as for ``read_index``; the reader keeps the setting it was made with.
+        full_files: as for ``open_checkpoint``; by default a full file is read as one.
+        follow_symlinks: as for ``open_checkpoint``; the reader keeps the setting it was made with.
 
     Raises:
-        As ``detect_format``; for a full file, as ``formats.full_file.open_full_file``.
+        As ``source_format``; for a full file, as ``formats.full_file.open_full_file``.
     """
     with following_symlinks(follow_symlinks):
-        return _open_reader(checkpoint_id, check_crc=check_crc, full_files=full_files)
-
-
-def _open_reader(checkpoint_id: str | os.PathLike[str] | Location, *, check_crc: bool, full_files: bool) -> Reader:
-    from fsdp_convert.formats import dcp, full_file, hf_storage, rank_files
-
-    fmt = detect_format(checkpoint_id, full_files=full_files)
-    if fmt == "full_file":
-        return full_file.FileBoxReader(checkpoint_id, check_crc=check_crc)
-    if fmt == "rank_files":
-        return rank_files.RankFilesReader(checkpoint_id, check_crc=check_crc)
-    if fmt == "hf_storage":
-        return hf_storage.HfStorageReader(checkpoint_id, check_crc=check_crc)
-    return dcp.DcpReader(checkpoint_id, check_crc=check_crc)
-
-
-def open_checkpoint(
-    checkpoint_id: str | os.PathLike[str],
-    *,
-    check_crc: bool = True,
-    full_files: bool = False,
-    follow_symlinks: bool | None = None,
-) -> tuple[CheckpointIndex, Reader]:
-    """The index of a checkpoint and a reader of its bytes (close the reader, or use it in ``with``).
-
-    Args:
-        checkpoint_id: as for ``read_index``.
-        check_crc: as for ``open_reader``.
-        full_files: as for ``read_index``.
-        follow_symlinks: as for ``read_index``.
-
-    Raises:
-        As ``read_index`` and ``open_reader``.
-    """
-    index = read_index(checkpoint_id, full_files=full_files, follow_symlinks=follow_symlinks)
-    return index, open_reader(index.checkpoint_id, check_crc=check_crc, full_files=full_files, follow_symlinks=follow_symlinks)
+        return source_format(checkpoint_id, full_files=full_files).reader(checkpoint_id, check_crc=check_crc)
 
 
 def check_data_files(index: CheckpointIndex, *, follow_symlinks: bool | None = None) -> None:

@@ -1,28 +1,33 @@
-"""Sources of ``verify``: a checkpoint of any format seen as flat keys, its values loaded one at a time.
+"""Sides of ``verify``: a checkpoint of any format found once, then seen as flat keys whose values load one at a time.
 
-A DCP checkpoint (or, seen through transforms, any checkpoint) is read through ``transform``
-items; torch.save files, safetensors files and Hugging Face folders through ``formats.full_file``.
+A side is found once (``find_side``: its format decided and its index read by
+``formats.open_checkpoint``'s table), and travels to verify's workers as is. Each process then
+sees it as flat keys (``open_view``): a DCP checkpoint (or, seen through transforms, any
+checkpoint) through ``transform`` items read with its ``Source``'s reader; torch.save files,
+safetensors files and Hugging Face folders through ``formats.full_file``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from fsdp_convert.errors import CheckpointNotFoundError
-from fsdp_convert.formats import check_data_files, detect_format, open_reader, read_index
+from fsdp_convert.formats import Source, source_format
 from fsdp_convert.formats.full_file import open_full_file
 from fsdp_convert.formats.index import BytesEntry, Location, TensorEntry, Url, check_coverage, dcp_key
 from fsdp_convert.items import prepare_items
-from fsdp_convert.layout import GROUPS
 from fsdp_convert.remote import is_url
+from fsdp_convert.roles import GROUPS
 from fsdp_convert.transform import OutputItem, TransformOptions
 
-__all__ = ["Source", "DcpSource", "open_source"]
+__all__ = ["FlatView", "ItemsView", "Side", "find_side", "open_view", "open_source"]
 
 
-class Source(Protocol):
+class FlatView(Protocol):
     """A checkpoint seen as flat keys; values are loaded on demand, one at a time."""
 
     @property
@@ -46,25 +51,82 @@ class Source(Protocol):
         ...
 
 
-class DcpSource:
-    """A DCP checkpoint seen through ``transform`` items.
+@dataclass(frozen=True, slots=True)
+class Side:
+    """One side of ``verify``, found once; picklable (it travels to verify's workers).
+
+    Attributes:
+        path: the path as given (a ``Url`` for a remote checkpoint).
+        source: its format and index, when it is read through ``transform`` items (any sharded
+            checkpoint; a full file seen through transforms); None: a full file read whole
+            (``formats.full_file.open_full_file``).
+    """
+
+    path: Location
+    source: Source | None
+
+
+def find_side(path: str | os.PathLike[str] | Source, *, check_crc: bool = True, through_items: bool = False) -> Side:
+    """Decide a side's format and read its index, once; its data files are checked to exist.
+
+    Args:
+        path: a DCP folder (local or fsspec URL), any other sharded checkpoint, a torch.save or
+            safetensors file, or a Hugging Face or PEFT folder; or its ``Source``, already found
+            (``consolidate``'s ``verify_output`` compares with its own input: not read again).
+        check_crc: its readers check CRC-32s of DCP payloads.
+        through_items: a full file too is read through ``transform`` items (its index read now).
+
+    Raises:
+        CheckpointNotFoundError: the path does not exist.
+        NotADcpCheckpointError: a folder of no known format (named by DCP's reader), or a malformed index.
+        UnsafeContentError: a pickle that would run code, or a file linked from outside the folder.
+        MissingDataFileError: a data file the index names is missing.
+    """
+    if isinstance(path, Source):
+        source: Source | None = dataclasses.replace(path, check_crc=check_crc)
+        if path.format.full and not through_items:
+            source = None  # a full file, read whole
+        elif source is not None:
+            source.check_data_files()
+        return Side(path.checkpoint_id, source)
+    if is_url(path):  # a remote DCP checkpoint
+        root: Location = Url(str(path).rstrip("/"))
+    else:
+        root = Path(path)
+        if not root.exists():
+            raise CheckpointNotFoundError(f"{root} does not exist")
+    fmt = source_format(root, full_files=True)
+    if fmt.full and not through_items:
+        return Side(root, None)
+    source = fmt.open(root, check_crc=check_crc)  # a full file too, when it is seen through transforms
+    source.check_data_files()
+    return Side(root, source)
+
+
+class ItemsView:
+    """A checkpoint seen through ``transform`` items, read with its ``Source``'s reader.
 
     Keys are the nested layout's (wrapper names removed, ``optimizer`` as ``optim``, flattened
-    optimizer state nested).
+    optimizer state nested); with no transform, the keys as saved (what torch's
+    ``dcp_to_torch_save`` gives).
+
+    Args:
+        side: the side (``side.source`` set).
+        transform: the transforms; None: the keys as saved.
     """
 
     kind = "dcp"
     model_only = False
 
-    def __init__(self, path: Location, check_crc: bool, options: TransformOptions | None) -> None:
-        self.path = path
-        self.index = read_index(path, full_files=True)  # a full file too, when it is seen through transforms
-        check_data_files(self.index)
-        # no options: the keys as saved (what torch's dcp_to_torch_save gives); else as consolidate writes them
+    def __init__(self, side: Side, transform: TransformOptions | None) -> None:
+        assert side.source is not None  # find_side made it so
+        self.path = side.path
+        source = side.source
+        # no transform: the keys as saved (what torch's dcp_to_torch_save gives); else as consolidate writes them
         raw = TransformOptions(keep_wrapper_names=True)
-        items = prepare_items(self.index, options or raw, GROUPS, check_crc=check_crc, keep_layout=options is None)
+        items = prepare_items(source, transform or raw, GROUPS, keep_layout=transform is None)  # read with its reader
         self._items: dict[str, OutputItem] = {dcp_key(item.path): item for item in items}
-        self._reader = open_reader(path, check_crc=check_crc)
+        self._reader = source.open_reader()
 
     def keys(self) -> list[str]:
         return list(self._items)
@@ -102,14 +164,26 @@ class DcpSource:
         self._reader.close()
 
 
+def open_view(side: Side, transform: TransformOptions | None) -> FlatView:
+    """``side`` seen as flat keys: through ``transform`` items (``ItemsView``), or a full file read whole.
+
+    Raises:
+        As ``formats.full_file.open_full_file`` and ``items.prepare_items``.
+    """
+    if side.source is not None:
+        return ItemsView(side, transform)
+    assert isinstance(side.path, Path)  # find_side: a full file is local
+    return open_full_file(side.path)
+
+
 def open_source(
     path: str | os.PathLike[str],
     *,
     check_crc: bool = True,
     options: TransformOptions | None = None,
     transform_files: bool = False,
-) -> Source:
-    """Open a checkpoint of any supported format by what the path holds.
+) -> FlatView:
+    """Open a checkpoint of any supported format by what the path holds (``find_side`` then ``open_view``).
 
     A folder with ``.metadata`` is DCP; a folder with ``model.safetensors.index.json`` or
     ``model.safetensors`` is a Hugging Face folder; ``.pt``/``.pth``/``.bin`` is torch.save
@@ -121,17 +195,7 @@ def open_source(
     ``consolidate --verify`` whose input was a file).
 
     Raises:
-        CheckpointNotFoundError: the path does not exist.
-        NotADcpCheckpointError: a folder with none of the above, or an unknown file type.
-        UnsafeContentError: a pickle that would run code.
+        As ``find_side`` and ``open_view``.
     """
-    if is_url(path):  # a remote DCP checkpoint
-        return DcpSource(Url(str(path).rstrip("/")), check_crc, options)
-    p = Path(path)
-    if not p.exists():
-        raise CheckpointNotFoundError(f"{p} does not exist")
-    if detect_format(p, full_files=True) != "full_file":
-        return DcpSource(p, check_crc, options)  # read_index names what is wrong with any other folder
-    if transform_files and options is not None:
-        return DcpSource(p, check_crc, options)
-    return open_full_file(p)
+    side = find_side(path, check_crc=check_crc, through_items=transform_files and options is not None)
+    return open_view(side, options)

@@ -9,26 +9,29 @@ both sides are compared after the cast ``consolidate --dtype``/``--optim-dtype``
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from fsdp_convert.constants import UNCASTABLE_DTYPES
+from fsdp_convert.formats import Source
 from fsdp_convert.formats.full_file import MODEL_PREFIX, SafetensorsFiles
 from fsdp_convert.formats.index import dtype_name
-from fsdp_convert.launch import Cluster, WorkerGroup, job_world_size, run_ranks, worker_bars
-from fsdp_convert.layout import Group, group_of_top
+from fsdp_convert.launch import WorkerGroup, job_world_size, launched_by_torchrun, run_ranks, worker_bars
 from fsdp_convert.location import following_symlinks
-from fsdp_convert.ops._arguments import choice, count, tolerance, transform_options
-from fsdp_convert.ops._sources import DcpSource, Source, open_source
+from fsdp_convert.ops._sources import FlatView, ItemsView, Side, find_side, open_source, open_view
+from fsdp_convert.ops.options import VerifyOptions
 from fsdp_convert.plan import Only
 from fsdp_convert.progress import StepProgress
+from fsdp_convert.roles import Group, group_of_top
 from fsdp_convert.transform import TransformOptions, parse_dtype
 
-__all__ = ["Source", "open_source", "Difference", "VerifyResult", "verify"]
+__all__ = ["FlatView", "open_source", "Difference", "VerifyOptions", "VerifyResult", "verify"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,14 +100,14 @@ def _values(t: torch.Tensor) -> torch.Tensor | None:
     return t.detach().to(torch.float64)
 
 
-def _was_cast(source: Source, key: str) -> bool:
-    return isinstance(source, DcpSource) and source.was_cast(key)
+def _was_cast(source: FlatView, key: str) -> bool:
+    return isinstance(source, ItemsView) and source.was_cast(key)
 
 
-def _tensor_sizes(source: Source, keys: tuple[str, ...]) -> tuple[int, ...]:
+def _tensor_sizes(source: FlatView, keys: tuple[str, ...]) -> tuple[int, ...]:
     """Bytes of each key's tensor as ``source.get`` gives it (0 for a plain value), from metadata, headers or a memory map."""
     known: dict[str, int] = {}  # a key not known here is a torch.save file's (memory-mapped: nothing is read)
-    if isinstance(source, DcpSource):
+    if isinstance(source, ItemsView):
         known = {key: source.item(key).nbytes if source.item(key).is_tensor else 0 for key in keys}
     elif isinstance(source, SafetensorsFiles):
         known = {MODEL_PREFIX + name: math.prod(shape) * dtype.itemsize for name, dtype, shape in source.tensors()}
@@ -112,12 +115,12 @@ def _tensor_sizes(source: Source, keys: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(known[k] if k in known else values[k].nbytes if isinstance(values[k], torch.Tensor) else 0 for k in keys)
 
 
-def _cast_dtype(key: str, sources: tuple[Source, Source], casts: tuple[torch.dtype | None, ...]) -> torch.dtype | None:
+def _cast_dtype(key: str, sources: tuple[FlatView, FlatView], casts: tuple[torch.dtype | None, ...]) -> torch.dtype | None:
     """What ``consolidate`` casts ``key``'s floating tensor to (``casts``: dtype, optim_dtype), or None.
 
     Model weights take the dtype, optimizer state (never ``step``) the optim_dtype; the group is a DCP side's, else the key's.
     """
-    group = next((s.item(key).group for s in sources if isinstance(s, DcpSource)), None) or _key_group(key)
+    group = next((s.item(key).group for s in sources if isinstance(s, ItemsView)), None) or _key_group(key)
     parts = key.split(".")
     if group == "optim" and len(parts) > 2 and parts[1] == "state" and parts[-1] != "step":
         return casts[1]
@@ -182,22 +185,10 @@ def _compare(a: Any, b: Any, atol: float | None, rtol: float | None, *, any_nan:
 
 
 def verify(
-    a: str | os.PathLike[str],
+    a: str | os.PathLike[str] | Source,
     b: str | os.PathLike[str],
-    *,
-    atol: float | None = None,
-    rtol: float | None = None,
-    only: Only = "all",
-    check_crc: bool = True,
-    options: TransformOptions | None = None,
-    nproc: int | None = None,
-    cluster: Cluster | None = None,
-    in_process: bool = False,
-    dtype: torch.dtype | str | None = None,
-    optim_dtype: torch.dtype | str | None = None,
-    progress: bool = False,
-    transform_files: bool = False,
-    follow_symlinks: bool | None = None,
+    options: VerifyOptions | TransformOptions | None = None,
+    **kwargs: Any,
 ) -> VerifyResult:
     """Compare two checkpoints of any formats (DCP, .pt, safetensors, HF folder) key by key.
 
@@ -211,29 +202,17 @@ def verify(
     cast as ``consolidate --dtype``/``--optim-dtype`` casts them, so a ``--dtype bf16`` output equals
     its fp32 checkpoint bit for bit (NaNs of a cast tensor compare as NaNs, whatever their bits).
 
-    Args:
-        a: the reference checkpoint.
-        b: the checkpoint to check against it.
-        atol: absolute tolerance for floating tensors.
-        rtol: relative tolerance for floating tensors.
-        only: compare only this top-level group (``model``, ``optim``) or ``all``.
-        check_crc: check CRC-32s of DCP payloads while reading.
-        options: the transforms a DCP side is seen through (see ``open_source``).
-        nproc: workers comparing keys in parallel (torch's elastic launcher; each opens both
-            sides and compares every ``nproc``-th key); default 1, in this process.
-        cluster: torchrun's multi-node options, as for ``consolidate``; rank 0's process returns
-            the whole result (``owner``), the others an empty one.
-        in_process: compare here, one process, even under torchrun (``consolidate --verify``,
-            which runs on rank 0 alone).
-        dtype: cast model tensors to this dtype first (a ``torch.dtype``, or ``fp32``/``bf16``/``fp16``).
-        optim_dtype: the same for optimizer state, never ``step``.
-        progress: a ``verify`` bar on stderr of A's tensor bytes compared (every worker's, drawn by rank 0's).
-        transform_files: see A through ``options`` even when it is a file (a full checkpoint):
-            ``consolidate --verify`` of a file input compares with what its transforms made of it.
+    Each side is found once (its format decided, its index read: ``ops._sources.find_side``);
+    workers get it as found. Compared in this process, each side is also opened once.
 
-        follow_symlinks: read files of the checkpoint that are symbolic links out of its folder
-            (a shared store the step folder links into); by default such a link is refused
-            (UnsafeContentError). None: the process's setting (``--follow-symlinks``).
+    Args:
+        a: the reference checkpoint, or its ``Source`` when already found (not read again).
+        b: the checkpoint to check against it.
+        options: a ``VerifyOptions`` (its fields: ``atol``, ``rtol``, ``only``, ``check_crc``,
+            ``transform``, ``nproc``, ``cluster``, ``in_process``, ``dtype``, ``optim_dtype``,
+            ``progress``, ``transform_files``, ``follow_symlinks``); or, as before, the
+            ``TransformOptions`` a DCP side is seen through (``transform``); None: the defaults.
+        **kwargs: fields of ``VerifyOptions`` (they replace those of ``options``).
 
     Returns:
         The keys compared and every difference (``missing``: only in A; ``extra``: only in B).
@@ -241,114 +220,150 @@ def verify(
     Raises:
         CheckpointNotFoundError, NotADcpCheckpointError, UnsafeContentError, CorruptChunkError,
         MissingDataFileError, CoverageError: a side cannot be read.
-        InvalidOptionError: ``dtype`` or ``optim_dtype`` names no dtype.
+        InvalidOptionError: an unknown keyword, or a bad value (``dtype`` naming no dtype, ...) naming its keyword.
     """
-    if follow_symlinks is not None:  # the setting travels in the environment, so workers take it too
-        with following_symlinks(follow_symlinks):
-            return verify(**{**locals(), "follow_symlinks": None})
-    # a Python caller's bad value is an InvalidOptionError naming the keyword (the CLI checked its flags)
-    only, atol, rtol = choice("--only", only, ("all", "model", "optim")), tolerance("--atol", atol), tolerance("--rtol", rtol)
-    nproc, options = None if nproc is None else count("--nproc", nproc), None if options is None else transform_options(options)
-    casts = tuple(parse_dtype(d) if isinstance(d, str) else d for d in (dtype, optim_dtype))
-    source_a, source_b = _open_sides(a, b, check_crc, options, transform_files)
-    if options is None and (source_a.model_only or source_b.model_only) and "dcp" in (source_a.kind, source_b.kind):
-        # weights alone (safetensors, HF, PEFT) carry no group: see the DCP side's weights as
-        # consolidate names them (``model.`` + FQN), whether it nests them or saved them flat (a reshard of such a file)
-        source_a.close()
-        source_b.close()
-        options = TransformOptions(keep_wrapper_names=True)
-        source_a, source_b = _open_sides(a, b, check_crc, options, transform_files)
+    opts = VerifyOptions.from_call(options, kwargs)
+    if opts.follow_symlinks is not None:  # the setting travels in the environment, so workers take it too
+        with following_symlinks(opts.follow_symlinks):
+            return verify(a, b, dataclasses.replace(opts, follow_symlinks=None))
+    sides, transform, views = _open_sides(a, b, opts)  # 1. each side found, read and opened once
     try:
-        keys_a, keys_b = source_a.keys(), source_b.keys()
-        if source_a.model_only or source_b.model_only:
-            keys_a = [k for k in keys_a if _key_group(k) == "model"]
-            keys_b = [k for k in keys_b if _key_group(k) == "model"]
-        if only != "all":
-            keys_a = [k for k in keys_a if _key_group(k) == only]
-            keys_b = [k for k in keys_b if _key_group(k) == only]
+        keys_a, keys_b = _compared_keys(views, opts.only)  # 2. the keys of the groups compared
         in_b, in_a = set(keys_b), set(keys_a)
-        common = tuple(k for k in keys_a if k in in_b)
-        sizes = _tensor_sizes(source_a, common) if progress else ()
+        job = _job(opts, sides, transform, tuple(k for k in keys_a if k in in_b), views[0])
+        world_size = 1 if opts.in_process else job_world_size(opts.nproc, opts.cluster) or 1
+        here = opts.in_process or (world_size == 1 and not launched_by_torchrun())
+        if here:  # 3. compare: here, with the sides already open
+            owner, differing = True, _verify_rank(job, 0, 1, None, views)
     finally:
-        source_a.close()
-        source_b.close()
-    diffs = [Difference(key=k, kind="missing", detail="only in A") for k in keys_a if k not in in_b]
+        _close(views)
+    if not here:  # 3. or in workers, each opening the sides as found
+        owner, differing = run_ranks(_verify_rank, job, world_size, opts.cluster)
+    diffs = [Difference(key=k, kind="missing", detail="only in A") for k in keys_a if k not in in_b]  # 4. the result
     diffs += [Difference(key=k, kind="extra", detail="only in B") for k in keys_b if k not in in_a]
-    job = _VerifyJob(
-        a=str(a),
-        b=str(b),
-        keys=common,
-        atol=atol,
-        rtol=rtol,
-        check_crc=check_crc,
-        options=options,
-        casts=casts,
-        progress=progress,
-        sizes=sizes,
-        transform_files=transform_files,
-    )
-    if in_process:
-        owner, differing = True, _verify_rank(job, 0, 1, None)
-    else:
-        world_size = job_world_size(nproc, cluster) or 1
-        owner, differing = run_ranks(_verify_rank, job, world_size, cluster)
     diffs += [Difference(key=k, kind="differs", detail=d) for k, d in (differing or [])]
-    return VerifyResult(a=a, b=b, compared=len(common), differences=tuple(diffs), owner=owner)
+    shown_a = a.checkpoint_id if isinstance(a, Source) else a
+    return VerifyResult(a=shown_a, b=b, compared=len(job.keys), differences=tuple(diffs), owner=owner)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _VerifyJob:
-    a: str
-    b: str
+    sides: tuple[Side, Side]  # A and B, as found (``find_side``)
     keys: tuple[str, ...]
     atol: float | None
     rtol: float | None
-    check_crc: bool
-    options: TransformOptions | None
+    transform: TransformOptions | None  # what an ``ItemsView`` side is seen through
     casts: tuple[torch.dtype | None, ...] = (None, None)  # verify's dtype, optim_dtype
     progress: bool = False
     sizes: tuple[int, ...] = ()  # with progress: bytes of A's tensor of each key (``_tensor_sizes``)
-    transform_files: bool = False  # A, when a file, seen through ``options`` too
+
+
+def _job(
+    opts: VerifyOptions, sides: tuple[Side, Side], transform: TransformOptions | None, keys: tuple[str, ...], view_a: FlatView
+) -> _VerifyJob:
+    """What every worker compares: ``keys`` of both sides as found; with progress, A's tensor bytes per key."""
+    return _VerifyJob(
+        sides=sides,
+        keys=keys,
+        atol=opts.atol,
+        rtol=opts.rtol,
+        transform=transform,
+        casts=tuple(parse_dtype(d) if isinstance(d, str) else d for d in (opts.dtype, opts.optim_dtype)),
+        progress=opts.progress,
+        sizes=_tensor_sizes(view_a, keys) if opts.progress else (),
+    )
 
 
 def _open_sides(
-    a: str | os.PathLike[str], b: str | os.PathLike[str], check_crc: bool, options: TransformOptions | None, transform_files: bool
-) -> tuple[Source, Source]:
-    """Both sides opened (``open_source``), A through ``options`` even as a file with ``transform_files``."""
-    source_a = open_source(a, check_crc=check_crc, options=options, transform_files=transform_files)
+    a: str | os.PathLike[str] | Source, b: str | os.PathLike[str], opts: VerifyOptions
+) -> tuple[tuple[Side, Side], TransformOptions | None, tuple[FlatView, FlatView]]:
+    """Both sides found and opened, A through ``transform`` even as a file with ``transform_files``.
+
+    When one side holds weights alone (safetensors, HF, PEFT: no group) and the other is read
+    through items with no transform, that side is seen as ``consolidate`` names the weights
+    (``model.`` + FQN, whether it nests them or saved them flat: a reshard of such a file); its
+    index is not read again.
+
+    Returns:
+        The sides as found, the transform the items are seen through, and the open views (close them).
+    """
+    transform = opts.transform
+    side_a = find_side(a, check_crc=opts.check_crc, through_items=opts.transform_files and transform is not None)
+    views: list[FlatView] = [open_view(side_a, transform)]
     try:
-        return source_a, open_source(b, check_crc=check_crc, options=options)
+        side_b = find_side(b, check_crc=opts.check_crc)
+        views.append(open_view(side_b, transform))
+        if transform is None and any(v.model_only for v in views) and any(isinstance(v, ItemsView) for v in views):
+            transform = TransformOptions(keep_wrapper_names=True)
+            if opts.transform_files and side_a.source is None:  # a file A is now seen through the transform too
+                side_a = find_side(a, check_crc=opts.check_crc, through_items=True)
+            for i, side in enumerate((side_a, side_b)):
+                if side.source is not None:  # seen again through the transform, from the index already read
+                    views[i].close()
+                    views[i] = open_view(side, transform)
     except BaseException:
-        source_a.close()
+        _close(views)
         raise
+    return (side_a, side_b), transform, (views[0], views[1])
 
 
-def _compare_keys(job: _VerifyJob, positions: range, progress: StepProgress) -> list[tuple[str, str]]:
-    """``(key, detail)`` of every differing key of ``job.keys[positions]``, after the casts asked."""
+def _close(views: Sequence[FlatView]) -> None:
+    """Close every view, B's first."""
+    for view in reversed(views):
+        view.close()
+
+
+def _compared_keys(views: tuple[FlatView, FlatView], only: Only) -> tuple[list[str], list[str]]:
+    """Each side's keys of the groups compared: ``only``'s, and ``model`` alone when a side holds weights alone."""
+    wanted = [g for g in ("model" if any(v.model_only for v in views) else None, None if only == "all" else only) if g]
+    keys_a, keys_b = ([k for k in v.keys() if all(_key_group(k) == g for g in wanted)] for v in views)
+    return keys_a, keys_b
+
+
+def _compare_keys(
+    job: _VerifyJob, positions: range, progress: StepProgress, views: tuple[FlatView, FlatView] | None = None
+) -> list[tuple[str, str]]:
+    """``(key, detail)`` of every differing key of ``job.keys[positions]``, after the casts asked.
+
+    ``views``: the sides already open (kept open); None: opened from ``job.sides`` here, and closed.
+    """
+    if views is None:
+        view_a = open_view(job.sides[0], job.transform)
+        try:
+            view_b = open_view(job.sides[1], job.transform)
+        except BaseException:
+            view_a.close()
+            raise
+        try:
+            return _compare_keys(job, positions, progress, (view_a, view_b))
+        finally:
+            _close((view_a, view_b))
     mine: list[tuple[str, str]] = []
-    source_a, source_b = _open_sides(job.a, job.b, job.check_crc, job.options, job.transform_files)
-    try:
-        for i in positions:
-            key = job.keys[i]
-            target = _cast_dtype(key, (source_a, source_b), job.casts)
-            value_a, cast_a = _cast(source_a.get(key), target)
-            value_b, cast_b = _cast(source_b.get(key), target)
-            any_nan = cast_a or cast_b or _was_cast(source_a, key) or _was_cast(source_b, key)
-            detail = _compare(value_a, value_b, job.atol, job.rtol, any_nan=any_nan)
-            if detail is not None:
-                mine.append((key, detail))
-            progress.advance(job.sizes[i] if job.sizes else 0)
-    finally:
-        source_b.close()
-        source_a.close()
+    for i in positions:
+        key = job.keys[i]
+        target = _cast_dtype(key, views, job.casts)
+        value_a, cast_a = _cast(views[0].get(key), target)
+        value_b, cast_b = _cast(views[1].get(key), target)
+        any_nan = cast_a or cast_b or _was_cast(views[0], key) or _was_cast(views[1], key)
+        detail = _compare(value_a, value_b, job.atol, job.rtol, any_nan=any_nan)
+        if detail is not None:
+            mine.append((key, detail))
+        progress.advance(job.sizes[i] if job.sizes else 0)
     return mine
 
 
-def _verify_rank(job: _VerifyJob, rank: int, world_size: int, group: WorkerGroup | None) -> list[tuple[str, str]] | None:
+def _verify_rank(
+    job: _VerifyJob,
+    rank: int,
+    world_size: int,
+    group: WorkerGroup | None,
+    views: tuple[FlatView, FlatView] | None = None,
+) -> list[tuple[str, str]] | None:
     """Compare keys ``rank, rank + world_size, ...``; rank 0 gathers every rank's differences.
 
     The differences travel as JSON (``WorkerGroup.gather``), never as pickles. With
     ``job.progress``, rank 0's worker draws the ``verify`` bar, its last frame once gathered.
+    ``views``: both sides already open in this process (compared here); None: each worker opens them.
 
     Returns:
         On rank 0, ``(key, detail)`` of every differing key, in key order; None elsewhere.
@@ -356,7 +371,7 @@ def _verify_rank(job: _VerifyJob, rank: int, world_size: int, group: WorkerGroup
     positions = range(rank, len(job.keys), world_size)
     share = sum(job.sizes[i] for i in positions) if job.sizes else 0
     with worker_bars(job.progress, rank, group).step("verify", "verify", sum(job.sizes), share) as progress:
-        mine = _compare_keys(job, positions, progress)
+        mine = _compare_keys(job, positions, progress, views)
         progress.flush()  # every rank's bytes are counted before rank 0 gathers
         if group is None:
             return mine

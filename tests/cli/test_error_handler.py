@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 from pathlib import Path
@@ -85,7 +86,9 @@ def test_checkpoint_errors_print_the_cli_wording(runner: CliRunner, monkeypatch:
 def _fake_verify(monkeypatch: pytest.MonkeyPatch, outcome: VerifyResult | BaseException) -> dict[str, Any]:
     seen: dict[str, Any] = {}
 
-    def fake(a: str, b: str, **kwargs: Any) -> VerifyResult:
+    def fake(a: str, b: str, options: Any = None, **kwargs: Any) -> VerifyResult:
+        if options is not None:  # the command builds VerifyOptions by keyword: its fields are what it asked
+            seen.update({f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
         seen.update(kwargs)
         if isinstance(outcome, BaseException):
             raise outcome

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from pathlib import Path
@@ -98,7 +99,9 @@ def test_the_nproc_default_text_is_plans_rule() -> None:
 def test_nproc_per_node_still_works_hidden(runner: CliRunner, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     seen: dict[str, Any] = {}
 
-    def fake(checkpoint: str, output: str, **kwargs: Any) -> None:
+    def fake(checkpoint: str, output: str, options: Any = None, **kwargs: Any) -> None:
+        if options is not None:  # the command builds ConsolidateOptions by keyword
+            seen.update({f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
         seen.update(kwargs)
         raise KeyboardInterrupt
 
@@ -132,7 +135,7 @@ def test_verbosity_before_or_after_the_command(
 ) -> None:
     seen: dict[str, Any] = {}
 
-    def fake(checkpoint: str, output: str, **kwargs: Any) -> None:
+    def fake(checkpoint: str, output: str, *_: Any, **kwargs: Any) -> None:
         seen["level"] = logging.getLogger("fsdp_convert").getEffectiveLevel()
         logging.getLogger("fsdp_convert.ops.consolidate").info("an info line of the library")
         raise KeyboardInterrupt
@@ -163,7 +166,10 @@ def test_progress_default(
 
     seen: dict[str, Any] = {}
 
-    def fake(*_: Any, **kwargs: Any) -> None:
+    def fake(*args: Any, **kwargs: Any) -> None:
+        for arg in args:  # an options dataclass built by keyword: its fields are what the command asked
+            if dataclasses.is_dataclass(arg):
+                seen.update({f.name: getattr(arg, f.name) for f in dataclasses.fields(arg)})
         seen.update(kwargs)
         raise KeyboardInterrupt
 

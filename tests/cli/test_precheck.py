@@ -39,6 +39,7 @@ USAGE_ERRORS = {
 _PROBE = """
 import json, sys
 from fsdp_convert.cli import main
+sys.modules['fsdp_convert.cli.app'].exit_process = sys.exit  # the report below needs the interpreter to go on
 sys.argv = ['fsdp-convert', *json.loads(sys.argv[1])]
 try:
     main()
@@ -119,7 +120,7 @@ def test_missing_checkpoint_as_the_library_says(tmp_path: Path) -> None:
 
 def test_output_checks_as_the_library_says(ws3_ckpt: Sample, tmp_path: Path) -> None:
     from fsdp_convert.ops.reshard import reshard
-    from fsdp_convert.plan import output_format
+    from fsdp_convert.outputs import output_kind
 
     ck = ws3_ckpt.checkpoint
     for name in ("o.txt", "o.PT.gz"):
@@ -143,7 +144,7 @@ def test_output_checks_as_the_library_says(ws3_ckpt: Sample, tmp_path: Path) -> 
     )
     assert (tmp_path / "exists.pt").read_bytes() == b"precious"
     for name, fmt in (("o.pt", "torch_save"), ("o.safetensors", "safetensors"), ("folder", "hf_dir"), ("exists", "hf_dir")):
-        assert _precheck._auto_format(tmp_path / name) == output_format(tmp_path / name) == fmt
+        assert _precheck._auto_format(tmp_path / name) == output_kind(tmp_path / name).name == fmt
     # what the precheck leaves alone: --overwrite, --resume, an explicit --format, a URL
     check_consolidate(str(ck), str(tmp_path / "exists.pt"), output_format="auto", only="all", lora_only=False,
                       verify_output=False, overwrite=True, resume=False)  # fmt: skip

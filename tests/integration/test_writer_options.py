@@ -114,7 +114,8 @@ def test_writer_option_resharded_to_3_loads_in_fsdp2(writer_options: Path, loade
 def test_safetensors_payloads_move_undecoded(writer_options: Path) -> None:
     """serialization_format=SAFETENSORS: every tensor chunk is located (its bare elements, by byte
     range) and no two chunks share bytes, though .metadata gives them all one offset per file."""
-    index, reader = open_checkpoint(writer_options / "safetensors")
+    source = open_checkpoint(writer_options / "safetensors")
+    index, reader = source.index, source.open_reader()
     ranges = set()
     with reader:
         for entry in index.tensors():
@@ -166,7 +167,8 @@ def test_zstd_reshard_is_read_by_torch_dcp_load(writer_options: Path, tmp_path: 
     meta = FileSystemReader(str(out)).read_metadata()
     assert {tuple(i.transform_descriptors or ()) for i in meta.storage_data.values()} == {(ZSTD_DESCRIPTOR,)}
     truth = _truth(writer_options)
-    index, reader = open_checkpoint(out)
+    source = open_checkpoint(out)
+    index, reader = source.index, source.open_reader()
     with reader:  # a target of the right shapes for torch's loader, made from the index (no values read)
         target: dict[str, dict[str, object]] = {"model": {}}
         for entry in index.tensors():

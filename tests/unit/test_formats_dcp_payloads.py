@@ -63,7 +63,8 @@ def test_safetensors_chunks_are_placed_from_the_header_and_move_undecoded(tmp_pa
     md = FileSystemReader(str(tmp_path)).read_metadata()
     if not writer:  # one data file: every tensor's offset is where its safetensors file starts
         assert len({i.offset for k, i in md.storage_data.items() if k.offset is not None}) == 1
-    index, reader = open_checkpoint(tmp_path)
+    source = open_checkpoint(tmp_path)
+    index, reader = source.index, source.open_reader()
     entries = _by_fqn(index)
     want = {
         "model.w": state["model"]["w"],
@@ -119,7 +120,8 @@ def _zstd_ckpt(path: Path) -> dict[str, Any]:
 
 
 def _read_all(path: Path | str) -> dict[str, Any]:
-    index, reader = open_checkpoint(path)
+    source = open_checkpoint(path)
+    index, reader = source.index, source.open_reader()
     with reader:
         return {
             e.fqn: reader.read_tensor(e) if isinstance(e, TensorEntry) else reader.read_value(e)
@@ -129,7 +131,8 @@ def _read_all(path: Path | str) -> dict[str, Any]:
 
 def test_zstd_payloads_decode_to_the_saved_values(tmp_path: Path) -> None:
     state = _zstd_ckpt(tmp_path)
-    index, reader = open_checkpoint(tmp_path)
+    source = open_checkpoint(tmp_path)
+    index, reader = source.index, source.open_reader()
     with reader:
         w = _by_fqn(index)["model.w"]
         assert isinstance(w, TensorEntry) and w.chunks[0].transform_descriptors == ("stream.zstd/1",)

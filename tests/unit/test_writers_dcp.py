@@ -101,7 +101,8 @@ def test_metadata_is_read_by_torch_and_loads_the_tensor(tmp_path: Path) -> None:
     dcp.load(target, checkpoint_id=tmp_path, no_dist=True)
     assert torch.equal(target["model"]["w"], w)
     # and so does ours, the bytes entry included
-    index, reader = open_checkpoint(tmp_path)
+    source = open_checkpoint(tmp_path)
+    index, reader = source.index, source.open_reader()
     with reader:
         w_entry, step_entry = index.entries
         assert isinstance(w_entry, TensorEntry) and isinstance(step_entry, BytesEntry)
@@ -128,7 +129,8 @@ def test_compressed_rank_files_load_with_torch_dcp_load(tmp_path: Path, monkeypa
     target = {"model": {"w": torch.zeros(5, 3)}}
     dcp.load(target, checkpoint_id=tmp_path, no_dist=True)
     assert torch.equal(target["model"]["w"], w)
-    index, reader = open_checkpoint(tmp_path)
+    source = open_checkpoint(tmp_path)
+    index, reader = source.index, source.open_reader()
     with reader:
         w_entry, step_entry = index.entries
         assert isinstance(w_entry, TensorEntry) and isinstance(step_entry, BytesEntry)
