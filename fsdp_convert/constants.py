@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import torch
 
+from fsdp_convert.suffixes import SAFETENSORS_SUFFIXES, TORCH_SAVE_SUFFIXES
+
 __all__ = [
     "METADATA_FILENAME",
     "HF_INDEX_FILENAME",
     "HF_SINGLE_FILENAME",
     "OPTIMIZER_FILENAME",
     "EXTRA_STATE_FILENAME",
+    "ADAPTER_WEIGHTS_FILENAME",
+    "ADAPTER_CONFIG_FILENAME",
     "TORCH_SAVE_SUFFIXES",
     "SAFETENSORS_SUFFIXES",
     "SAFETENSORS_DTYPES",
@@ -34,8 +38,8 @@ HF_INDEX_FILENAME = "model.safetensors.index.json"  # weight_map of a sharded Hu
 HF_SINGLE_FILENAME = "model.safetensors"  # an unsharded Hugging Face folder's one file
 OPTIMIZER_FILENAME = "optimizer.pt"  # beside HF shards, as transformers' Trainer names it
 EXTRA_STATE_FILENAME = "extra_state.pt"
-TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin")
-SAFETENSORS_SUFFIXES = (".safetensors",)
+ADAPTER_WEIGHTS_FILENAME = "adapter_model.safetensors"  # a PEFT adapter folder's: peft.utils.constants.SAFETENSORS_WEIGHTS_NAME
+ADAPTER_CONFIG_FILENAME = "adapter_config.json"  # peft.utils.constants.CONFIG_NAME
 
 _FLOAT4 = getattr(torch, "float4_e2m1fn_x2", None)  # torch >= 2.8
 

@@ -26,10 +26,11 @@ from typing import Any, Literal
 
 import torch
 
+from fsdp_convert.constants import ADAPTER_CONFIG_FILENAME
 from fsdp_convert.derive import Derived, Input, TensorInfo, copy_of
 from fsdp_convert.errors import InvalidOptionError, UnsupportedTransformError
 from fsdp_convert.formats.index import CheckpointIndex
-from fsdp_convert.layout import classify
+from fsdp_convert.roles import classify
 from fsdp_convert.transform import OutputItem, TransformOptions, clean_fqn
 
 __all__ = [
@@ -37,8 +38,6 @@ __all__ = [
     "LoraOptions",
     "LoraTarget",
     "PEFT_PREFIX",
-    "ADAPTER_WEIGHTS_NAME",
-    "ADAPTER_CONFIG_NAME",
     "lora_scale",
     "read_lora_config",
     "lora_options",
@@ -53,8 +52,6 @@ __all__ = [
 
 LoraMode = Literal["merge", "only"]
 PEFT_PREFIX = "base_model.model."  # PeftModel.base_model (LoraModel) .model (the wrapped transformers model)
-ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"  # peft.utils.constants.SAFETENSORS_WEIGHTS_NAME
-ADAPTER_CONFIG_NAME = "adapter_config.json"  # peft.utils.constants.CONFIG_NAME
 _LORA = ("lora_A", "lora_B")
 _BASE = "base_layer"
 # PEFT config fields this tool cannot honour: each changes the merge or the names it would write.
@@ -409,7 +406,7 @@ def write_adapter_config(
     fqns = [clean_fqn(str(s.param)) for s in classify(index) if s.role == "model"]
     adapter = {str(item.path[-1]): item.shape for item in items if item.group == "model" and item.is_tensor}
     config = adapter_config(lora, adapter, fqns)
-    with open(os.path.join(folder, ADAPTER_CONFIG_NAME), "x", encoding="utf-8") as f:
+    with open(os.path.join(folder, ADAPTER_CONFIG_FILENAME), "x", encoding="utf-8") as f:
         f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())

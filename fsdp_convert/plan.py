@@ -9,35 +9,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
 
-from fsdp_convert.constants import (
-    EXTRA_STATE_FILENAME,
-    HF_SINGLE_FILENAME,
-    METADATA_FILENAME,
-    OPTIMIZER_FILENAME,
-    SAFETENSORS_SUFFIXES,
-    TORCH_SAVE_SUFFIXES,
-)
+from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.errors import InvalidOptionError, NotADcpCheckpointError
 from fsdp_convert.formats.index import CheckpointIndex, TensorEntry, check_coverage, unflatten
-from fsdp_convert.layout import GROUPS, Group
+from fsdp_convert.outputs import FilePlan, Only, OutputKind, RequestedFormat
 from fsdp_convert.transform import OutputItem
-from fsdp_convert.writers.safetensors import safetensors_layout
-from fsdp_convert.writers.torch_save import TensorSlot, torch_save_layout
 
 __all__ = [
-    "OutputFormat",
-    "Only",
-    "RequestedFormat",
+    "Only",  # from outputs
+    "RequestedFormat",  # from outputs
     "DEFAULT_MEMORY_BUDGET_BYTES",
     "DEFAULT_MAX_SHARD_BYTES",
-    "output_format",
-    "groups_for",
-    "FilePlan",
+    "FilePlan",  # from outputs
     "WorkPlan",
     "assign_owners",
-    "plan_shards",
     "default_nproc",
     "mover_buffers",
     "plan_consolidate",
@@ -49,83 +35,14 @@ __all__ = [
     "staging_bytes",
 ]
 
-OutputFormat = Literal["torch_save", "safetensors", "hf_dir"]
-Only = Literal["all", "model", "optim"]
-RequestedFormat = Literal["auto", "torch", "safetensors"]
 DEFAULT_MEMORY_BUDGET_BYTES = 256 << 20
 DEFAULT_MAX_SHARD_BYTES = 50 * 10**9  # "50GB", save_pretrained's default since transformers 5 (4.x: "5GB")
 MIN_BYTES_PER_WORKER = 2 << 30  # below this a worker's start-up (forkserver, launcher, gloo: 0.5-2 s) costs more than it saves
 THREADS_PER_WORKER = 2  # mover threads per process: one's read overlaps the other's write
 MAX_PIECE_BYTES = 32 << 20  # larger buffers than this gain nothing per read or write
 MIN_PIECE_BYTES = 64 << 10
-RECORD_TAIL_BYTES = 256  # per torch.save item, past its storage: its data.pkl share, zip headers, central directory
 STRIPE_BYTES = 64 << 20  # workers take turns at stripes of the output this long
 WAVE_BYTES = 2 << 30  # an output to object storage is written in waves of files this large (or one larger file)
-
-
-def output_format(output: Path, requested: RequestedFormat = "auto") -> OutputFormat:
-    """The writer an output path (and ``--format``) asks for.
-
-    ``auto``: ``.pt``/``.pth``/``.bin`` is one torch.save file; ``.safetensors`` one safetensors
-    file; no suffix, or an existing folder, a Hugging Face folder (safetensors shards plus index).
-    ``torch``: one torch.save file, whatever the name (Lightning's ``.ckpt``), unless it names a
-    folder or a ``.safetensors`` file. ``safetensors``: a ``.safetensors`` file, or else a Hugging
-    Face folder.
-
-    Raises:
-        InvalidOptionError: an unknown suffix with ``auto`` (the message suggests ``--format
-            torch``), or a name that contradicts ``requested``.
-    """
-    suffix = output.suffix.lower()
-    known = ", ".join(TORCH_SAVE_SUFFIXES + SAFETENSORS_SUFFIXES)
-    if requested not in ("auto", "torch", "safetensors"):
-        raise InvalidOptionError(f"--format {requested!r}: use auto, torch or safetensors")
-    if requested == "torch":
-        if suffix in SAFETENSORS_SUFFIXES or output.is_dir():
-            what = "an existing folder" if output.is_dir() else f"a {output.suffix} name"
-            raise InvalidOptionError(f"{output}: --format torch writes one torch.save file, not {what}")
-        return "torch_save"
-    if requested == "safetensors":
-        if suffix in TORCH_SAVE_SUFFIXES:
-            raise InvalidOptionError(
-                f"{output}: --format safetensors needs a .safetensors name or a folder, not {output.suffix!r}"
-            )
-        return "safetensors" if suffix in SAFETENSORS_SUFFIXES else "hf_dir"
-    if suffix in TORCH_SAVE_SUFFIXES:
-        return "torch_save"
-    if suffix in SAFETENSORS_SUFFIXES:
-        return "safetensors"
-    if suffix == "" or output.is_dir():
-        return "hf_dir"
-    raise InvalidOptionError(
-        f"{output}: unknown output suffix {output.suffix!r}; use one of {known} or a folder name, "
-        "or --format torch to write a torch.save file under this name"
-    )
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FilePlan:
-    """One output file, laid out before any data is read: its items and where each tensor's bytes go.
-
-    Attributes:
-        filename: name inside the output folder, or None for the output path itself.
-        item_ids: indices into ``WorkPlan.items``, in file order.
-        strip: leading path elements dropped in the file (1 for ``optimizer.pt``, which holds the
-            optimizer state dict itself, not ``{"optim": ...}``).
-        output_format: ``torch_save`` or ``safetensors``.
-        data_offsets: per item of ``item_ids``, where its tensor's bytes start in the file, in
-            bytes (None for a plain value); ``writers.torch_save.torch_save_layout`` or
-            ``writers.safetensors.safetensors_layout``.
-        header: a safetensors file's header bytes (empty for torch.save, whose headers rank 0
-            writes once the values are read).
-    """
-
-    filename: str | None
-    item_ids: tuple[int, ...]
-    strip: int
-    output_format: OutputFormat
-    data_offsets: tuple[int | None, ...]
-    header: bytes = b""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,9 +53,9 @@ class WorkPlan:
         items: the output items (see ``transform.build_items``).
         owners: for each item, the rank that moves its bytes; values are read by rank 0.
         nproc: number of workers.
-        output_format: ``torch_save`` or ``safetensors`` (one file), or ``hf_dir`` (a folder).
-        files: every output file: the output itself, or a folder's safetensors shards (in shard
-            order) then ``optimizer.pt`` and ``extra_state.pt``.
+        kind: what is written (``outputs.output_kind``): it placed the files and finishes the output.
+        files: every output file (``OutputKind.plan_files``): the output itself, or a folder's
+            safetensors shards (in shard order) then ``optimizer.pt`` and ``extra_state.pt``.
         memory_budget_bytes: buffers each process may hold, in bytes.
         threads: mover threads per worker.
         piece_bytes: size of each mover buffer (two per thread), in bytes.
@@ -149,7 +66,7 @@ class WorkPlan:
     items: tuple[OutputItem, ...]
     owners: tuple[int, ...]
     nproc: int
-    output_format: OutputFormat
+    kind: OutputKind
     files: tuple[FilePlan, ...]
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
     threads: int = THREADS_PER_WORKER
@@ -162,9 +79,14 @@ class WorkPlan:
         return sum(item.nbytes for item in self.items)
 
     @property
+    def output_format(self) -> str:
+        """The kind's name: ``torch_save`` or ``safetensors`` (one file), or ``hf_dir`` (a folder)."""
+        return self.kind.name
+
+    @property
     def shards(self) -> tuple[FilePlan, ...]:
-        """The safetensors shards of an ``hf_dir`` output (none otherwise)."""
-        return tuple(f for f in self.files if f.output_format == "safetensors") if self.output_format == "hf_dir" else ()
+        """The files the folder's index lists (``OutputKind.shards``: a Hugging Face folder's safetensors shards)."""
+        return self.kind.shards(self.files)
 
     def bytes_per_rank(self) -> list[int]:
         """Bytes assigned to each rank to move, in bytes."""
@@ -197,61 +119,6 @@ def assign_owners(
     return tuple(owners)
 
 
-def _file_plan(
-    items: tuple[OutputItem, ...], ids: tuple[int, ...], filename: str | None, fmt: OutputFormat, strip: int
-) -> FilePlan:
-    """Lay one output file out: every tensor's byte range, from shapes and dtypes alone.
-
-    Raises:
-        InvalidOptionError: a tensor safetensors cannot hold, or two tensors of one name.
-    """
-    if fmt == "safetensors":
-        spec = []
-        for i in ids:
-            dtype = items[i].dtype
-            assert dtype is not None  # safetensors files hold tensors only (checked by the caller)
-            spec.append((items[i].path[strip:], dtype, items[i].shape))
-        try:
-            layout = safetensors_layout(spec)
-        except ValueError as e:
-            raise InvalidOptionError(f"{filename or 'the output'}: {e}") from e
-        return FilePlan(
-            filename=filename,
-            item_ids=ids,
-            strip=strip,
-            output_format=fmt,
-            data_offsets=layout.data_offsets,
-            header=layout.header,
-        )
-    slots = [TensorSlot(dtype, items[i].shape) if items[i].is_tensor and (dtype := items[i].dtype) else None for i in ids]
-    return FilePlan(filename=filename, item_ids=ids, strip=strip, output_format=fmt, data_offsets=torch_save_layout(slots))
-
-
-def plan_shards(items: tuple[OutputItem, ...], item_ids: list[int], max_shard_bytes: int) -> tuple[FilePlan, ...]:
-    """Pack tensors into shard files in order, as transformers' ``save_pretrained`` does, and lay each out.
-
-    A new shard starts when the next tensor would take the current one past ``max_shard_bytes``;
-    a tensor larger than that gets a shard of its own. One shard is named ``model.safetensors``;
-    several ``model-0000i-of-0000n.safetensors``.
-    """
-    groups: list[list[int]] = []
-    size = 0
-    for i in item_ids:
-        nbytes = items[i].nbytes
-        if not groups or (size + nbytes > max_shard_bytes and size > 0):
-            groups.append([])
-            size = 0
-        groups[-1].append(i)
-        size += nbytes
-    n = len(groups)
-    return tuple(
-        _file_plan(
-            items, tuple(g), HF_SINGLE_FILENAME if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors", "safetensors", 0
-        )
-        for k, g in enumerate(groups)
-    )
-
-
 def default_nproc(total_bytes: int, data_files: int, cpus: int) -> int:
     """Workers to start when the user does not say: one per CPU core.
 
@@ -272,30 +139,12 @@ def mover_buffers(memory_budget_bytes: int) -> tuple[int, int]:
     return THREADS_PER_WORKER, max(MIN_PIECE_BYTES, min(MAX_PIECE_BYTES, piece))
 
 
-def groups_for(fmt: OutputFormat, only: Only) -> tuple[Group, ...]:
-    """The groups an output holds, for ``--only``.
-
-    A safetensors file holds model weights only; a folder holds the model as shards and, with
-    ``only="all"``, the optimizer in ``optimizer.pt`` and the rest in ``extra_state.pt``.
-
-    Raises:
-        InvalidOptionError: optimizer state asked of a safetensors file.
-    """
-    if fmt == "safetensors":
-        if only == "optim":
-            raise InvalidOptionError(
-                "a .safetensors file holds model weights only; use a .pt file or a folder for optimizer state"
-            )
-        return ("model",)
-    return GROUPS if only == "all" else (only,)
-
-
 def plan_consolidate(
     index: CheckpointIndex,
     items: tuple[OutputItem, ...],
     output: Path,
     *,
-    fmt: OutputFormat,
+    kind: OutputKind,
     nproc: int | None = None,
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -306,12 +155,9 @@ def plan_consolidate(
 
     Args:
         index: the checkpoint's index.
-        items: what to write (``transform.build_items``), already restricted to ``groups_for(fmt, only)``.
+        items: what to write (``transform.build_items``), already restricted to ``kind.groups(only)``.
         output: the output path.
-        fmt: ``torch_save`` (one file of the nested state dict), ``safetensors`` (model weights in
-            one file), ``hf_dir`` (model weights as Hugging Face safetensors shards of at most
-            ``max_shard_bytes`` plus ``model.safetensors.index.json``; optimizer state in
-            ``optimizer.pt``, other entries in ``extra_state.pt``).
+        kind: what to write (``outputs.output_kind``); it places the files (``OutputKind.plan_files``).
         nproc: workers that will read; ``None`` picks ``default_nproc`` (with ``cpus``).
         memory_budget_bytes: buffers each process may hold, in bytes (``mover_buffers``).
         max_shard_bytes: largest shard file of a folder output, in bytes.
@@ -320,7 +166,7 @@ def plan_consolidate(
             from the page cache as it is written. None: never.
 
     Raises:
-        InvalidOptionError: ``nproc < 1``, nothing left to write, or a value for a safetensors file.
+        InvalidOptionError: ``nproc < 1``, nothing left to write, or what ``kind`` cannot hold (``OutputKind.plan_files``).
         CoverageError: a selected tensor's chunks do not tile it.
         NotADcpCheckpointError: inconsistent planner paths.
     """
@@ -330,13 +176,6 @@ def plan_consolidate(
         raise InvalidOptionError(
             f"{index.checkpoint_id}: nothing to write (no entries are left after --only/--include/--exclude)"
         )
-    model_ids = [i for i, item in enumerate(items) if item.group == "model"]
-    if fmt != "torch_save":
-        for i in model_ids:
-            if not items[i].is_tensor:
-                raise InvalidOptionError(
-                    f"{items[i].entry.fqn} is not a tensor; safetensors holds tensors only (use a .pt output)"
-                )
     try:
         unflatten((item.path, None) for item in items)
     except ValueError as err:
@@ -349,20 +188,13 @@ def plan_consolidate(
     total = sum(item.nbytes for item in items)
     if nproc is None:
         nproc = default_nproc(total, len(index.data_files) or 1, cpus)
-    if fmt != "hf_dir":
-        files: tuple[FilePlan, ...] = (_file_plan(items, tuple(range(len(items))), None, fmt, 0),)
-    else:
-        files = plan_shards(items, model_ids, max_shard_bytes) if model_ids else ()
-        for group, filename, strip in (("optim", OPTIMIZER_FILENAME, 1), ("other", EXTRA_STATE_FILENAME, 0)):
-            ids = tuple(i for i, item in enumerate(items) if item.group == group)
-            if ids:
-                files += (_file_plan(items, ids, filename, "torch_save", strip),)
+    files = kind.plan_files(items, max_shard_bytes=max_shard_bytes)
     threads, piece_bytes = mover_buffers(memory_budget_bytes)
     return WorkPlan(
         items=items,
         owners=assign_owners(items, nproc, [i for f in files for i in f.item_ids]),
         nproc=nproc,
-        output_format=fmt,
+        kind=kind,
         files=files,
         memory_budget_bytes=memory_budget_bytes,
         threads=threads,
@@ -372,7 +204,7 @@ def plan_consolidate(
 
 
 def output_bytes(plan: WorkPlan) -> int:
-    """The consolidated output's size, in bytes, from its layout (known before any data is read).
+    """The consolidated output's size, in bytes, from its placement (known before any data is read).
 
     A safetensors file ends with its last tensor; a torch.save file's storages are followed by
     ``data.pkl`` (the values, each at most its payload size) and the zip's central directory,
@@ -383,12 +215,8 @@ def output_bytes(plan: WorkPlan) -> int:
 
 
 def file_bytes(plan: WorkPlan, file: FilePlan) -> int:
-    """One output file's size, in bytes, from its layout (as ``output_bytes`` counts it)."""
-    ends = [o + plan.items[i].nbytes for i, o in zip(file.item_ids, file.data_offsets, strict=True) if o is not None]
-    size = max(ends, default=len(file.header))
-    if file.output_format == "torch_save":
-        size += sum(RECORD_TAIL_BYTES + (0 if plan.items[i].is_tensor else plan.items[i].nbytes) for i in file.item_ids)
-    return size
+    """One output file's size, in bytes, from its placement (``FileKind.size_bytes``, as ``output_bytes`` counts it)."""
+    return file.kind.size_bytes(file, plan.items)
 
 
 def group_waves(sizes: Sequence[int], wave_bytes: int) -> tuple[tuple[int, ...], ...]:

@@ -2,8 +2,8 @@
 
 They run before torch is imported (seconds on a cold cache), so a usage mistake is told at once.
 Each repeats a rule the library applies again later, in the same words, for callers of the
-library: ``transform.parse_dtype`` (``constants.DTYPE_NAMES``) and ``transform.parse_rename``; ``plan.output_format`` (an
-auto format, by OUT's suffix) and ``plan.groups_for``; the ``--lora-only`` checks of
+library: ``transform.parse_dtype`` (``constants.DTYPE_NAMES``) and ``transform.parse_rename``; ``outputs.output_kind`` (an
+auto format, by OUT's suffix) and ``OutputKind.groups``; the ``--lora-only`` checks of
 ``ops.consolidate``; ``formats.dcp.read_dcp_index`` and ``ops.verify.open_source`` (a missing
 input). OUT itself is checked by the library's own function, ``writers.check_output``
 (not an input or around one, no link, free, a folder replaced only if it is this tool's or with
@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 
 from fsdp_convert.errors import CheckpointNotFoundError, InvalidOptionError
+from fsdp_convert.suffixes import SAFETENSORS_SUFFIXES, TORCH_SAVE_SUFFIXES
 from fsdp_convert.writers import check_output
 
 __all__ = [
@@ -38,9 +39,6 @@ DTYPE_NAMES = {
     "bf16": "bf16", "bfloat16": "bf16",
     "fp16": "fp16", "float16": "fp16", "half": "fp16",
 }  # fmt: skip
-# constants.TORCH_SAVE_SUFFIXES and SAFETENSORS_SUFFIXES (constants imports torch)
-_TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin")
-_SAFETENSORS_SUFFIXES = (".safetensors",)
 _COUNTED = re.compile(r"-[vq]+|--verbose|--quiet")  # -v, -vv, -q, ...: counts, not levels
 
 
@@ -101,15 +99,15 @@ def _local(location: str) -> Path | None:
 
 
 def _auto_format(output: Path) -> str:
-    """``plan.output_format(output, "auto")``: ``torch_save``, ``safetensors`` or ``hf_dir``."""
+    """``outputs.output_kind(output, "auto").name`` for the built-in kinds: ``torch_save``, ``safetensors`` or ``hf_dir``."""
     suffix = output.suffix.lower()
-    if suffix in _TORCH_SAVE_SUFFIXES:
+    if suffix in TORCH_SAVE_SUFFIXES:
         return "torch_save"
-    if suffix in _SAFETENSORS_SUFFIXES:
+    if suffix in SAFETENSORS_SUFFIXES:
         return "safetensors"
     if suffix == "" or output.is_dir():
         return "hf_dir"
-    known = ", ".join(_TORCH_SAVE_SUFFIXES + _SAFETENSORS_SUFFIXES)
+    known = ", ".join(TORCH_SAVE_SUFFIXES + SAFETENSORS_SUFFIXES)
     raise InvalidOptionError(
         f"{output}: unknown output suffix {output.suffix!r}; use one of {known} or a folder name, "
         "or --format torch to write a torch.save file under this name"

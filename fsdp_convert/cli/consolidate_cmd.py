@@ -275,15 +275,24 @@ def consolidate_command(
             hf_assets=hf_assets,
         )
         torch_ready()
-        options = transform_options(optim_keys, keep_wrapper_names, rename, include, exclude, dtype, optim_dtype, layout)
-        options = with_adapter(options, adapter, model_config, adapter_option, hf_assets)
-        options = _with_lora(options, merge_lora, lora_only, lora_config, lora_alpha, lora_r)
-        result = consolidate(
-            checkpoint,
-            output,
+        transform = transform_options(
+            optim_keys=optim_keys,
+            keep_wrapper_names=keep_wrapper_names,
+            rename=rename,
+            include=include,
+            exclude=exclude,
+            dtype=dtype,
+            optim_dtype=optim_dtype,
+            layout=layout,
+        )
+        transform = with_adapter(transform, adapter, model_config, adapter_option, hf_assets)
+        transform = _with_lora(transform, merge_lora, lora_only, lora_config, lora_alpha, lora_r)
+        from fsdp_convert.ops.options import ConsolidateOptions
+
+        options = ConsolidateOptions(
             nproc=nproc,
             only=only.value,
-            options=options,
+            transform=transform,
             output_format=output_format.value,
             overwrite=overwrite,
             force=force,
@@ -297,6 +306,7 @@ def consolidate_command(
             cluster=cluster_options(nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id),
             hf_assets=hf_assets,
         )
+        result = consolidate(checkpoint, output, options)
     print_result(
         result,
         json_output=json_output,

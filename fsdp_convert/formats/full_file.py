@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from fsdp_convert.constants import (
+    ADAPTER_WEIGHTS_FILENAME,
     EXTRA_STATE_FILENAME,
     HF_INDEX_FILENAME,
     HF_SINGLE_FILENAME,
@@ -60,7 +61,6 @@ __all__ = [
 ]
 
 MODEL_PREFIX = "model."
-ADAPTER_WEIGHTS_FILENAME = "adapter_model.safetensors"  # a PEFT adapter folder's (save_pretrained; lora.py writes it)
 # a folder's files beside its safetensors, and the path each one's dict is nested under
 SIDE_FILES: tuple[tuple[str, tuple[str, ...]], ...] = ((OPTIMIZER_FILENAME, ("optim",)), (EXTRA_STATE_FILENAME, ()))
 _FOLDER_FILES = (HF_INDEX_FILENAME, HF_SINGLE_FILENAME, ADAPTER_WEIGHTS_FILENAME, OPTIMIZER_FILENAME, EXTRA_STATE_FILENAME)

@@ -11,23 +11,19 @@ from __future__ import annotations
 import os
 from contextlib import ExitStack
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-from fsdp_convert.constants import HF_INDEX_FILENAME
-from fsdp_convert.formats import Reader, open_reader
-from fsdp_convert.formats.index import BytesEntry, Location, ObjPath, TensorEntry
+from fsdp_convert.formats import Reader, Source
+from fsdp_convert.formats.index import BytesEntry, TensorEntry
 from fsdp_convert.launch import WorkerGroup, worker_bars
-from fsdp_convert.move import MoveJob, Piece, move_all, pwrite_all, range_crc
+from fsdp_convert.move import MoveJob, Piece, move_all, range_crc
 from fsdp_convert.plan import FilePlan, WorkPlan
 from fsdp_convert.resume import ResumeState, begin_share
 from fsdp_convert.transform import OutputItem
-from fsdp_convert.writers._atomic import writing
-from fsdp_convert.writers.safetensors import ShardFile, write_hf_index
-from fsdp_convert.writers.torch_save import TensorSlot, write_torch_save_headers
+from fsdp_convert.writers.transaction import writing
 
-__all__ = ["ConsolidateJob", "consolidate_rank", "write_index"]
+__all__ = ["ConsolidateJob", "consolidate_rank"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,8 +31,8 @@ class ConsolidateJob:
     """What every worker of a consolidation needs: the plan, where to write, and a resumable output's state.
 
     Attributes:
-        checkpoint_id: the checkpoint read.
-        plan: the laid-out output.
+        source: the checkpoint read (its format and index, decided once; ``Source.open_reader``).
+        plan: the placed output (its kind finishes each file and the folder).
         tmp_output: the temporary output written.
         progress: a ``write`` bar of the whole job's tensor bytes on stderr, drawn by rank 0's worker.
         check_crc: check the CRC-32 of every payload read.
@@ -44,7 +40,7 @@ class ConsolidateJob:
         index: write the folder's index (a wave of an output to object storage does not).
     """
 
-    checkpoint_id: Location
+    source: Source
     plan: WorkPlan
     tmp_output: Path
     progress: bool
@@ -102,24 +98,16 @@ def _value(reader: Reader, item: OutputItem) -> Any:
 
 
 def _finish_file(job: ConsolidateJob, f: int, fd: int, pieces: list[Piece], reader: Reader) -> None:
-    """Rank 0, once every worker's tensors are in place: write the file's headers (and pickle); fsync."""
+    """Rank 0, once every worker's tensors are in place: the file's kind writes the rest (``FileKind.finish_file``); fsync."""
     file = job.plan.files[f]
-    if file.output_format == "safetensors":
-        pwrite_all(fd, memoryview(file.header), 0)
-    else:
-        by_offset = {p.offset: p for p in pieces if p.file == f}
-        items: list[tuple[ObjPath, Any]] = []
-        crcs: dict[int, int] = {}
-        for j, (i, offset) in enumerate(zip(file.item_ids, file.data_offsets, strict=True)):
-            item = job.plan.items[i]
-            path = item.path[file.strip :]
-            if item.is_tensor:
-                assert item.dtype is not None and offset is not None
-                crcs[j] = range_crc(fd, by_offset, offset, item.nbytes)
-                items.append((path, TensorSlot(item.dtype, item.shape)))
-            else:
-                items.append((path, _value(reader, item)))
-        write_torch_save_headers(fd, items, crcs, file.data_offsets)
+    by_offset = {p.offset: p for p in pieces if p.file == f}
+    file.kind.finish_file(
+        fd,
+        file,
+        job.plan.items,
+        lambda offset, nbytes: range_crc(fd, by_offset, offset, nbytes),
+        lambda item: _value(reader, item),
+    )
     os.fsync(fd)
 
 
@@ -141,7 +129,7 @@ def consolidate_rank(job: ConsolidateJob, rank: int, world_size: int, group: Wor
 
     Every rank moves its own tensors into place in the output files (``move.move_all``) and
     fsyncs them; rank 0 gathers every rank's pieces (offsets and CRC-32s only), reads the plain
-    values, and writes each file's headers, pickle and central directory, then the folder's index.
+    values, and has each file's kind finish it (headers, pickle), then the folder's index.
     With ``job.progress``, rank 0's worker draws a ``write`` bar of every rank's bytes, its last
     frame once every rank's pieces are gathered.
 
@@ -159,7 +147,7 @@ def consolidate_rank(job: ConsolidateJob, rank: int, world_size: int, group: Wor
         progress = stack.enter_context(bars.step("write", "write", job_bytes, sum(j.nbytes for j in jobs) + kept_bytes))
         progress.keep(kept_bytes)
         pieces = move_all(
-            partial(open_reader, job.checkpoint_id, check_crc=job.check_crc),
+            job.source.open_reader,
             jobs,
             threads=plan.threads,
             piece_bytes=plan.piece_bytes,
@@ -179,27 +167,11 @@ def consolidate_rank(job: ConsolidateJob, rank: int, world_size: int, group: Wor
             return None
         progress.close()  # rank 0: the last frame, of every rank's bytes
         everything = [Piece(*map(int, row)) for share in gathered for row in share]
-        with open_reader(job.checkpoint_id, check_crc=job.check_crc) as reader:
+        with job.source.open_reader() as reader:
             for f, fd in enumerate(fds):
                 _finish_file(job, f, fd, everything, reader)
         if job.index:
-            write_index(job.tmp_output, plan)
-        if plan.output_format != "hf_dir":
+            plan.kind.write_index(job.tmp_output, plan.files, plan.items)
+        if not plan.kind.directory:
             return os.fstat(fds[0]).st_size
         return sum(p.stat().st_size for p in job.tmp_output.iterdir())
-
-
-def write_index(folder: Path, plan: WorkPlan) -> int:
-    """Rank 0: a folder of several shards gets its ``model.safetensors.index.json``; its size in bytes (0: none)."""
-    if len(plan.shards) <= 1:
-        return 0
-    shards = [
-        ShardFile(
-            filename=s.filename or "",
-            paths=tuple(plan.items[i].path for i in s.item_ids),
-            tensor_bytes=sum(plan.items[i].nbytes for i in s.item_ids),
-        )
-        for s in plan.shards
-    ]
-    write_hf_index(folder / HF_INDEX_FILENAME, shards)
-    return (folder / HF_INDEX_FILENAME).stat().st_size

@@ -98,7 +98,7 @@ class ConsolidateOptions:
     ``adapter_config.json``); it refuses a file OUT and ``verify_output``."""
     output_format: RequestedFormat = "auto"
     """``auto`` (by OUT's suffix), ``torch`` (torch.save under any name but ``.safetensors``, e.g. Lightning's
-    ``.ckpt``) or ``safetensors`` (``plan.output_format``)."""
+    ``.ckpt``) or ``safetensors`` (``outputs.output_kind``)."""
     overwrite: bool = False
     """Replace an existing OUT, at the final rename only. OUT may never be the checkpoint (nor ``hf_assets``),
     inside it or one of its folders, nor a link."""

@@ -1,10 +1,10 @@
-"""safetensors output laid out before any data is read, and Hugging Face's shard index.
+"""safetensors output placed before any data is read, and Hugging Face's shard index.
 
 Format (https://github.com/huggingface/safetensors, "Format"): an 8-byte little-endian header
 length N, N bytes of JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__":
 {...}}`` padded with spaces to a multiple of 8, then the tensor bytes, little-endian, C order,
 back to back. Every name, dtype and shape is known from the index before any data is read, so
-every tensor's byte range is too (``safetensors_layout``): workers write the tensors in place and
+every tensor's byte range is too (``safetensors_placement``): workers write the tensors in place and
 rank 0 the header.
 """
 
@@ -24,8 +24,9 @@ from fsdp_convert.constants import SAFETENSORS_DTYPES, SAFETENSORS_TO_TORCH, saf
 from fsdp_convert.formats.index import ObjPath, dcp_key, dtype_name
 
 __all__ = [
-    "SafetensorsLayout",
-    "safetensors_layout",
+    "SafetensorsPlacement",
+    "safetensors_placement",
+    "write_safetensors_header",
     "SAFETENSORS_DTYPES",
     "SAFETENSORS_TO_TORCH",
     "safetensors_name",
@@ -40,8 +41,8 @@ def safetensors_name(path: ObjPath) -> str:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class SafetensorsLayout:
-    """A safetensors file laid out before any data is read.
+class SafetensorsPlacement:
+    """A safetensors file placed before any data is read: its header and every tensor's offset.
 
     Attributes:
         header: the file's first bytes: the 8-byte little-endian length and the padded JSON header.
@@ -54,9 +55,9 @@ class SafetensorsLayout:
     size: int
 
 
-def safetensors_layout(
-    layout: Sequence[tuple[ObjPath, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None
-) -> SafetensorsLayout:
+def safetensors_placement(
+    tensors: Sequence[tuple[ObjPath, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None
+) -> SafetensorsPlacement:
     """The header and every tensor's byte range of a safetensors file of these tensors, in this order.
 
     Each tensor's header entry is ``{"dtype": SAFETENSORS_DTYPES[dtype], "shape": ..., "data_offsets":
@@ -65,7 +66,7 @@ def safetensors_layout(
     for ``float4_e2m1fn_x2``, whose last dim counts 4-bit values (``constants.safetensors_shape``).
 
     Args:
-        layout: ``(path, dtype, shape)`` of every tensor, in file order; shapes in torch elements.
+        tensors: ``(path, dtype, shape)`` of every tensor, in file order; shapes in torch elements.
         metadata: string pairs for ``__metadata__`` (``{"format": "pt"}`` by default, as HF writes).
 
     Raises:
@@ -75,7 +76,7 @@ def safetensors_layout(
     header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
     begins = []
     begin = 0
-    for obj_path, dtype, shape in layout:
+    for obj_path, dtype, shape in tensors:
         name = safetensors_name(obj_path)
         if dtype not in SAFETENSORS_DTYPES:
             raise ValueError(
@@ -94,7 +95,19 @@ def safetensors_layout(
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     head = struct.pack("<Q", len(raw)) + raw
-    return SafetensorsLayout(header=head, data_offsets=tuple(len(head) + b for b in begins), size=len(head) + begin)
+    return SafetensorsPlacement(header=head, data_offsets=tuple(len(head) + b for b in begins), size=len(head) + begin)
+
+
+def write_safetensors_header(fd: int, header: bytes) -> None:
+    """Write a placed file's header (``SafetensorsPlacement.header``) at its start; its tensors are in place. Rank 0 only.
+
+    Args:
+        fd: the file, open for writing.
+        header: the 8-byte length and the padded JSON header.
+    """
+    view = memoryview(header)
+    while view:
+        view = view[os.pwrite(fd, view, len(header) - len(view)) :]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,4 +1,4 @@
-"""torch.save output laid out before any data is read: storage records first, at known offsets; the pickle last.
+"""torch.save output placed before any data is read: storage records first, at known offsets; the pickle last.
 
 torch.save's container (``torch/serialization.py``, ``_save``) is a zip of one record per storage
 (``data/<key>``), a pickle ``data.pkl`` that refers to storages only by key through
@@ -7,13 +7,13 @@ torch.save's container (``torch/serialization.py``, ``_save``) is a zip of one r
 matter to ``torch.load``, so here the storage records come first, in item order, and ``data.pkl``
 after them: every storage's byte range then depends only on the storages' sizes.
 
-The zip is laid out by torch's own writer (``torch._C.PyTorchFileWriter``,
+The zip is built by torch's own writer (``torch._C.PyTorchFileWriter``,
 ``caffe2/serialize/inline_container.cc``), driven over ``_HeaderImage``, a file object that keeps
 what it is given in memory and remembers seeks over the data: ``write_record_metadata`` (what
 ``torch.serialization.skip_data`` uses) writes a storage record's local header, 64-byte aligned,
 and its data descriptor, and skips its data. So the headers, ``data.pkl``, the central directory
 and zip64 records where needed are exactly torch's, and every storage's data offset is known
-(``torch_save_layout``). Workers ``pwrite`` the storages there; rank 0 writes the headers last
+(``torch_save_offsets``). Workers ``pwrite`` the storages there; rank 0 writes the headers last
 (``write_torch_save_headers``), with the CRC-32s the workers computed patched in (``_zipcrc``),
 so ``torch.load(weights_only=True, mmap=True)``, ``zipfile.testzip()`` and ``unzip -t`` all pass.
 """
@@ -48,10 +48,10 @@ from fsdp_convert.zip_records import read_records
 
 __all__ = [
     "TensorSlot",
-    "torch_save_layout",
+    "torch_save_offsets",
     "write_torch_save_headers",
-    "PayloadLayout",
-    "tensor_payload_layout",
+    "PayloadPlacement",
+    "tensor_payload_placement",
     "write_tensor_payload_headers",
     "PICKLE_PROTOCOL",
 ]
@@ -209,7 +209,7 @@ def _data_offsets(image: _HeaderImage, count: int) -> list[int | None]:
     return offsets
 
 
-def torch_save_layout(entries: Sequence[TensorSlot | None]) -> tuple[int | None, ...]:
+def torch_save_offsets(entries: Sequence[TensorSlot | None]) -> tuple[int | None, ...]:
     """Where each storage's bytes go in the torch.save file of these entries, in bytes from its start.
 
     Args:
@@ -231,20 +231,20 @@ def write_torch_save_headers(
     """Write everything of a torch.save file but its storage data, which the workers wrote. Rank 0 only.
 
     Builds ``data.pkl`` (the nested state dict, tensors as references to their storage records),
-    lays the zip out again with it, checks every storage lands where ``torch_save_layout`` said,
+    builds the zip again with it, checks every storage lands where ``torch_save_offsets`` said,
     patches in the CRC-32s, and writes the headers, pickle and central directory into ``fd``.
 
     Args:
         fd: the output file, open for writing, its storage data in place.
-        items: ``(path, TensorSlot or plain value)`` in file order (the order ``torch_save_layout`` saw).
+        items: ``(path, TensorSlot or plain value)`` in file order (the order ``torch_save_offsets`` saw).
         crcs: CRC-32 of each storage's bytes, by position in ``items``.
-        data_offsets: what ``torch_save_layout`` returned for these items.
+        data_offsets: what ``torch_save_offsets`` returned for these items.
 
     Returns:
         The file's size, in bytes.
 
     Raises:
-        ValueError: the layout moved (the items differ from the ones planned).
+        ValueError: the storage offsets moved (the items differ from the ones planned).
     """
     missing = [j for j, (_, value) in enumerate(items) if isinstance(value, TensorSlot) and j not in crcs]
     if missing:
@@ -262,7 +262,7 @@ def write_torch_save_headers(
     _Pickler(buf, protocol=PICKLE_PROTOCOL).dump(unflatten(tree))
     image = _container(slots, buf.getvalue())
     if _data_offsets(image, len(items)) != list(data_offsets):
-        raise ValueError("torch.save layout changed between planning and writing")
+        raise ValueError("torch.save storage offsets changed between planning and writing")
     patch_crcs(image, {f"data/{j}": crc for j, crc in crcs.items()})
     _pwrite_parts(fd, image, 0)
     os.ftruncate(fd, image.size)
@@ -270,8 +270,8 @@ def write_torch_save_headers(
 
 
 @dataclass(frozen=True, slots=True)
-class PayloadLayout:
-    """A torch.save of one tensor (``torch.save(tensor)``, as DCP stores a chunk), laid out ahead.
+class PayloadPlacement:
+    """A torch.save of one tensor (``torch.save(tensor)``, as DCP stores a chunk), placed ahead.
 
     Attributes:
         size: the payload's length, in bytes.
@@ -288,12 +288,12 @@ def _payload_image(slot: TensorSlot) -> _HeaderImage:
     return _container([slot], buf.getvalue())
 
 
-def tensor_payload_layout(slot: TensorSlot) -> PayloadLayout:
+def tensor_payload_placement(slot: TensorSlot) -> PayloadPlacement:
     """Size and storage offset of the torch.save payload of a contiguous tensor of ``slot``'s dtype and shape."""
     image = _payload_image(slot)
     (offset,) = _data_offsets(image, 1)
     assert offset is not None
-    return PayloadLayout(size=image.size, data_offset=offset)
+    return PayloadPlacement(size=image.size, data_offset=offset)
 
 
 def write_tensor_payload_headers(fd: int, at: int, slot: TensorSlot, crc: int) -> None:
@@ -315,3 +315,9 @@ def _pwrite_parts(fd: int, image: _HeaderImage, at: int) -> None:
         view = memoryview(part)
         while view:
             view = view[os.pwrite(fd, view, at + offset + len(part) - len(view)) :]
+
+
+# the names before issue 24 ("layout" now means the producer's top-level naming only); kept until
+# reshard_plan.py imports the new ones
+PayloadLayout = PayloadPlacement
+tensor_payload_layout = tensor_payload_placement

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -33,6 +34,7 @@ def test_version_and_help_run_without_importing_torch() -> None:
     probe = (
         "import sys\n"
         "from fsdp_convert.cli import main\n"
+        "sys.modules['fsdp_convert.cli.app'].exit_process = sys.exit  # else main() ends the process\n"
         "sys.argv = ['fsdp-convert', '--version']\n"
         "try:\n"
         "    main()\n"
@@ -43,6 +45,7 @@ def test_version_and_help_run_without_importing_torch() -> None:
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("fsdp-convert ")
+    assert "torch was imported" not in proc.stderr
 
 
 def test_shell_completion_is_on(runner: CliRunner) -> None:
@@ -121,7 +124,9 @@ def test_the_library_gets_its_own_types(runner: CliRunner, monkeypatch: pytest.M
 
     seen: dict[str, Any] = {}
 
-    def fake_consolidate(checkpoint: str, output: str, **kwargs: Any) -> None:
+    def fake_consolidate(checkpoint: str, output: str, options: Any = None, **kwargs: Any) -> None:
+        if options is not None:  # the command builds ConsolidateOptions by keyword: its fields are what it asked
+            seen.update({f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
         seen.update(kwargs)
         raise KeyboardInterrupt  # stop before rendering a result
 
@@ -145,7 +150,7 @@ def test_the_library_gets_its_own_types(runner: CliRunner, monkeypatch: pytest.M
     assert result.exit_code == 130, result.stderr
     assert type(seen["only"]) is str and seen["only"] == "model"
     assert type(seen["output_format"]) is str and seen["output_format"] == "torch"
-    options, cluster = seen["options"], seen["cluster"]
+    options, cluster = seen["transform"], seen["cluster"]
     assert type(options.optim_keys) is str and options.optim_keys == OptimKeysChoice.ids.value
     assert (options.dtype, options.optim_dtype) == (torch.float16, torch.bfloat16)
     assert type(options.layout) is str and options.layout == "nested"

@@ -19,7 +19,8 @@ import fsdp_convert
 from fsdp_convert._sample import CHECKPOINT_DIRNAME
 from fsdp_convert.formats import read_index
 from fsdp_convert.items import prepare_items
-from fsdp_convert.plan import groups_for, plan_consolidate
+from fsdp_convert.outputs import TorchSaveFile
+from fsdp_convert.plan import plan_consolidate
 from fsdp_convert.transform import TransformOptions
 from tests._dist import free_port
 from tests._samples import Sample
@@ -70,8 +71,8 @@ def test_two_nodes_write_what_one_node_writes(ws3_ckpt: Sample, tmp_path: Path) 
     assert out.read_bytes() == single.read_bytes()
 
     index = read_index(ws3_ckpt.checkpoint)
-    items = prepare_items(index, TransformOptions(), groups_for("torch_save", "all"))
-    plan = plan_consolidate(index, items, out, fmt="torch_save", nproc=2)
+    items = prepare_items(index, TransformOptions(), TorchSaveFile().groups("all"))
+    plan = plan_consolidate(index, items, out, kind=TorchSaveFile(), nproc=2)
     reads = _reads(logs)
     assert sorted(reads) == [0, 1]
     for rank in (0, 1):

@@ -240,6 +240,7 @@ for module in pkgutil.walk_packages(fsdp_convert.__path__, "fsdp_convert."):
     importlib.import_module(module.name)
 
 from fsdp_convert.cli import main
+sys.modules["fsdp_convert.cli.app"].exit_process = sys.exit  # main() ends the process otherwise
 codes = {}
 for args in (
     ["inspect", checkpoint, "--json"],

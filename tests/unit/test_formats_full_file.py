@@ -177,13 +177,13 @@ def test_a_folder_with_optimizer_state_is_indexed_as_model_and_optim(tmp_path: P
 def test_weights_alone_keep_their_names_in_file_order(tmp_path: Path) -> None:
     """A folder without side files, or a PEFT adapter folder, is model.state_dict(): names alone, in data order."""
     from fsdp_convert.formats import detect_format
-    from fsdp_convert.writers.safetensors import safetensors_layout
+    from fsdp_convert.writers.safetensors import safetensors_placement
 
     folder = tmp_path / "adapter"
     folder.mkdir()
     tensors = {"z": W, "a": W[:1].clone(), "m": W[:, :1].clone()}
-    layout = safetensors_layout([((name,), t.dtype, tuple(t.shape)) for name, t in tensors.items()])
-    (folder / "adapter_model.safetensors").write_bytes(layout.header + b"".join(t.numpy().tobytes() for t in tensors.values()))
+    placement = safetensors_placement([((name,), t.dtype, tuple(t.shape)) for name, t in tensors.items()])
+    (folder / "adapter_model.safetensors").write_bytes(placement.header + b"".join(t.numpy().tobytes() for t in tensors.values()))
     assert detect_format(folder, full_files=True) == "full_file"
     got = _index_and_values(folder)
     assert list(got) == ["z", "a", "m"]  # as written, not sorted

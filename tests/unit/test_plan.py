@@ -11,15 +11,8 @@ from fsdp_convert.errors import CoverageError, InvalidOptionError
 from fsdp_convert.formats import read_index
 from fsdp_convert.formats.index import BytesEntry, ChunkEntry, TensorEntry, check_coverage
 from fsdp_convert.items import prepare_items
-from fsdp_convert.plan import (
-    assign_owners,
-    default_nproc,
-    groups_for,
-    mover_buffers,
-    output_format,
-    plan_consolidate,
-    plan_shards,
-)
+from fsdp_convert.outputs import HfFolder, SafetensorsFile, TorchSaveFile, output_kind, plan_shards
+from fsdp_convert.plan import assign_owners, default_nproc, mover_buffers, plan_consolidate
 from fsdp_convert.transform import OutputItem, TransformOptions
 from tests._samples import Sample
 
@@ -74,40 +67,40 @@ def test_owners_take_interleaved_stripes_of_the_output_and_values_stay_on_rank0(
 def test_plan_rejects_bad_options(ws3_ckpt: Sample, tmp_path: Path) -> None:
     index = read_index(ws3_ckpt.checkpoint)
     with pytest.raises(InvalidOptionError, match="holds model weights only"):
-        groups_for(output_format(tmp_path / "x.safetensors"), "optim")
+        output_kind(tmp_path / "x.safetensors").groups("optim")
     with pytest.raises(InvalidOptionError, match="unknown output suffix"):
-        output_format(tmp_path / "x.txt")
+        output_kind(tmp_path / "x.txt")
     (tmp_path / "folder").mkdir()
     with pytest.raises(InvalidOptionError, match="output_format torch writes one torch.save file, not an existing folder"):
-        output_format(tmp_path / "folder", "torch")
-    assert output_format(tmp_path / "folder", "safetensors") == "hf_dir"
-    groups = groups_for("safetensors", "all")
+        output_kind(tmp_path / "folder", "torch")
+    assert output_kind(tmp_path / "folder", "safetensors").name == "hf_dir"
+    groups = SafetensorsFile().groups("all")
     items = prepare_items(index, TransformOptions(), groups)
-    plan = plan_consolidate(index, items, tmp_path / "x.safetensors", fmt="safetensors")
+    plan = plan_consolidate(index, items, tmp_path / "x.safetensors", kind=SafetensorsFile())
     assert {item.path[0] for item in plan.items} == {"model"}
-    items = prepare_items(index, TransformOptions(), groups_for("torch_save", "all"))
-    plan = plan_consolidate(index, items, tmp_path / "x.pt", fmt="torch_save", nproc=3)
+    items = prepare_items(index, TransformOptions(), TorchSaveFile().groups("all"))
+    plan = plan_consolidate(index, items, tmp_path / "x.pt", kind=TorchSaveFile(), nproc=3)
     loads = [0] * 3  # tensors only: values stay on rank 0
     for item, owner in zip(plan.items, plan.owners, strict=True):
         loads[owner] += item.nbytes if item.is_tensor else 0
     stripe = sum(loads) / 12
     assert min(loads) > 0 and max(loads) - min(loads) <= stripe + max(item.nbytes for item in plan.items)
     with pytest.raises(InvalidOptionError, match="nothing to write"):
-        plan_consolidate(index, (), tmp_path / "x.pt", fmt="torch_save")
+        plan_consolidate(index, (), tmp_path / "x.pt", kind=TorchSaveFile())
 
 
 @pytest.mark.parametrize("name", ["last.ckpt", "weights", "model.PT", "state.tar"])
 def test_format_torch_writes_torch_save_under_any_name_but_safetensors(tmp_path: Path, name: str) -> None:
-    assert output_format(tmp_path / name, "torch") == "torch_save"
+    assert output_kind(tmp_path / name, "torch").name == "torch_save"
     with pytest.raises(InvalidOptionError, match=r"output_format torch writes one torch.save file, not a \.safetensors name"):
-        output_format(tmp_path / "model.safetensors", "torch")
+        output_kind(tmp_path / "model.safetensors", "torch")
 
 
 def test_an_unknown_suffix_with_auto_suggests_format_torch(tmp_path: Path) -> None:
     suggestion = r"unknown output suffix '\.ckpt'.*output_format torch to write a torch\.save file"
     with pytest.raises(InvalidOptionError, match=suggestion):
-        output_format(tmp_path / "last.ckpt")
-    assert output_format(tmp_path / "last.ckpt", "safetensors") == "hf_dir"  # as before: a folder of shards
+        output_kind(tmp_path / "last.ckpt")
+    assert output_kind(tmp_path / "last.ckpt", "safetensors").name == "hf_dir"  # as before: a folder of shards
 
 
 def test_shards_pack_in_order_like_save_pretrained() -> None:
@@ -139,19 +132,19 @@ def test_mover_buffers_fit_the_memory_budget() -> None:
 
 def test_plan_drops_the_page_cache_only_for_outputs_over_half_the_ram(ws3_ckpt: Sample, tmp_path: Path) -> None:
     index = read_index(ws3_ckpt.checkpoint)
-    items = prepare_items(index, TransformOptions(), groups_for("torch_save", "all"))
+    items = prepare_items(index, TransformOptions(), TorchSaveFile().groups("all"))
     total = sum(item.nbytes for item in items)
-    small_ram = plan_consolidate(index, items, tmp_path / "x.pt", fmt="torch_save", ram_bytes=2 * total - 2)
-    big_ram = plan_consolidate(index, items, tmp_path / "x.pt", fmt="torch_save", ram_bytes=2 * total)
+    small_ram = plan_consolidate(index, items, tmp_path / "x.pt", kind=TorchSaveFile(), ram_bytes=2 * total - 2)
+    big_ram = plan_consolidate(index, items, tmp_path / "x.pt", kind=TorchSaveFile(), ram_bytes=2 * total)
     assert small_ram.drop_cache and not big_ram.drop_cache
-    assert not plan_consolidate(index, items, tmp_path / "x.pt", fmt="torch_save").drop_cache  # RAM unknown
+    assert not plan_consolidate(index, items, tmp_path / "x.pt", kind=TorchSaveFile()).drop_cache  # RAM unknown
 
 
-def test_plan_lays_every_tensor_out_once_without_overlap(ws3_ckpt: Sample, tmp_path: Path) -> None:
+def test_plan_places_every_tensor_once_without_overlap(ws3_ckpt: Sample, tmp_path: Path) -> None:
     """Folder output: every tensor has one byte range, in one file, after that file's header, none overlapping."""
     index = read_index(ws3_ckpt.checkpoint)
-    items = prepare_items(index, TransformOptions(), groups_for("hf_dir", "all"))
-    plan = plan_consolidate(index, items, tmp_path / "out", fmt="hf_dir", max_shard_bytes=5000, nproc=2)
+    items = prepare_items(index, TransformOptions(), HfFolder().groups("all"))
+    plan = plan_consolidate(index, items, tmp_path / "out", kind=HfFolder(), max_shard_bytes=5000, nproc=2)
     assert len(plan.shards) > 2 and {f.filename for f in plan.files} >= {"optimizer.pt"}
     seen = [i for f in plan.files for i in f.item_ids]
     assert sorted(seen) == list(range(len(items)))
@@ -174,4 +167,4 @@ def test_a_param_group_field_stored_as_a_tensor_is_refused_before_planning(tmp_p
     torch.save({"model": {"w": w}, "optim": {"state": {"w": {"exp_avg": w}}, "param_groups": [{"params": w}]}}, tmp_path / "x.pt")
     index = read_index(tmp_path / "x.pt", full_files=True)
     with pytest.raises(UnsupportedTransformError, match="optim.param_groups.0.params: a tensor, where this tool reads"):
-        prepare_items(index, TransformOptions(), groups_for("torch_save", "all"))
+        prepare_items(index, TransformOptions(), TorchSaveFile().groups("all"))

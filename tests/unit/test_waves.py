@@ -8,10 +8,11 @@ import pytest
 
 from fsdp_convert.formats import read_index
 from fsdp_convert.items import prepare_items
-from fsdp_convert.layout import GROUPS
 from fsdp_convert.ops import _waves
-from fsdp_convert.plan import file_bytes, group_waves, groups_for, output_bytes, plan_consolidate, staging_bytes, wave_plans
+from fsdp_convert.outputs import HfFolder
+from fsdp_convert.plan import file_bytes, group_waves, output_bytes, plan_consolidate, staging_bytes, wave_plans
 from fsdp_convert.reshard_plan import plan_reshard, rank_file_bytes, wave_plan
+from fsdp_convert.roles import GROUPS
 from fsdp_convert.transform import TransformOptions
 from tests._samples import Sample
 
@@ -35,8 +36,8 @@ def test_staging_holds_two_consecutive_waves() -> None:
 
 def test_wave_plans_keep_every_file_once(ws3_ckpt: Sample, tmp_path: Path) -> None:
     index = read_index(ws3_ckpt.checkpoint)
-    items = prepare_items(index, TransformOptions(), groups_for("hf_dir", "model"))
-    plan = plan_consolidate(index, items, tmp_path / "out", fmt="hf_dir", max_shard_bytes=4096, nproc=2)
+    items = prepare_items(index, TransformOptions(), HfFolder().groups("model"))
+    plan = plan_consolidate(index, items, tmp_path / "out", kind=HfFolder(), max_shard_bytes=4096, nproc=2)
     waves = wave_plans(plan, 8192)
     assert len(waves) > 3 and tuple(f for w in waves for f in w.files) == plan.files
     assert sum(output_bytes(w) for w in waves) == output_bytes(plan)

@@ -1,4 +1,4 @@
-"""writers/safetensors.py: a file laid out by safetensors_layout and filled in place is what the safetensors library writes."""
+"""writers/safetensors.py: a file laid out by safetensors_placement and filled in place is what the safetensors library writes."""
 
 from __future__ import annotations
 
@@ -12,24 +12,24 @@ import torch
 from safetensors.torch import load_file, save, save_file
 
 from fsdp_convert.constants import SAFETENSORS_DTYPES
-from fsdp_convert.writers.safetensors import safetensors_layout
+from fsdp_convert.writers.safetensors import safetensors_placement
 from tests._dtypes import DTYPES as ALL_DTYPES
 from tests._dtypes import FLOAT4, adversarial
 from tests._tensors import DTYPES, _tensor
 
 
-def test_layout_filled_in_place_matches_safetensors_library(tmp_path: Path) -> None:
+def test_placement_filled_in_place_matches_safetensors_library(tmp_path: Path) -> None:
     tensors = {f"layer.{i}": _tensor(dtype, (2, 3), i) for i, dtype in enumerate(DTYPES) if dtype not in (torch.complex64,)}
     tensors["scalar"] = torch.tensor(1.5)
     tensors["empty"] = torch.empty(0, 2)
-    layout = safetensors_layout([(("model", name), t.dtype, tuple(t.shape)) for name, t in tensors.items()])
+    placement = safetensors_placement([(("model", name), t.dtype, tuple(t.shape)) for name, t in tensors.items()])
     out = tmp_path / "ours.safetensors"
     with open(out, "wb") as f:
-        f.write(layout.header)
-        for t, offset in zip(reversed(tensors.values()), reversed(layout.data_offsets), strict=True):  # any order
+        f.write(placement.header)
+        for t, offset in zip(reversed(tensors.values()), reversed(placement.data_offsets), strict=True):  # any order
             f.seek(offset)
             f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    assert out.stat().st_size == layout.size
+    assert out.stat().st_size == placement.size
     got = load_file(out)
     save_file(tensors, tmp_path / "theirs.safetensors")
     theirs = load_file(tmp_path / "theirs.safetensors")
@@ -40,9 +40,9 @@ def test_layout_filled_in_place_matches_safetensors_library(tmp_path: Path) -> N
         ), name
 
 
-def test_layout_refuses_two_tensors_of_one_name() -> None:
+def test_placement_refuses_two_tensors_of_one_name() -> None:
     with pytest.raises(ValueError, match="both named a"):
-        safetensors_layout([(("model", "a"), torch.float32, (2,)), (("model", "a"), torch.float32, (2,))])
+        safetensors_placement([(("model", "a"), torch.float32, (2,)), (("model", "a"), torch.float32, (2,))])
 
 
 def _header(raw: bytes) -> dict[str, Any]:
@@ -61,14 +61,14 @@ def test_every_safetensors_dtype_has_the_header_safetensors_writes(tmp_path: Pat
         if shape or dtype != FLOAT4
     }
     assert {t.dtype for t in tensors.values()} == set(SAFETENSORS_DTYPES)
-    layout = safetensors_layout([(("model", name), t.dtype, tuple(t.shape)) for name, t in tensors.items()])
+    placement = safetensors_placement([(("model", name), t.dtype, tuple(t.shape)) for name, t in tensors.items()])
     out = tmp_path / "ours.safetensors"
     with open(out, "wb") as f:
-        f.write(layout.header)
-        for t, offset in zip(tensors.values(), layout.data_offsets, strict=True):
+        f.write(placement.header)
+        for t, offset in zip(tensors.values(), placement.data_offsets, strict=True):
             f.seek(offset)
             f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        f.truncate(layout.size)
+        f.truncate(placement.size)
     ours = _header(out.read_bytes())
     theirs = _header(save(tensors))
     assert ours.pop("__metadata__") == {"format": "pt"}
@@ -91,10 +91,10 @@ def test_every_safetensors_dtype_has_the_header_safetensors_writes(tmp_path: Pat
     ],
     ids=str,
 )
-def test_layout_refuses_what_safetensors_cannot_hold_naming_the_tensor(
+def test_placement_refuses_what_safetensors_cannot_hold_naming_the_tensor(
     dtype: torch.dtype, shape: tuple[int, ...], detail: str
 ) -> None:
     with pytest.raises(ValueError) as caught:
-        safetensors_layout([(("model", "ok"), torch.float32, (2,)), (("model", "layers", "0", "w"), dtype, shape)])
+        safetensors_placement([(("model", "ok"), torch.float32, (2,)), (("model", "layers", "0", "w"), dtype, shape)])
     message = str(caught.value)
     assert message.startswith("layers.0.w: ") and detail in message and "\n" not in message, message

@@ -15,8 +15,8 @@ import torch
 from fsdp_convert.formats.index import unflatten
 from fsdp_convert.writers.torch_save import (
     TensorSlot,
-    tensor_payload_layout,
-    torch_save_layout,
+    tensor_payload_placement,
+    torch_save_offsets,
     write_tensor_payload_headers,
     write_torch_save_headers,
 )
@@ -47,7 +47,7 @@ def _items() -> list[tuple[tuple[str | int, ...], object]]:
 def _write(out: Path, items: list[tuple[tuple[str | int, ...], object]]) -> int:
     """Lay ``items`` out, write every storage at its offset (last first, as workers might), then the headers."""
     slots = [TensorSlot(v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else None for _, v in items]
-    offsets = torch_save_layout(slots)
+    offsets = torch_save_offsets(slots)
     crcs = {}
     fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_EXCL)
     try:
@@ -78,7 +78,7 @@ def test_every_storage_is_aligned_for_mmap_and_the_zip_checks(tmp_path: Path) ->
     out = tmp_path / "x.pt"
     _write(out, _items())
     slots = [TensorSlot(v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else None for _, v in _items()]
-    assert all(o % 64 == 0 for o in torch_save_layout(slots) if o is not None)
+    assert all(o % 64 == 0 for o in torch_save_offsets(slots) if o is not None)
     with zipfile.ZipFile(out) as z:
         assert z.testzip() is None
     done = subprocess.run(["unzip", "-t", str(out)], capture_output=True, text=True, check=False)
@@ -108,10 +108,10 @@ def test_output_does_not_depend_on_file_name(tmp_path: Path) -> None:
     assert paths[0].read_bytes() == paths[1].read_bytes()
 
 
-def test_zip64_layout_past_4_gib(tmp_path: Path) -> None:
+def test_zip64_offsets_past_4_gib(tmp_path: Path) -> None:
     """A 4.5 GiB storage: torch's writer lays out zip64 records, and the headers land after it (sparse file)."""
     big = TensorSlot(torch.uint8, (9 << 29,))
-    offsets = torch_save_layout([big, TensorSlot(torch.float32, (3,)), None])
+    offsets = torch_save_offsets([big, TensorSlot(torch.float32, (3,)), None])
     assert offsets[1] is not None and offsets[1] > 1 << 32
     out = tmp_path / "big.pt"
     fd = os.open(out, os.O_RDWR | os.O_CREAT)
@@ -129,14 +129,14 @@ def test_zip64_layout_past_4_gib(tmp_path: Path) -> None:
     assert loaded["n"] == 5 and torch.equal(loaded["small"], small) and loaded["big"].shape == (9 << 29,)
 
 
-def test_headers_refuse_a_changed_layout_or_a_missing_crc(tmp_path: Path) -> None:
+def test_headers_refuse_changed_offsets_or_a_missing_crc(tmp_path: Path) -> None:
     slot = TensorSlot(torch.float32, (4,))
-    offsets = torch_save_layout([slot, slot])
+    offsets = torch_save_offsets([slot, slot])
     fd = os.open(tmp_path / "x.pt", os.O_RDWR | os.O_CREAT)
     try:
         with pytest.raises(ValueError, match="no CRC-32"):
             write_torch_save_headers(fd, [(("a",), slot), (("b",), slot)], {0: 0}, offsets)
-        with pytest.raises(ValueError, match="layout changed"):  # a longer first storage moves the second
+        with pytest.raises(ValueError, match="offsets changed"):  # a longer first storage moves the second
             items = [(("a",), TensorSlot(torch.float32, (40,))), (("b",), slot)]
             write_torch_save_headers(fd, items, {0: 0, 1: 0}, offsets)
     finally:
@@ -172,14 +172,14 @@ def test_payload_pickle_is_torch_saves_for_every_dtype(tmp_path: Path, name: str
     the dtype passed to ``_rebuild_tensor_v3``), and the same records."""
     for shape_name, t in _by_dtype()[name].items():
         slot = TensorSlot(t.dtype, tuple(t.shape))
-        layout = tensor_payload_layout(slot)
+        placement = tensor_payload_placement(slot)
         raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         path = tmp_path / f"{shape_name}.payload"
         fd = os.open(path, os.O_RDWR | os.O_CREAT)
         try:
-            os.pwrite(fd, raw, layout.data_offset)
+            os.pwrite(fd, raw, placement.data_offset)
             write_tensor_payload_headers(fd, 0, slot, zlib.crc32(raw))
-            os.ftruncate(fd, layout.size)
+            os.ftruncate(fd, placement.size)
         finally:
             os.close(fd)
         buf = io.BytesIO()

@@ -1,0 +1,176 @@
+"""Output kinds, the protocols: ``OutputKind`` (what ``consolidate`` writes), ``FileKind`` (one file's format), ``FilePlan``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from fsdp_convert.formats.index import CheckpointIndex
+from fsdp_convert.roles import Group
+from fsdp_convert.transform import OutputItem, TransformOptions
+from fsdp_convert.writers.hf_assets import HfAssets
+
+__all__ = ["Only", "RequestedFormat", "CrcOf", "ValueOf", "FilePlan", "FileKind", "OutputKind"]
+
+Only = Literal["all", "model", "optim"]
+RequestedFormat = Literal["auto", "torch", "safetensors"]
+CrcOf = Callable[[int, int], int]  # (offset, nbytes) in the file -> CRC-32 of those bytes, as the workers wrote them
+ValueOf = Callable[[OutputItem], Any]  # a plain value item -> its value, read from the checkpoint
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FilePlan:
+    """One output file, placed before any data is read: its items and where each tensor's bytes go.
+
+    Attributes:
+        filename: name inside the output folder, or None for the output path itself.
+        item_ids: indices into ``WorkPlan.items``, in file order.
+        strip: leading path elements dropped in the file (1 for ``optimizer.pt``, which holds the
+            optimizer state dict itself, not ``{"optim": ...}``).
+        kind: the file's format (``TorchSaveFile``, ``SafetensorsFile``): it finishes the file.
+        data_offsets: per item of ``item_ids``, where its tensor's bytes start in the file, in
+            bytes (None for a plain value).
+        header: a safetensors file's header bytes (empty for torch.save, whose headers rank 0
+            writes once the values are read).
+    """
+
+    filename: str | None
+    item_ids: tuple[int, ...]
+    strip: int
+    kind: FileKind
+    data_offsets: tuple[int | None, ...]
+    header: bytes = b""
+
+    @property
+    def output_format(self) -> str:
+        """The file's format name: ``torch_save`` or ``safetensors``."""
+        return self.kind.name
+
+    def data_end(self, items: Sequence[OutputItem]) -> int:
+        """Where the last tensor's bytes end in the file (the header's end if it holds none), in bytes."""
+        ends = [o + items[i].nbytes for i, o in zip(self.item_ids, self.data_offsets, strict=True) if o is not None]
+        return max(ends, default=len(self.header))
+
+
+class FileKind(Protocol):
+    """One output file's format: how its tensors are placed, how big it gets, how rank 0 finishes it.
+
+    Instances are picklable values (they travel to the workers in the plan).
+    """
+
+    @property
+    def name(self) -> str:
+        """The format's name (``torch_save``, ``safetensors``), as ``FilePlan.output_format`` reports it."""
+        ...
+
+    def place(self, items: Sequence[OutputItem], ids: tuple[int, ...], filename: str | None, strip: int) -> FilePlan:
+        """Place one file of items ``ids`` (in file order): every tensor's byte offset, from shapes and dtypes alone.
+
+        Raises:
+            InvalidOptionError: an item the format cannot hold (the message names it).
+        """
+        ...
+
+    def size_bytes(self, file: FilePlan, items: Sequence[OutputItem]) -> int:
+        """The file's size, in bytes, from its placement: exact, or a few bytes per item high, never low."""
+        ...
+
+    def finish_file(self, fd: int, file: FilePlan, items: Sequence[OutputItem], crc_of: CrcOf, value_of: ValueOf) -> None:
+        """Rank 0, once every worker's tensors are in place: write what is not tensor data (headers, pickle).
+
+        Args:
+            fd: the file, open for writing, its tensors' bytes in place.
+            file: its plan.
+            items: the plan's items (``file.item_ids`` index them).
+            crc_of: the CRC-32 of a byte range of the file (a format that stores CRC-32s asks).
+            value_of: a plain value item's value.
+        """
+        ...
+
+
+class OutputKind(Protocol):
+    """What ``consolidate`` writes: chosen once (``output_kind``), carried by the plan, finished by rank 0.
+
+    Instances are picklable values (they travel to the workers in the plan).
+    """
+
+    @property
+    def name(self) -> str:
+        """The result's ``output_format``: ``torch_save``, ``safetensors`` or ``hf_dir``."""
+        ...
+
+    @property
+    def directory(self) -> bool:
+        """Whether OUT is a folder (its temporary, lock and space check are a folder's)."""
+        ...
+
+    @property
+    def last(self) -> tuple[str, ...]:
+        """Names of files in an output folder written last: uploaded after all others to a URL."""
+        ...
+
+    @property
+    def suffixes(self) -> tuple[str, ...]:
+        """OUT suffixes ``--format auto`` takes for this kind (listed in the unknown-suffix error)."""
+        ...
+
+    def claims(self, output: Path, requested: RequestedFormat) -> bool:
+        """Whether this kind writes ``output`` under ``--format requested``."""
+        ...
+
+    def groups(self, only: Only) -> tuple[Group, ...]:
+        """The groups the output holds, for ``--only``.
+
+        Raises:
+            InvalidOptionError: a group this kind cannot hold (optimizer state in a safetensors file).
+        """
+        ...
+
+    def plan_files(self, items: Sequence[OutputItem], *, max_shard_bytes: int) -> tuple[FilePlan, ...]:
+        """Every output file, placed: their names, which items each holds, every tensor's byte offset.
+
+        Args:
+            items: what to write, restricted to ``groups(only)``.
+            max_shard_bytes: the largest shard of a sharded folder, in bytes.
+
+        Raises:
+            InvalidOptionError: a value where only tensors go, or a tensor the format cannot hold.
+        """
+        ...
+
+    def shards(self, files: Sequence[FilePlan]) -> tuple[FilePlan, ...]:
+        """The files the folder's index lists (a Hugging Face folder's safetensors shards); none for a file."""
+        ...
+
+    def write_index(self, folder: Path, files: Sequence[FilePlan], items: Sequence[OutputItem]) -> int:
+        """Rank 0, once every file is finished: write the folder's index, if it has one; its size in bytes (0: none).
+
+        Raises:
+            OSError: it cannot be written.
+        """
+        ...
+
+    def finish(
+        self,
+        folder: Path,
+        *,
+        index: CheckpointIndex,
+        items: Sequence[OutputItem],
+        options: TransformOptions,
+        assets: HfAssets | None,
+    ) -> int:
+        """The writing process, once the workers are done: write the files beside the weights; their bytes.
+
+        Args:
+            folder: the temporary output.
+            index: the checkpoint read.
+            items: the plan's items.
+            options: the transforms applied (``--dtype`` names the config's dtype).
+            assets: ``--hf-assets``, opened (only a folder output takes them).
+
+        Raises:
+            OutputWriteError: a file cannot be written.
+        """
+        ...
