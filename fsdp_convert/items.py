@@ -2,9 +2,9 @@
 
 ``transform.build_items`` is pure; a flattened optimizer state dict needs some small param group
 values (the ``params`` lists, every field of each group) to build the items, so this reads them
-first, from whatever source the index describes. A consolidation in the producer's layout of a
-Lightning checkpoint also reads its ``meta.pt`` (``torch.load(weights_only=True)``), whose entries
-Lightning's own loader merges at the top level.
+first, from whatever source the index describes. A consolidation in the producer's layout also
+reads the file whose entries the producer's own loader merges at the top level
+(``producers.Producer.merged``: Lightning's ``meta.pt``, ``torch.load(weights_only=True)``).
 """
 
 from __future__ import annotations
@@ -20,23 +20,25 @@ from typing import Any
 import torch
 
 from fsdp_convert.errors import CorruptChunkError, InvalidOptionError, UnsafeContentError, UnsupportedTransformError
-from fsdp_convert.formats import Reader, open_reader
-from fsdp_convert.formats.dcp import LIGHTNING_META_FILENAME
+from fsdp_convert.formats import Reader, Source, open_reader
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, Url
-from fsdp_convert.layout import Group, classify, detect_producer
+from fsdp_convert.producers import detect_producer, merged_files
 from fsdp_convert.remote import read_bytes, size_of
+from fsdp_convert.roles import Group, classify
 from fsdp_convert.transform import OutputItem, TransformOptions, build_items, clean_fqn, needs_group_values
 from fsdp_convert.writers.safetensors import safetensors_name
 
-__all__ = ["prepare_items", "read_lightning_meta", "leave_out_model_keys"]
+__all__ = ["prepare_items", "read_merged", "leave_out_model_keys"]
 
 
-def _value_reader(index: CheckpointIndex, check_crc: bool) -> Reader:
-    return open_reader(index.checkpoint_id, check_crc=check_crc, full_files=True)  # the index's own format
+def _value_reader(source: CheckpointIndex | Source, check_crc: bool) -> Reader:
+    if isinstance(source, Source):
+        return source.open_reader()  # its format, decided once
+    return open_reader(source.checkpoint_id, check_crc=check_crc, full_files=True)  # the index's own format
 
 
 def prepare_items(
-    index: CheckpointIndex,
+    source: CheckpointIndex | Source,
     options: TransformOptions,
     groups: tuple[Group, ...],
     *,
@@ -48,10 +50,11 @@ def prepare_items(
     Called on every rank that plans (each reads the same few values).
 
     Args:
-        index: the checkpoint (any source: DCP, rank files, safetensors shards, a full file).
+        source: the checkpoint (any source format: DCP, rank files, safetensors shards, a full
+            file), as its ``Source`` (read with its reader and its ``check_crc``) or its index.
         options: the transforms.
-        groups: which groups to produce (``plan.groups_for``).
-        check_crc: check CRC-32s of the param group payloads read.
+        groups: which groups to produce (``outputs.OutputKind.groups``).
+        check_crc: check CRC-32s of the param group payloads read (an index only).
         keep_layout: keep the producer's nesting (``reshard``; see ``transform.build_items``).
 
     Raises:
@@ -60,6 +63,7 @@ def prepare_items(
         As ``transform.build_items``, and the read errors of ``Reader.read_value``
         (MissingDataFileError, CorruptChunkError, UnsafeContentError).
     """
+    index = source.index if isinstance(source, Source) else source
     slots = classify(index)
     wanted = needs_group_values(slots) if "optim" in groups else []
     tensor = next((index.entries[i] for i in wanted if not isinstance(index.entries[i], BytesEntry)), None)
@@ -67,7 +71,7 @@ def prepare_items(
         raise UnsupportedTransformError(f"{tensor.fqn}: a tensor, where this tool reads a param group field as a plain value")
     values: dict[int, Any] = {}
     if wanted:
-        with _value_reader(index, check_crc) as reader:
+        with _value_reader(source, check_crc) as reader:
             for i in wanted:
                 entry = index.entries[i]
                 assert isinstance(entry, BytesEntry)  # checked above
@@ -79,35 +83,44 @@ def prepare_items(
         values,
         groups=groups,
         keep_layout=keep_layout,
-        params_in_model_order=detect_producer(index) in ("fsdp1", "fsdp"),
+        params_in_model_order=detect_producer(index).params_in_model_order,
     )
     if keep_layout or options.layout != "producer" or "other" not in groups:
         return items
-    return items + _lightning_meta_items(index, items)
+    return items + _merged_items(index, items)
 
 
-def _meta_location(index: CheckpointIndex) -> Path | Url | None:
-    """Where Lightning's ``meta.pt`` lies beside ``.metadata``, if it does (remote: one size request)."""
+def _merged_location(index: CheckpointIndex) -> Path | Url | None:
+    """Where the file the producer's loader merges lies beside ``.metadata``, if it does.
+
+    Local: the detected producer's ``merged`` file (its detection checked it is there). Remote
+    (the index names no producer): the first ``merged`` file of the table that exists, one size
+    request each.
+    """
     root = index.checkpoint_id
     if isinstance(root, Url):
-        return root / LIGHTNING_META_FILENAME if size_of(root / LIGHTNING_META_FILENAME) is not None else None
-    return root / LIGHTNING_META_FILENAME if index.producer == "lightning" else None
+        return next((root / name for name in merged_files() if size_of(root / name) is not None), None)
+    merged = detect_producer(index).merged
+    return None if merged is None else root / merged
 
 
-def read_lightning_meta(index: CheckpointIndex) -> dict[str, Any] | None:
-    """Lightning Fabric's ``meta.pt`` (the saved state that is neither module nor optimizer), or None.
+def read_merged(index: CheckpointIndex) -> dict[str, Any] | None:
+    """The file whose entries the producer's loader merges at the top level (Lightning's ``meta.pt``), or None.
 
     Loaded with ``torch.load(weights_only=True)``; its values must be plain (no tensor), as
-    ``fabric.save`` writes a step counter or hyperparameters there.
+    ``fabric.save`` writes a step counter or hyperparameters in Lightning's ``meta.pt``.
 
     Raises:
         UnsafeContentError: it would run code when loaded.
         CorruptChunkError: it does not load, or is not a dict with string keys.
         UnsupportedTransformError: a value holds a tensor (use ``--layout nested``, which leaves it out).
     """
-    where = _meta_location(index)
-    if where is None:
-        return None
+    where = _merged_location(index)
+    return None if where is None else _load_merged(where)
+
+
+def _load_merged(where: Path | Url) -> dict[str, Any]:
+    """``read_merged``'s load and checks of the file at ``where`` (same Raises)."""
     try:
         raw = read_bytes(where) if isinstance(where, Url) else where.read_bytes()
         meta = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
@@ -123,7 +136,7 @@ def read_lightning_meta(index: CheckpointIndex) -> dict[str, Any] | None:
     for key, value in meta.items():
         if _holds_tensor(value):
             raise UnsupportedTransformError(
-                f"{where}: {key!r} holds a tensor, which this tool does not merge; use --layout nested to leave meta.pt out"
+                f"{where}: {key!r} holds a tensor, which this tool does not merge; use --layout nested to leave {where.name} out"
             )
     return meta
 
@@ -138,26 +151,27 @@ def _holds_tensor(value: Any) -> bool:
     return False
 
 
-def _lightning_meta_items(index: CheckpointIndex, items: tuple[OutputItem, ...]) -> tuple[OutputItem, ...]:
-    """``meta.pt``'s entries as top-level values, after the checkpoint's own, as Lightning merges them.
+def _merged_items(index: CheckpointIndex, items: tuple[OutputItem, ...]) -> tuple[OutputItem, ...]:
+    """The merged file's entries as top-level values, after the checkpoint's own, as Lightning merges ``meta.pt``'s.
 
     Raises:
-        InvalidOptionError: a ``meta.pt`` key is also a top-level key of the checkpoint.
-        As ``read_lightning_meta``.
+        InvalidOptionError: a key of the merged file is also a top-level key of the checkpoint.
+        As ``read_merged``.
     """
-    meta = read_lightning_meta(index)
-    if not meta:
+    where = _merged_location(index)
+    meta = None if where is None else _load_merged(where)
+    if not meta or where is None:
         return ()
     tops = {item.path[0] for item in items}
     clash = sorted(k for k in meta if k in tops)
     if clash:
         raise InvalidOptionError(
-            f"{index.checkpoint_id}: {LIGHTNING_META_FILENAME} and the checkpoint both hold {clash[0]!r}; "
-            "use --layout nested to leave meta.pt out"
+            f"{index.checkpoint_id}: {where.name} and the checkpoint both hold {clash[0]!r}; "
+            f"use --layout nested to leave {where.name} out"
         )
     return tuple(
         OutputItem(
-            entry=BytesEntry(fqn=key, path=(key,), relative_path=LIGHTNING_META_FILENAME, offset_bytes=0, length_bytes=0),
+            entry=BytesEntry(fqn=key, path=(key,), relative_path=where.name, offset_bytes=0, length_bytes=0),
             path=(key,),
             group="other",
             constant=True,

@@ -1,4 +1,4 @@
-"""What an output's lock says, shared by the local lock file (``writers._lock``) and the object-storage one (``writers._object_lock``).
+"""What an output's lock says: the local lock file's (``writers._lock``) and the object-storage one's (``writers._object_lock``).
 
 A leaf: both locks name the lock ``.<name>.lock`` beside the output, hold one ``LockRecord`` line
 (``host pid since job``) and refuse another run with the same message.

@@ -205,10 +205,10 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "producer-never-fsdp2",
         "inspect names the producer",
-        "fsdp_convert/layout.py",
+        "fsdp_convert/producers.py",
         'if any(c.numel == 0 for e in small for c in e.chunks):\n        return "fsdp2"',
         'if any(c.numel == 0 for e in small for c in e.chunks):\n        return "fsdp1"',
-        "tests/unit/test_layout.py::test_detects_fsdp2",
+        "tests/unit/test_producers.py::test_detects_fsdp2",
     ),
     Mutation(
         "s3-reads-whole-objects",
@@ -349,15 +349,15 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "torchtitan-not-detected",
         "`inspect` names the producer (`producer: ...`)",
-        "fsdp_convert/layout.py",
-        '        return "torchtitan"',
-        '        return "dcp"',
+        "fsdp_convert/producers.py",
+        'and bool(tops & {"optimizer", "train_state", "lr_scheduler", "dataloader"})',
+        "and False",
         "tests/integration/test_producers.py::test_each_producer_consolidates_to_its_ground_truth[torchtitan]",
     ),
     Mutation(
         "torchtitan-groups-not-rebuilt",
         "param groups are rebuilt from the per-parameter copies",
-        "fsdp_convert/layout.py",
+        "fsdp_convert/roles.py",
         'if kind == "param_groups" and fqn:',
         'if kind == "param_group" and fqn:',
         "tests/integration/test_producers.py::test_each_producer_consolidates_to_its_ground_truth[torchtitan]",
@@ -413,7 +413,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "optimizer-key-not-read-as-optim",
         'Output is always the nested layout `{"model": ..., "optim": {"state": ..., "param_groups": [...]}, <other keys as saved>}` whatever the producer\'s nesting.',
-        "fsdp_convert/layout.py",
+        "fsdp_convert/roles.py",
         'OPTIM_TOPS = ("optim", "optimizer")',
         'OPTIM_TOPS = ("optim",)',
         "tests/integration/test_producers.py::test_each_producer_consolidates_to_its_ground_truth[lightning-fsdp1]",

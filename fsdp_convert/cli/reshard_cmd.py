@@ -148,12 +148,12 @@ def reshard_command(
         torch_ready()
         options = transform_options(optim_keys, keep_wrapper_names, rename, include, exclude, dtype, optim_dtype)
         options = with_adapter(options, adapter, model_config, adapter_option)
-        result = reshard(
-            checkpoint,
-            output,
+        from fsdp_convert.ops.options import ReshardOptions  # after torch_ready: it imports torch
+
+        opts = ReshardOptions(
             world_size=world_size,
             nproc=nproc,
-            options=options,
+            transform=options,
             overwrite=overwrite,
             force=force,
             resume=resume,
@@ -163,6 +163,7 @@ def reshard_command(
             compress=None if compress is None else compress.value,
             progress=show_progress(progress, json_output),
         )
+        result = reshard(checkpoint, output, opts)
     print_result(
         result,
         json_output=json_output,

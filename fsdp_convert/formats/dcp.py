@@ -119,7 +119,7 @@ def read_dcp_index(checkpoint_id: str | os.PathLike[str]) -> CheckpointIndex:
         return _read_parent_folder(root)
     index = _build(load_metadata(_metadata_path(root, root)), root)
     if (root / LIGHTNING_META_FILENAME).is_file():
-        inside(root, root / LIGHTNING_META_FILENAME)  # read later (items.read_lightning_meta), copied by reshard
+        inside(root, root / LIGHTNING_META_FILENAME)  # read later (items.read_merged), copied by reshard
         index = dataclasses.replace(index, producer="lightning")
     return index
 

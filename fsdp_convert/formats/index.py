@@ -171,7 +171,7 @@ class CheckpointIndex:
         version: DCP's metadata version string, if recorded.
         save_id: DCP's save id, if recorded.
         producer: the producer when the folder's files name it (``accelerate``, ``lightning``,
-            ``verl``, ``hf_storage``...), else None and ``layout.detect_producer`` judges by the keys.
+            ``verl``, ``hf_storage``...), else None; ``producers.detect_producer`` gives the record.
         ranks: the producer's world size when the data file names do not follow DCP's
             ``__<rank>_<n>.distcp`` (per-rank torch.save files, safetensors shards).
     """

@@ -12,22 +12,21 @@ import io
 import os
 from contextlib import ExitStack
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fsdp_convert.formats import open_reader
-from fsdp_convert.formats.index import BytesEntry, Location, TensorEntry, dcp_key
+from fsdp_convert.formats import Source
+from fsdp_convert.formats.index import BytesEntry, TensorEntry, dcp_key
 from fsdp_convert.launch import WorkerGroup, worker_bars
 from fsdp_convert.move import MoveJob, Piece, move_all, pwrite_all, range_crc
 from fsdp_convert.plan import DEFAULT_MEMORY_BUDGET_BYTES, mover_buffers
 from fsdp_convert.reshard_plan import PayloadPlan, ReshardPlan
 from fsdp_convert.resume import ResumeState, begin_share
-from fsdp_convert.writers._atomic import writing
 from fsdp_convert.writers.dcp import StoredChunk, rank_filename
 from fsdp_convert.writers.torch_save import TensorSlot, write_tensor_payload_headers
+from fsdp_convert.writers.transaction import writing
 
 __all__ = ["ReshardJob", "reshard_rank"]
 
@@ -37,7 +36,7 @@ class ReshardJob:
     """What every worker of a reshard needs: the plans, where to write, and a resumable output's state.
 
     Attributes:
-        checkpoint_id: the source read.
+        source: the source read (its format and index, decided once; ``Source.open_reader``).
         plans: (folder relative to the output, its plan), one per DCP folder of the output.
         tmp_output: the temporary output folder written.
         check_crc: check the CRC-32s of the source payloads.
@@ -46,7 +45,7 @@ class ReshardJob:
         progress: a ``write`` bar of the whole job's tensor bytes on stderr, drawn by rank 0's worker.
     """
 
-    checkpoint_id: Location
+    source: Source
     plans: tuple[tuple[str, ReshardPlan], ...]
     tmp_output: Path
     check_crc: bool
@@ -83,7 +82,7 @@ def _move_job(plan: ReshardPlan, payload: PayloadPlan, fd: int, file: int) -> Mo
 def _write_values(job: ReshardJob, plan: ReshardPlan, fd: int) -> list[StoredChunk]:
     """Rank 0: append every value's payload to rank 0's data file after its tensor chunks."""
     stored, at = [], plan.values_offset
-    with open_reader(job.checkpoint_id, check_crc=job.check_crc, full_files=True) as reader:
+    with job.source.open_reader() as reader:
         for item in plan.items:
             if item.is_tensor:
                 continue
@@ -151,7 +150,7 @@ def reshard_rank(
 
         threads, piece_bytes = mover_buffers(DEFAULT_MEMORY_BUDGET_BYTES)
         move_all(
-            partial(open_reader, job.checkpoint_id, check_crc=job.check_crc, full_files=True),
+            job.source.open_reader,
             todo,
             threads=threads,
             piece_bytes=piece_bytes,

@@ -10,7 +10,8 @@ from typing import Any
 from fsdp_convert.formats import detect_format, read_index
 from fsdp_convert.formats.dcp import payload_formats
 from fsdp_convert.formats.index import Location, TensorEntry, dtype_name
-from fsdp_convert.layout import GROUPS, Group, classify, detect_producer
+from fsdp_convert.producers import detect_producer
+from fsdp_convert.roles import GROUPS, Group, classify
 
 __all__ = ["EntrySummary", "InspectResult", "chunks_per_dim", "inspect_checkpoint"]
 
@@ -156,7 +157,7 @@ def inspect_checkpoint(checkpoint_id: str | os.PathLike[str], *, follow_symlinks
             )
     return InspectResult(
         checkpoint_id=index.checkpoint_id,
-        producer=detect_producer(index),
+        producer=detect_producer(index).name,
         world_size=index.world_size,
         total_bytes=index.total_bytes,
         data_files=index.data_files,

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdp_convert.suffixes import SAFETENSORS_SUFFIXES, TORCH_SAVE_SUFFIXES
 from fsdp_convert.errors import InvalidOptionError
 from fsdp_convert.formats.index import CheckpointIndex
 from fsdp_convert.outputs.kind import CrcOf, FileKind, FilePlan, Only, RequestedFormat, ValueOf
 from fsdp_convert.roles import GROUPS, Group
+from fsdp_convert.suffixes import SAFETENSORS_SUFFIXES, TORCH_SAVE_SUFFIXES
 from fsdp_convert.transform import OutputItem, TransformOptions
 from fsdp_convert.writers.hf_assets import HfAssets
 from fsdp_convert.writers.safetensors import safetensors_placement, write_safetensors_header

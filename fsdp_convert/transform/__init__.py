@@ -1,6 +1,6 @@
 """Transform stage: checkpoint entries to output items, with FQNs cleaned, renamed, filtered, re-keyed and cast.
 
-Pure functions over an index, its ``layout.Slot`` per entry, and the few small param group values
+Pure functions over an index, its ``roles.EntryRole`` per entry, and the few small param group values
 the caller has read (the ``params`` lists, and every field of a flattened optimizer state dict).
 A consolidation's output is the nested layout ``{"model": {fqn: tensor}, <optimizer>: {"state":
 {...}, "param_groups": [...]}, <other top-level keys as saved>}``, whatever nesting the producer
@@ -24,7 +24,7 @@ from fsdp_convert.constants import UNCASTABLE_DTYPES
 from fsdp_convert.derive import Derived, Sourced, apply_adapter
 from fsdp_convert.errors import InvalidOptionError, UnsupportedTransformError
 from fsdp_convert.formats.index import CheckpointIndex, DictKey, Entry, ObjPath, TensorEntry, dcp_key
-from fsdp_convert.layout import Group, Slot
+from fsdp_convert.roles import EntryRole, Group
 from fsdp_convert.transform.options import Layout, OptimKeys, TransformOptions, parse_dtype, parse_rename
 
 __all__ = [
@@ -115,7 +115,7 @@ def clean_fqn(fqn: str, *, keep_wrapper_names: bool = False) -> str:
     return ".".join(parts)
 
 
-def needs_group_values(slots: tuple[Slot, ...]) -> list[int]:
+def needs_group_values(slots: tuple[EntryRole, ...]) -> list[int]:
     """Indices of the entries whose values ``build_items`` needs (all small plain values).
 
     Those are the param groups' ``params`` lists and every per-parameter field of a flattened
@@ -162,7 +162,7 @@ class _ParamGroup:
     params: list[str | int]
 
 
-def _nested_groups(index: CheckpointIndex, slots: tuple[Slot, ...], values: Mapping[int, Any]) -> dict[int, _ParamGroup]:
+def _nested_groups(index: CheckpointIndex, slots: tuple[EntryRole, ...], values: Mapping[int, Any]) -> dict[int, _ParamGroup]:
     groups: dict[int, _ParamGroup] = {}
     for i, slot in enumerate(slots):
         if slot.role != "optim_group" or slot.group is None:
@@ -180,7 +180,7 @@ def _nested_groups(index: CheckpointIndex, slots: tuple[Slot, ...], values: Mapp
     return groups
 
 
-def _flattened_groups(index: CheckpointIndex, slots: tuple[Slot, ...], values: Mapping[int, Any]) -> dict[int, _ParamGroup]:
+def _flattened_groups(index: CheckpointIndex, slots: tuple[EntryRole, ...], values: Mapping[int, Any]) -> dict[int, _ParamGroup]:
     """Regroup ``param_groups.<fqn>.<field>`` values: consecutive parameters with equal fields share a group.
 
     torch's ``_flatten_optim_state_dict`` copies every field of a group to each of its parameters,
@@ -207,7 +207,7 @@ def _flattened_groups(index: CheckpointIndex, slots: tuple[Slot, ...], values: M
 
 def build_items(
     index: CheckpointIndex,
-    slots: tuple[Slot, ...],
+    slots: tuple[EntryRole, ...],
     options: TransformOptions,
     values: Mapping[int, Any],
     *,
@@ -225,7 +225,7 @@ def build_items(
 
     Args:
         index: the checkpoint.
-        slots: ``layout.classify(index)``.
+        slots: ``roles.classify(index)``.
         options: renames, filters, re-keying, casts.
         values: the value of every entry ``needs_group_values`` lists, by entry index.
         groups: which groups to produce.
@@ -265,7 +265,7 @@ def build_items(
     return tuple(items)
 
 
-def _model_sources(index: CheckpointIndex, slots: tuple[Slot, ...], options: TransformOptions) -> list[Sourced]:
+def _model_sources(index: CheckpointIndex, slots: tuple[EntryRole, ...], options: TransformOptions) -> list[Sourced]:
     """The selected model entries as ``(entry, output FQN before renames, derived, sources)`` (``derive.apply``)."""
     selected: list[tuple[Entry, str]] = []
     for i, slot in enumerate(slots):
@@ -286,7 +286,7 @@ def _optim_top(entry: Entry, options: TransformOptions) -> str | int:
 
 def _optim_items(
     index: CheckpointIndex,
-    slots: tuple[Slot, ...],
+    slots: tuple[EntryRole, ...],
     options: TransformOptions,
     values: Mapping[int, Any],
     name: Callable[[str], str],

@@ -11,6 +11,9 @@ is visibly incomplete.
 as a zstd stream of itself, as ``FileSystemWriter(_extensions=[ZStandard()])`` writes it (one
 frame per payload, ``transform_descriptors=["stream.zstd/1"]``), since compressed sizes cannot be
 laid out ahead.
+
+``DcpFolder`` is ``reshard``'s output kind: its name, its ``.metadata`` last, and the finishing of
+each DCP folder and of the output folder (the producer's files beside, copied).
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ import dataclasses
 import importlib
 import os
 import pickle
+import shutil
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -40,9 +44,11 @@ from torch.distributed.checkpoint.metadata import (
 from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.errors import InvalidOptionError
 from fsdp_convert.formats.index import ObjPath, plain_path
+from fsdp_convert.location import open_inside
 from fsdp_convert.torch_compat import StorageInfo
 
 __all__ = [
+    "DcpFolder",
     "StoredChunk",
     "MetadataEntry",
     "Box",
@@ -300,3 +306,79 @@ def _compress_file(zstandard: Any, level: int, path: Path, rows: list[StoredChun
     finally:
         os.close(src)
     return placed
+
+
+class DcpFolder:
+    """``reshard``'s output kind: a DCP folder for the target world size (accelerate's: a folder of them).
+
+    The ``outputs.OutputKind`` members that apply to it: ``name``, ``directory``, ``last``,
+    ``groups``, and the two finishing steps. Its files are laid out by ``reshard_plan`` and written
+    by the workers (``ops/_reshard_rank.py``); rank 0's process then finishes each DCP folder
+    (``finish_file``: its ``.metadata``, last) and the output folder (``finish_folder``: the
+    producer's files beside, copied).
+    """
+
+    name = "dcp"
+    """The result's output format."""
+    directory = True
+    """The output is a folder."""
+    last: tuple[str, ...] = (METADATA_FILENAME,)
+    """Files written (and, to object storage, uploaded) after all others: a folder without ``.metadata`` is incomplete."""
+
+    def groups(self, only: str = "all") -> tuple[Literal["model", "optim", "other"], ...]:
+        """Every group (``model``, ``optim``, ``other``), whatever ``only``: a resharded checkpoint keeps all its state."""
+        return ("model", "optim", "other")
+
+    def finish_file(
+        self,
+        folder: Path,
+        entries: Sequence[MetadataEntry],
+        stored: Sequence[StoredChunk],
+        version: str | None,
+        *,
+        compress: bool,
+    ) -> None:
+        """Finish one DCP folder once every worker is done: compress its rank files if asked, then write ``.metadata``.
+
+        Rank 0's process only.
+
+        Args:
+            folder: the DCP folder (the output, or one of accelerate's folders in it).
+            entries: every entry of the folder, in order.
+            stored: every payload written to its rank files.
+            version: DCP metadata version to record (the source's).
+            compress: rewrite each payload as a zstd stream first (``compress_data_files``, on every
+                CPU core); compressed sizes are known only once compressed.
+
+        Raises:
+            FileExistsError: ``.metadata`` is already there.
+            InvalidOptionError: ``compress`` without the ``zstandard`` package.
+        """
+        rows = list(stored)
+        if compress:
+            rows = compress_data_files(folder, rows, threads=len(os.sched_getaffinity(0)))
+        write_metadata(folder, entries, rows, version)
+
+    def finish_folder(self, output: Path, *, source: Path, beside: Sequence[str]) -> None:
+        """Copy the producer's files beside the DCP data byte for byte (never loaded) into the output, fsynced.
+
+        Rank 0's process only, after ``finish_file``.
+
+        Args:
+            output: the output folder (its temporary).
+            source: the source checkpoint's folder.
+            beside: names of the files in ``source`` to copy (``producers.Producer.side_files``).
+
+        Raises:
+            UnsafeContentError: a file is a symbolic link out of ``source`` (``location.open_inside``).
+            FileExistsError: the output already holds one of them.
+        """
+        for name in beside:
+            fd = open_inside(source, source / name)  # no file followed out of the checkpoint
+            try:
+                with open(fd, "rb", closefd=False) as src, open(output / name, "xb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+                    dst.flush()
+                    os.fsync(dst.fileno())
+            finally:
+                os.close(fd)

@@ -125,9 +125,19 @@ def _cli_flags() -> set[str]:
 
 def _library_keywords() -> set[str]:
     """What a table value may name: the operations' keywords, options.<TransformOptions field>, cluster.<Cluster field>."""
-    from fsdp_convert import Cluster, TransformOptions, consolidate, reshard, verify
+    from fsdp_convert import (
+        Cluster,
+        ConsolidateOptions,
+        ReshardOptions,
+        TransformOptions,
+        VerifyOptions,
+        consolidate,
+        reshard,
+        verify,
+    )
 
     words = {p for fn in (consolidate, reshard, verify) for p in inspect.signature(fn).parameters}
+    words |= {f.name for c in (ConsolidateOptions, ReshardOptions, VerifyOptions) for f in dataclasses.fields(c)}
     words |= {f"options.{f.name}" for f in dataclasses.fields(TransformOptions)}
     words |= {f"cluster.{f.name}" for f in dataclasses.fields(Cluster)}
     return words

@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from fsdp_convert.errors import CorruptChunkError, InvalidOptionError, UnsafeContentError, UnsupportedTransformError
 from fsdp_convert.formats import read_index
 from fsdp_convert.items import prepare_items
-from fsdp_convert.layout import GROUPS
+from fsdp_convert.roles import GROUPS
 from fsdp_convert.transform import TransformOptions
 from tests._samples import Sample
 

@@ -13,7 +13,7 @@ from fsdp_convert.cli._options import DtypeChoice, OptimKeysChoice
 from fsdp_convert.constants import DTYPE_NAMES
 from fsdp_convert.errors import InvalidOptionError
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, TensorEntry
-from fsdp_convert.layout import classify
+from fsdp_convert.roles import classify
 from fsdp_convert.transform import (
     OutputItem,
     TransformOptions,

@@ -1,0 +1,413 @@
+"""Producers stage: which training stack wrote a checkpoint, and what that means to each operation.
+
+One record per producer in one ordered table, ``PRODUCERS``: how it is detected, its optimizer
+key, the files beside its DCP data (copied by ``reshard``, left out with a note, merged at the top
+level by ``consolidate``), its folder layout, and the loader that reads each output. The two
+tables of ``docs/producers.md`` are ``render_producer_table()``'s and ``render_loader_table()``'s
+text (a test keeps them equal). ``inspect`` prints ``detect_producer(index).name``; ``items``
+and ``reshard`` read the record. Adding a producer is one record here (plus ``formats/`` when it
+needs a new way of reading the folder).
+
+The index keeps the name the folder's files give (``CheckpointIndex.producer``: accelerate's two
+folders, Lightning's ``meta.pt``, verl's file names...); ``get(name)`` gives its record. Functions
+over a ``CheckpointIndex``; nothing is read.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from fsdp_convert.formats.dcp import LIGHTNING_META_FILENAME
+from fsdp_convert.formats.index import CheckpointIndex
+from fsdp_convert.roles import flat_layout
+from fsdp_convert.writers.transaction import ACCELERATE_SHARED_RE
+
+__all__ = [
+    "PRODUCERS",
+    "Beside",
+    "Producer",
+    "SideFile",
+    "detect_producer",
+    "get",
+    "merged_files",
+    "render_loader_table",
+    "render_producer_table",
+    "sort_beside",
+]
+
+# what reshard says of a file beside the DCP data that no producer names
+UNKNOWN_NOTE = "not part of the checkpoint as this tool knows it; copy them if they apply"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SideFile:
+    """A kind of file beside a producer's DCP data (next to ``.metadata``, or to accelerate's folders).
+
+    Attributes:
+        pattern: matches the file's name (the whole name).
+        action: ``copy``: ``reshard`` copies it byte for byte, never loaded (it holds the same at
+            any world size); ``leave_out``: ``reshard`` leaves it out and says why.
+        note: for ``leave_out``, why, after ``left out <names>: `` (the result's ``notes``).
+    """
+
+    pattern: re.Pattern[str]
+    action: Literal["copy", "leave_out"]
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Producer:
+    """One training stack's checkpoints: how they are told apart and what each operation does with them.
+
+    Attributes:
+        name: what ``inspect`` prints (``producer: fsdp2``), and ``CheckpointIndex.producer``
+            when the folder's files name it. Two records may share a name (FSDP1's DCP folder and
+            its rank files); ``get`` gives the first.
+        detect: whether an index is this producer's; the first record of ``PRODUCERS`` whose
+            ``detect`` is true names the checkpoint. From the index (at most a look at the names
+            in its folder; never a file's contents).
+        optimizer_key: the top-level key its optimizer state sits under (``consolidate``'s
+            ``--layout producer`` keeps it, ``nested`` writes ``optim``).
+        side_files: the files beside its DCP data that ``reshard`` copies or leaves out; any other
+            file is left out as unknown.
+        merged: a ``torch.save`` file beside ``.metadata`` whose entries ``consolidate`` merges at the
+            top level in the producer's layout, as the producer's own loader does (Lightning's
+            ``meta.pt``); None for none.
+        folders: the DCP folders side by side that make one checkpoint (accelerate's
+            ``pytorch_model_fsdp_<n>/`` and ``optimizer_<n>/``); ``reshard`` writes each as a DCP
+            folder again. None: the checkpoint is one DCP folder.
+        params_in_model_order: ``--optim-keys ids`` numbers each group's params in the model's
+            order (FSDP1's ``optim_state_dict`` keeps no param group order of its own).
+        label: the table's first column (Markdown).
+        on_disk: the table's "what is on disk" column (Markdown); empty: no row in the table.
+        notes: the table's "notes" column (Markdown).
+        consolidate_loader: what reads ``consolidate``'s default output (Markdown).
+        reshard_loader: what reads ``reshard --world-size M``'s output (Markdown).
+    """
+
+    name: str
+    detect: Callable[[CheckpointIndex], bool]
+    optimizer_key: str = "optim"
+    side_files: tuple[SideFile, ...] = ()
+    merged: str | None = None
+    folders: re.Pattern[str] | None = None
+    params_in_model_order: bool = False
+    label: str = ""
+    on_disk: str = ""
+    notes: str = ""
+    consolidate_loader: str = ""
+    reshard_loader: str = ""
+
+    def side_file(self, name: str) -> SideFile | None:
+        """The first of ``side_files`` whose pattern matches the file name ``name``, or None."""
+        return next((s for s in self.side_files if s.pattern.fullmatch(name)), None)
+
+
+def _named(name: str) -> Callable[[CheckpointIndex], bool]:
+    """Detection by the name the folder's files gave the index (``CheckpointIndex.producer``)."""
+
+    def named(index: CheckpointIndex) -> bool:
+        return index.producer == name
+
+    named.__name__ = named.__qualname__ = f"named_{name}"
+    return named
+
+
+def _wrapped(index: CheckpointIndex) -> bool:
+    """Keys carry FSDP1's wrapper names (``_fsdp_wrapped_module``, ``_flat_param``)."""
+    return any("_fsdp_wrapped_module" in e.fqn or "_flat_param" in e.fqn for e in index.entries)
+
+
+def _fsdp_kind(index: CheckpointIndex) -> str:
+    """``fsdp2``, ``fsdp1`` or ``fsdp`` for the ``{"model", "optim"}`` layout with FQN-keyed optimizer state; else ``dcp``.
+
+    FSDP2 records an empty chunk for each rank past the end of a small tensor; FSDP1's sharded
+    state dict leaves them out. With no tensor smaller than the world size, the layouts agree.
+    """
+    tops = {e.path[0] for e in index.entries}
+    optim_fqn_keyed = any(
+        len(e.path) >= 4 and e.path[:2] == ("optim", "state") and isinstance(e.path[2], str) for e in index.entries
+    )
+    if not ({"model", "optim"} <= tops and optim_fqn_keyed) or index.world_size < 2:
+        return "dcp"
+    small = [e for e in index.tensors() if e.shape and e.shape[0] < index.world_size]
+    if any(c.numel == 0 for e in small for c in e.chunks):
+        return "fsdp2"
+    return "fsdp1" if small else "fsdp"
+
+
+def _by_keys(kind: str) -> Callable[[CheckpointIndex], bool]:
+    """Detection by the key layout, for an index whose files name no producer."""
+
+    def by_keys(index: CheckpointIndex) -> bool:
+        return index.producer is None and not _wrapped(index) and _fsdp_kind(index) == kind
+
+    by_keys.__name__ = by_keys.__qualname__ = f"by_keys_{kind}"
+    return by_keys
+
+
+def _fsdp1(index: CheckpointIndex) -> bool:
+    """FSDP1's wrapper names in the keys, or its sharded state dict's chunks (see ``_fsdp_kind``)."""
+    return index.producer is None and (_wrapped(index) or _fsdp_kind(index) == "fsdp1")
+
+
+def _torchtitan(index: CheckpointIndex) -> bool:
+    """Model weights at the top level beside torchtitan's ``optimizer``/``train_state``/... keys."""
+    tops = {e.path[0] for e in index.entries}
+    return (
+        index.producer is None and flat_layout(index) and bool(tops & {"optimizer", "train_state", "lr_scheduler", "dataloader"})
+    )
+
+
+def _any(index: CheckpointIndex) -> bool:
+    """Any DCP checkpoint (the table's last record)."""
+    return True
+
+
+_AS_FSDP2 = "as `fsdp2`"
+_FSDP_CONSOLIDATE = '`{"model", "optim"}`: `model.load_state_dict`; `--optim-keys ids` for a plain `optim.load_state_dict`'
+_DCP_LOAD = "`dcp.load` (a regular DCP folder)"
+
+PRODUCERS: tuple[Producer, ...] = (
+    Producer(
+        name="fsdp2",
+        detect=_by_keys("fsdp2"),
+        label="`fsdp2`",
+        on_disk='DCP of `get_state_dict`: `{"model", "optim"}`',
+        notes="optimizer state keyed by FQN",
+        consolidate_loader=_FSDP_CONSOLIDATE,
+        reshard_loader="`dcp.load` of `get_state_dict` at M ranks",
+    ),
+    Producer(
+        name="fsdp1",
+        detect=_fsdp1,
+        params_in_model_order=True,
+        label="`fsdp1`",
+        on_disk="DCP of `SHARDED_STATE_DICT` + `FSDP.optim_state_dict`, `use_orig_params` true or false",
+        notes="told from FSDP2 by the empty chunks FSDP2 records for tensors smaller than the world size "
+        "(`fsdp` when no tensor tells)",
+        consolidate_loader=_FSDP_CONSOLIDATE,
+        reshard_loader="`dcp.load` of `get_state_dict` at M ranks",
+    ),
+    Producer(
+        name="torchtitan",
+        detect=_torchtitan,
+        optimizer_key="optimizer",
+        label="`torchtitan`",
+        on_disk="DCP with model weights at the top level beside `optimizer` (flattened: `state.<fqn>.<name>`, "
+        "`param_groups.<fqn>.<field>`), `lr_scheduler`, `train_state`, `dataloader`, under `checkpoint/step-N/`",
+        notes="param groups are rebuilt from the per-parameter copies; the parent folder answers with the `step-N/` "
+        "to pass; llama3's fused `wqkv` is saved as `wq`/`wk`/`wv` in the model but as `wqkv` in the optimizer "
+        "state, and both stay as saved",
+        consolidate_loader='`{"model", "optimizer", "lr_scheduler", ...}`: its llama3 model\'s `load_state_dict`, '
+        "`--optim-keys ids` for `AdamW.load_state_dict` (torchtitan itself reads DCP or HF, not a `.pt`)",
+        reshard_loader="its `CheckpointManager.load()` at M ranks",
+    ),
+    Producer(
+        name="accelerate",
+        detect=_named("accelerate"),
+        optimizer_key="optimizer",
+        side_files=(
+            # written by the main process only, the same at any world size: LR schedulers, samplers, the
+            # grad scaler, register_for_checkpointing's objects
+            SideFile(pattern=ACCELERATE_SHARED_RE, action="copy"),
+            SideFile(
+                pattern=re.compile(r"random_states_\d+\.pkl"),
+                action="leave_out",
+                note="accelerate's per-rank RNG states (pickles, never loaded) belong to the old ranks; load_state "
+                "then keeps each rank's current RNG state and accelerator.step, which they also hold",
+            ),
+        ),
+        folders=re.compile(r"(pytorch_model_fsdp|optimizer)_\d+"),
+        label="`accelerate`",
+        on_disk="`save_state`'s folder: `pytorch_model_fsdp_0/` + `optimizer_0/`, two DCP folders, and `random_states_<r>.pkl`",
+        notes="pass the parent folder; the pickles are never loaded. `reshard` writes both folders for M ranks, copies "
+        "`scheduler*.bin`, `sampler*.bin`, `scaler.pt` and `custom_checkpoint_*.pkl` byte for byte, and leaves out "
+        "`random_states_<r>.pkl` (the old ranks' RNG states and `accelerator.step`), saying so on stderr and in `--json`",
+        consolidate_loader='`{"model", "optimizer"}`: `load_state_dict` of each part (accelerate\'s `load_state` reads '
+        "a full save as separate files, not this one)",
+        reshard_loader="`Accelerator.load_state(OUT)` at M ranks",
+    ),
+    Producer(
+        name="lightning",
+        detect=_named("lightning"),
+        optimizer_key="optimizer",
+        side_files=(SideFile(pattern=re.compile(re.escape(LIGHTNING_META_FILENAME)), action="copy"),),
+        merged=LIGHTNING_META_FILENAME,
+        label="`lightning`",
+        on_disk="DCP with `meta.pt` beside `.metadata`",
+        notes="`consolidate` merges `meta.pt`'s entries at the top level, as Lightning does (read with "
+        "`weights_only=True`); `reshard` copies it byte for byte",
+        consolidate_loader='`{"model", "optimizer", "step"}`: `fabric.load` in one process, or under Fabric\'s '
+        "FSDP1/FSDP2 strategies at any world size",
+        reshard_loader="`fabric.load(OUT, ...)` at M ranks (FSDP1 and FSDP2)",
+    ),
+    Producer(
+        name="hf_storage",
+        detect=_named("hf_storage"),
+        label="`hf_storage`",
+        on_disk="torch's `HuggingFaceStorageWriter`: per-rank safetensors shards, offsets in each header's "
+        "`DCP_SHARDING_INFO`, no `.metadata`",
+        notes="only headers are read to index",
+        consolidate_loader=_AS_FSDP2,
+        reshard_loader=_DCP_LOAD,
+    ),
+    Producer(
+        name="verl",
+        detect=_named("verl"),
+        label="`verl`",
+        on_disk="per-rank `torch.save`: `model_world_size_N_rank_r.pt` (DTensors), `optim_...` (id-keyed), `extra_state_...`",
+        notes="not DCP; indexed from the DTensors' placements, no process group needed",
+        consolidate_loader=_AS_FSDP2,
+        reshard_loader=_DCP_LOAD,
+    ),
+    Producer(
+        name="fsdp1",
+        detect=_named("fsdp1"),
+        params_in_model_order=True,
+        label="`fsdp1` (rank files)",
+        on_disk="`SHARDED_STATE_DICT` saved rank by rank with `torch.save` (`ShardedTensor` values), `*_rank_<r>.pt`",
+        notes="indexed from `ShardMetadata`",
+        consolidate_loader=_AS_FSDP2,
+        reshard_loader=_DCP_LOAD,
+    ),
+    # Named but in no table row: a producer the layout cannot tell, per-rank files of neither
+    # verl nor FSDP1, a safetensors file, any other DCP checkpoint.
+    Producer(name="fsdp", detect=_by_keys("fsdp"), params_in_model_order=True),
+    Producer(name="torch_save", detect=_named("torch_save")),
+    Producer(name="safetensors", detect=_named("safetensors")),
+    Producer(name="dcp", detect=_any),
+)
+
+# Rows of the tables that are not producers: layouts of one, writer options.
+_MESH_ROWS = (
+    (
+        "`fsdp2` on a 2-D mesh",
+        'DCP of `get_state_dict` after `parallelize_module` (tensor parallel) and `fully_shard(..., mesh=mesh["dp"])`, '
+        "or `fully_shard` on a (replicate, shard) mesh (HSDP)",
+        "row-parallel weights are cut on dim 1 too; each replica is stored once, so a tensor can have fewer chunks "
+        "than the world size",
+    ),
+    (
+        "`verl` on a 2-D mesh",
+        "the same models' DTensors saved rank by rank: `(_StridedShard(0, sf=2), Shard(0))` where FSDP cuts a "
+        "tensor-parallel shard again, `(Replicate(), Shard(0))` for HSDP",
+        "each rank's box is the one `dcp.save` records (torch's `compute_local_shape_and_global_offset`); a "
+        "`_StridedShard` whose rows are not one run is refused, as `dcp.save` refuses it",
+    ),
+)
+_OTHER_LOADER_ROW = ("FileSystemWriter options, 2-D meshes", _AS_FSDP2, "`dcp.load` at M ranks")
+
+
+def get(name: str) -> Producer:
+    """The first record named ``name``.
+
+    Raises:
+        KeyError: no producer has that name (a bug: every name ``formats`` gives is in the table).
+    """
+    for producer in PRODUCERS:
+        if producer.name == name:
+            return producer
+    raise KeyError(name)
+
+
+def merged_files() -> tuple[str, ...]:
+    """Every record's ``merged`` file name, once each, in table order (a remote checkpoint's are looked for)."""
+    return tuple(dict.fromkeys(p.merged for p in PRODUCERS if p.merged is not None))
+
+
+def detect_producer(index: CheckpointIndex) -> Producer:
+    """The training stack that wrote the checkpoint: the first record of ``PRODUCERS`` that detects it.
+
+    Files first (``read_index`` records the name: accelerate's ``pytorch_model_fsdp_0/`` +
+    ``optimizer_0/``, Lightning's ``meta.pt``, verl's and FSDP1's rank files,
+    ``HuggingFaceStorageWriter``'s shards), then keys: ``fsdp1`` for FSDP1 wrapper names
+    (``_fsdp_wrapped_module``, ``_flat_param``); ``torchtitan`` for model weights at the top level
+    beside ``optimizer``/``train_state``; ``fsdp2`` or ``fsdp1`` for the ``{"model", "optim"}``
+    layout with FQN-keyed optimizer state (FSDP2 ``get_state_dict``, FSDP1 ``SHARDED_STATE_DICT`` +
+    ``FSDP.optim_state_dict``), told apart by the empty chunks FSDP2 records for small tensors;
+    ``fsdp`` when no tensor is small enough to tell; ``dcp`` for any other checkpoint.
+    """
+    return next(p for p in PRODUCERS if p.detect(index))  # the last record detects any index
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Beside:
+    """The files beside a checkpoint's DCP data, as ``reshard`` treats them.
+
+    Attributes:
+        copied: names copied byte for byte, never loaded.
+        left_out: names not carried over (a folder's with a trailing ``/``).
+        notes: one line per kind of file left out, saying why.
+    """
+
+    copied: tuple[str, ...] = ()
+    left_out: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+def sort_beside(producer: Producer, entries: Iterable[tuple[str, bool, bool]]) -> Beside:
+    """Sort the files beside a checkpoint's DCP data by ``producer.side_files``: copied, left out with its note, unknown.
+
+    Args:
+        producer: the checkpoint's producer.
+        entries: (name, is a file, is a folder) of each entry of the checkpoint's folder that is
+            neither ``.metadata``, a data file, one of its DCP folders nor hidden, in order.
+
+    Returns:
+        Copied files, then what is left out: each ``leave_out`` kind in ``side_files`` order, then
+        unknown entries, with a note per kind (``left out <names>: <why>``).
+    """
+    copied: list[str] = []
+    kinds: dict[SideFile | None, list[str]] = {s: [] for s in producer.side_files if s.action == "leave_out"}
+    kinds[None] = []
+    for name, is_file, is_dir in entries:
+        side = producer.side_file(name)
+        if side is not None and side.action == "copy" and is_file:
+            copied.append(name)
+        elif side is not None and side.action == "leave_out":
+            kinds[side].append(name)
+        else:
+            kinds[None].append(name + "/" if is_dir else name)
+    notes = [
+        f"left out {', '.join(names)}: {UNKNOWN_NOTE if side is None else side.note}" for side, names in kinds.items() if names
+    ]
+    return Beside(copied=tuple(copied), left_out=tuple(n for names in kinds.values() for n in names), notes=tuple(notes))
+
+
+def _row(*cells: str) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def render_producer_table() -> str:
+    """``docs/producers.md``'s producer table: what each producer writes (Markdown, each line ending in a newline).
+
+    A row per record with ``on_disk``, in table order, then the 2-D mesh rows.
+    """
+    lines = [_row("producer", "what is on disk", "notes"), "|---|---|---|"]
+    lines += [_row(p.label, p.on_disk, p.notes) for p in PRODUCERS if p.on_disk]
+    lines += [_row(*cells) for cells in _MESH_ROWS]
+    return "\n".join(lines) + "\n"
+
+
+def render_loader_table() -> str:
+    """``docs/producers.md``'s loader table: what reads each output (Markdown, each line ending in a newline).
+
+    A row per run of consecutive records with ``on_disk`` that are read alike, then the row of
+    ``FileSystemWriter`` options and 2-D meshes.
+    """
+    lines = [_row("producer", "`consolidate` (default) is read by", "`reshard --world-size M` is read by"), "|---|---|---|"]
+    groups: list[tuple[list[str], str, str]] = []
+    for p in PRODUCERS:
+        if not p.on_disk:
+            continue
+        if groups and groups[-1][1:] == (p.consolidate_loader, p.reshard_loader):
+            groups[-1][0].append(p.label)
+        else:
+            groups.append(([p.label], p.consolidate_loader, p.reshard_loader))
+    lines += [_row(", ".join(labels), consolidate, reshard) for labels, consolidate, reshard in groups]
+    lines.append(_row(*_OTHER_LOADER_ROW))
+    return "\n".join(lines) + "\n"
