@@ -16,7 +16,7 @@ from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.errors import InvalidOptionError, NotADcpCheckpointError
 from fsdp_convert.formats.index import CheckpointIndex, Entry, TensorEntry, check_coverage, unflatten
 from fsdp_convert.transform import OutputItem
-from fsdp_convert.writers.torch_save import PayloadLayout, TensorSlot, tensor_payload_layout
+from fsdp_convert.writers.torch_save import PayloadPlacement, TensorSlot, tensor_payload_placement
 
 __all__ = [
     "TargetChunk",
@@ -54,20 +54,20 @@ class PayloadPlan:
         item: index into ``ReshardPlan.items``.
         chunk: the target chunk (its rank names the data file).
         offset: where the payload starts in the data file, in bytes.
-        layout: the payload's size and where its storage bytes lie in it.
+        placement: the payload's size and where its storage bytes lie in it.
         owner: the worker that moves its bytes and writes its headers.
     """
 
     item: int
     chunk: TargetChunk
     offset: int
-    layout: PayloadLayout
+    placement: PayloadPlacement
     owner: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReshardPlan:
-    """Target layout of a reshard: every item's chunks per target rank, each tensor chunk's byte range, and its worker.
+    """Target placement of a reshard: every item's chunks per target rank, each tensor chunk's byte range, and its worker.
 
     Each rank's data file holds its tensor chunks' payloads back to back, in item order; rank 0's
     then holds the values (bytes entries), which rank 0 appends from ``values_offset``.
@@ -212,8 +212,8 @@ def _lay_out_rank_files(
         The payloads, and where rank 0's values start (the end of its payloads), in bytes.
     """
     ends = [0] * world_size
-    layouts: dict[tuple[object, ...], PayloadLayout] = {}
-    placed: list[tuple[int, TargetChunk, int, PayloadLayout]] = []
+    placements: dict[tuple[object, ...], PayloadPlacement] = {}
+    placed: list[tuple[int, TargetChunk, int, PayloadPlacement]] = []
     for rank in range(world_size):
         for i, (item, item_chunks) in enumerate(zip(items, chunks, strict=True)):
             if not item.is_tensor or item.dtype is None:
@@ -222,13 +222,13 @@ def _lay_out_rank_files(
                 if chunk.rank != rank:
                     continue
                 key = (item.dtype, chunk.sizes)
-                layout = layouts.get(key) or layouts.setdefault(key, tensor_payload_layout(TensorSlot(item.dtype, chunk.sizes)))
-                placed.append((i, chunk, ends[rank], layout))
-                ends[rank] += layout.size
-    owners = _balance([layout.size for *_, layout in placed], nproc)
+                placement = placements.get(key) or placements.setdefault(key, tensor_payload_placement(TensorSlot(item.dtype, chunk.sizes)))
+                placed.append((i, chunk, ends[rank], placement))
+                ends[rank] += placement.size
+    owners = _balance([placement.size for *_, placement in placed], nproc)
     payloads = tuple(
-        PayloadPlan(item=i, chunk=chunk, offset=offset, layout=layout, owner=owners[k])
-        for k, (i, chunk, offset, layout) in enumerate(placed)
+        PayloadPlan(item=i, chunk=chunk, offset=offset, placement=placement, owner=owners[k])
+        for k, (i, chunk, offset, placement) in enumerate(placed)
     )
     return payloads, ends[0]
 
@@ -247,7 +247,7 @@ def rank_file_bytes(plan: ReshardPlan) -> dict[int, int]:
     """Each target rank's data file size, in bytes: its payloads, and rank 0's values (their payload sizes, a little low)."""
     ends = dict.fromkeys(plan.data_ranks, 0)
     for p in plan.payloads:
-        ends[p.chunk.rank] = max(ends[p.chunk.rank], p.offset + p.layout.size)
+        ends[p.chunk.rank] = max(ends[p.chunk.rank], p.offset + p.placement.size)
     if 0 in ends:
         ends[0] = max(ends[0], plan.values_offset) + sum(item.nbytes for item in plan.items if not item.is_tensor)
     return ends
@@ -259,5 +259,5 @@ def wave_plan(plan: ReshardPlan, ranks: frozenset[int]) -> ReshardPlan:
     Offsets are unchanged: each payload goes where the whole plan lays it out.
     """
     payloads = [p for p in plan.payloads if p.chunk.rank in ranks]
-    owners = _balance([p.layout.size for p in payloads], plan.nproc)
+    owners = _balance([p.placement.size for p in payloads], plan.nproc)
     return replace(plan, payloads=tuple(replace(p, owner=o) for p, o in zip(payloads, owners, strict=True)))

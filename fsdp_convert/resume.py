@@ -93,9 +93,9 @@ def reshard_record_map(plans: tuple[tuple[str, ReshardPlan], ...]) -> RecordMap:
             item = plan.items[payload.item]
             assert item.dtype is not None
             nbytes = math.prod(payload.chunk.sizes) * item.dtype.itemsize
-            sizes[names[f]] = max(sizes[names[f]], payload.offset + payload.layout.size)
+            sizes[names[f]] = max(sizes[names[f]], payload.offset + payload.placement.size)
             if nbytes:
-                records.append((f, Record(names[f], payload.offset + payload.layout.data_offset, nbytes)))
+                records.append((f, Record(names[f], payload.offset + payload.placement.data_offset, nbytes)))
     return RecordMap(names, sizes, records)
 
 

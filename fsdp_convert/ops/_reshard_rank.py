@@ -66,7 +66,7 @@ def _move_job(plan: ReshardPlan, payload: PayloadPlan, fd: int, file: int) -> Mo
     assert isinstance(item.entry, TensorEntry) and item.dtype is not None
     chunk = payload.chunk
     rows = (chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]) if chunk.sizes else None
-    offset = payload.offset + payload.layout.data_offset
+    offset = payload.offset + payload.placement.data_offset
     return MoveJob(
         entry=item.entry,
         dtype=item.dtype,

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp_convert.formats import detect_format, read_index
+from fsdp_convert.formats import open_checkpoint
 from fsdp_convert.formats.dcp import payload_formats
 from fsdp_convert.formats.index import Location, TensorEntry, dtype_name
 from fsdp_convert.producers import detect_producer
@@ -124,9 +124,10 @@ def inspect_checkpoint(checkpoint_id: str | os.PathLike[str], *, follow_symlinks
         ``EntrySummary`` per entry in the producer's order.
 
     Raises:
-        CheckpointNotFoundError, NotADcpCheckpointError, UnsafeContentError: see ``read_index``.
+        CheckpointNotFoundError, NotADcpCheckpointError, UnsafeContentError: see ``formats.read_index``.
     """
-    index = read_index(checkpoint_id, follow_symlinks=follow_symlinks)
+    source = open_checkpoint(checkpoint_id, follow_symlinks=follow_symlinks)  # the format decided once
+    index = source.index
     rows = []
     for e, slot in zip(index.entries, classify(index), strict=True):
         if isinstance(e, TensorEntry):
@@ -163,5 +164,5 @@ def inspect_checkpoint(checkpoint_id: str | os.PathLike[str], *, follow_symlinks
         data_files=index.data_files,
         version=index.version,
         entries=tuple(rows),
-        payload_formats=payload_formats(index) if detect_format(checkpoint_id) == "dcp" else (),
+        payload_formats=payload_formats(index) if source.format.name == "dcp" else (),
     )

@@ -106,7 +106,7 @@ def _files_beside(index: CheckpointIndex, producer: Producer, plans: Plans) -> B
 def _metadata_rows(plan: ReshardPlan) -> tuple[list[MetadataEntry], list[StoredChunk]]:
     """A folder's ``.metadata`` entries, and the rows of its tensor payloads as laid out (rank 0 adds its values')."""
     stored = [
-        StoredChunk(dcp_key(plan.items[p.item].path), p.chunk.offsets, rank_filename(p.chunk.rank), p.offset, p.layout.size)
+        StoredChunk(dcp_key(plan.items[p.item].path), p.chunk.offsets, rank_filename(p.chunk.rank), p.offset, p.placement.size)
         for p in plan.payloads
     ]
     entries = [
@@ -132,7 +132,7 @@ def _output_bytes(plans: Plans, root: Location, copied: tuple[str, ...]) -> int:
     for _, plan in plans:
         ends = dict.fromkeys(plan.data_ranks, 0)
         for p in plan.payloads:
-            ends[p.chunk.rank] = max(ends[p.chunk.rank], p.offset + p.layout.size)
+            ends[p.chunk.rank] = max(ends[p.chunk.rank], p.offset + p.placement.size)
         values = [item for item in plan.items if not item.is_tensor]
         if values:
             ends[0] = plan.values_offset + sum(item.nbytes + RECORD_TAIL_BYTES for item in values)

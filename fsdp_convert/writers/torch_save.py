@@ -315,9 +315,3 @@ def _pwrite_parts(fd: int, image: _HeaderImage, at: int) -> None:
         view = memoryview(part)
         while view:
             view = view[os.pwrite(fd, view, at + offset + len(part) - len(view)) :]
-
-
-# the names before issue 24 ("layout" now means the producer's top-level naming only); kept until
-# reshard_plan.py imports the new ones
-PayloadLayout = PayloadPlacement
-tensor_payload_layout = tensor_payload_placement
