@@ -222,7 +222,9 @@ def _lay_out_rank_files(
                 if chunk.rank != rank:
                     continue
                 key = (item.dtype, chunk.sizes)
-                placement = placements.get(key) or placements.setdefault(key, tensor_payload_placement(TensorSlot(item.dtype, chunk.sizes)))
+                placement = placements.get(key) or placements.setdefault(
+                    key, tensor_payload_placement(TensorSlot(item.dtype, chunk.sizes))
+                )
                 placed.append((i, chunk, ends[rank], placement))
                 ends[rank] += placement.size
     owners = _balance([placement.size for *_, placement in placed], nproc)
