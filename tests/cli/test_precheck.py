@@ -156,8 +156,13 @@ def test_output_checks_as_the_library_says(ws3_ckpt: Sample, tmp_path: Path) -> 
 
 
 def test_suffixes_are_the_librarys() -> None:
-    assert _precheck._TORCH_SAVE_SUFFIXES == constants.TORCH_SAVE_SUFFIXES
-    assert _precheck._SAFETENSORS_SUFFIXES == constants.SAFETENSORS_SUFFIXES
+    """The CLI's before-torch check and the output kinds read OUT's suffixes from one leaf."""
+    from fsdp_convert import outputs, suffixes
+
+    assert _precheck.TORCH_SAVE_SUFFIXES is suffixes.TORCH_SAVE_SUFFIXES is constants.TORCH_SAVE_SUFFIXES
+    assert _precheck.SAFETENSORS_SUFFIXES is suffixes.SAFETENSORS_SUFFIXES is constants.SAFETENSORS_SUFFIXES
+    claimed = {s for kind in outputs.OUTPUT_KINDS for s in getattr(kind, "suffixes", ())}
+    assert claimed == {*suffixes.TORCH_SAVE_SUFFIXES, *suffixes.SAFETENSORS_SUFFIXES}
 
 
 def test_dtype_names_are_the_librarys() -> None:

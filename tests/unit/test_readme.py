@@ -7,6 +7,7 @@ run through the CLI, both on the 3-rank sample checkpoint (``ws3_ckpt``: the mod
 
 from __future__ import annotations
 
+import dataclasses
 import doctest
 import inspect
 import io
@@ -14,6 +15,7 @@ import os
 import re
 import shlex
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -146,16 +148,30 @@ def test_readme_setup_commands_are_executable_scripts() -> None:
         assert path.is_file() and os.access(path, os.X_OK), f"{script} is not an executable file"
 
 
+def _field_as_parameter(field: dataclasses.Field[Any]) -> inspect.Parameter:
+    """A dataclass field as the keyword parameter it stands for (a default factory: any default)."""
+    if field.default is not dataclasses.MISSING:
+        default: Any = field.default
+    elif field.default_factory is not dataclasses.MISSING:
+        default = ...
+    else:
+        default = inspect.Parameter.empty
+    return inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=default)
+
+
 def test_library_page_lists_each_function_with_its_signature() -> None:
     """docs/library.md's table of functions: each parameter, in order, with its default (``...``: any)."""
     rows = re.findall(r"^\| `(\w+)\((.*?)\)`", (ROOT / "docs" / "library.md").read_text(), re.M)
     assert {name for name, _ in rows} == {"inspect", "consolidate", "reshard", "verify"}, rows
+    options_class = {"consolidate": "ConsolidateOptions", "reshard": "ReshardOptions", "verify": "VerifyOptions"}
     for name, params in rows:
         shown = [x.strip() for x in params.split(",") if x.strip() != "*"]
-        actual = inspect.signature(getattr(fsdp_convert, name)).parameters.values()
+        actual: list[Any] = list(inspect.signature(getattr(fsdp_convert, name)).parameters.values())
+        if actual[-1].kind is inspect.Parameter.VAR_KEYWORD:  # keyword arguments: the options dataclass's fields
+            actual = actual[:-1] + [_field_as_parameter(f) for f in dataclasses.fields(getattr(fsdp_convert, options_class[name]))]
         assert [x.partition("=")[0] for x in shown] == [p.name for p in actual], name
         for text, param in zip(shown, actual, strict=True):
             _, has_default, default = text.partition("=")
             assert bool(has_default) == (param.default is not param.empty), (name, text)
-            if has_default and default != "...":
+            if has_default and default != "..." and param.default is not ...:
                 assert default == repr(param.default).replace("'", '"'), (name, text, param.default)
