@@ -168,7 +168,8 @@ def test_library_page_lists_each_function_with_its_signature() -> None:
         shown = [x.strip() for x in params.split(",") if x.strip() != "*"]
         actual: list[Any] = list(inspect.signature(getattr(fsdp_convert, name)).parameters.values())
         if actual[-1].kind is inspect.Parameter.VAR_KEYWORD:  # keyword arguments: the options dataclass's fields
-            actual = actual[:-1] + [_field_as_parameter(f) for f in dataclasses.fields(getattr(fsdp_convert, options_class[name]))]
+            fields = dataclasses.fields(getattr(fsdp_convert, options_class[name]))
+            actual = actual[:-1] + [_field_as_parameter(f) for f in fields]
         assert [x.partition("=")[0] for x in shown] == [p.name for p in actual], name
         for text, param in zip(shown, actual, strict=True):
             _, has_default, default = text.partition("=")
