@@ -70,7 +70,7 @@ MUTATIONS: list[Mutation] = [
         "metadata-unpickler-admits-all",
         ".metadata is read with an unpickler that admits only DCP's metadata classes",
         "fsdp_convert/formats/_dcp_metadata.py",
-        'raise RefusedError(f"refusing global {shown(module)}.{shown(name)}")',
+        "raise RefusedError(unknown_global(module, name))",
         'return getattr(__import__("importlib").import_module(module), name)',
         "tests/cli/test_bad_inputs.py::test_bad_input_fails_cleanly[.metadata would run code]",
     ),

@@ -1,22 +1,20 @@
 """Index stage, DCP: unpickle a ``.metadata`` safely and check it into a ``CheckpointIndex``; no tensor I/O.
 
 The file is a pickled ``torch.distributed.checkpoint.metadata.Metadata`` (written by
-``FileSystemWriter.finish``). torch reads it with plain ``pickle.load``, which runs whatever the
-file says; here ``_safe_pickle``'s interpreter admits only fresh DCP metadata records, ``torch.Size``,
-torch dtypes and layouts, pure paths and plain values, never changes an object it did not create, and
-every field is type-checked after loading.
+``FileSystemWriter.finish``, or by another writer: ``_dcp_records``). torch reads it with plain
+``pickle.load``, which runs whatever the file says; here ``_safe_pickle``'s interpreter admits only
+fresh DCP metadata records (``_dcp_records``), ``torch.Size``, torch dtypes and layouts, pure paths
+and plain values, never changes an object it did not create, and every field is type-checked.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import mmap
 import os
-import pathlib
 import pickle
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,17 +24,12 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 from fsdp_convert.constants import METADATA_FILENAME, SUPPORTED_DTYPES
 from fsdp_convert.errors import NotADcpCheckpointError, UnsafeContentError
 from fsdp_convert.formats._dcp_payloads import BOTH_OPTIONS_HINT, ReadAt, SizeOf, is_raw_chunk, place_raw_chunks
-from fsdp_convert.formats._safe_pickle import (
-    TORCH_DTYPES,
-    VETTED_CALLS,
-    MalformedError,
-    RefusedError,
-    SafeUnpickler,
-    described,
-    shown,
-)
+from fsdp_convert.formats._dcp_records import CALL_BY_ID, RECORD_BY_ID, UNCHECKED_FIELDS, record_state, unknown_global
+from fsdp_convert.formats._dcp_records import CALLS as _CALLS
+from fsdp_convert.formats._dcp_records import RECORDS as _RECORDS
+from fsdp_convert.formats._safe_pickle import TORCH_DTYPES, MalformedError, RefusedError, SafeUnpickler, described, shown
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Entry, Location, ObjPath, TensorEntry
-from fsdp_convert.torch_compat import MEM_FORMAT_ENCODING, StorageInfo
+from fsdp_convert.torch_compat import MEM_FORMAT_ENCODING, StorageInfo  # noqa: F401  (MEM_FORMAT_ENCODING: tests check no load changes it)
 
 __all__ = ["METADATA_MAX_BYTES", "check_metadata_size", "load_metadata", "metadata_from_bytes", "build_index"]
 
@@ -47,76 +40,25 @@ __all__ = ["METADATA_MAX_BYTES", "check_metadata_size", "load_metadata", "metada
 # pickles to about 0.85 GB (150 bytes a chunk); a file over this is no DCP .metadata.
 METADATA_MAX_BYTES = 8 << 30
 
-_RECORDS: dict[tuple[str, str], type] = {
-    ("torch.distributed.checkpoint.metadata", cls.__name__): cls
-    for cls in (
-        dcp_metadata.Metadata,
-        dcp_metadata.TensorStorageMetadata,
-        dcp_metadata.BytesStorageMetadata,
-        dcp_metadata.ChunkStorageMetadata,
-        dcp_metadata.TensorProperties,
-        dcp_metadata.MetadataIndex,
-        dcp_metadata.StorageMeta,
-    )
-}
-if StorageInfo is not None:  # None on a torch without it: check_torch says so, this module still imports
-    _RECORDS[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = StorageInfo
-# by id: a lookup must not hash what the pickle put on the stack (a deep tuple would crash it)
-_RECORD_BY_ID = {id(cls): cls for cls in _RECORDS.values()}
-_FIELDS = {cls: frozenset(f.name for f in dataclasses.fields(cls)) for cls in _RECORDS.values()}
-_MEMORY_FORMATS = {  # TensorProperties.__setstate__'s table: _MEM_FORMAT_ENCODING.TORCH_CHANNELS_LAST -> torch.channels_last
-    getattr(MEM_FORMAT_ENCODING, f"TORCH_{name.upper()}"): getattr(torch, name)
-    for name in ("contiguous_format", "channels_last", "preserve_format")
-    if MEM_FORMAT_ENCODING is not None
-}
-
-
-def _mem_format_encoding(value: Any) -> Any:
-    if type(value) is not int:
-        raise MalformedError("memory format encoding is not an int")
-    return MEM_FORMAT_ENCODING(value)  # an Enum lookup; ValueError if out of range
-
-
-def _path(kind: type[pathlib.PurePath]) -> Callable[..., pathlib.PurePath]:
-    def make(*parts: Any) -> pathlib.PurePath:
-        if not all(type(p) is str for p in parts):
-            raise MalformedError("path parts are not strings")
-        return kind(*parts)  # a pure path: nothing reads it; StorageMeta.checkpoint_id only names the save
-
-    make.__qualname__ = kind.__name__
-    return make
-
-
-_CALLS: dict[tuple[str, str], Callable[..., Any]] = {
-    **VETTED_CALLS,
-    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): _mem_format_encoding,
-    ("pathlib", "PurePosixPath"): _path(pathlib.PurePosixPath),
-    ("pathlib", "PosixPath"): _path(pathlib.PurePosixPath),
-    ("pathlib", "Path"): _path(pathlib.PurePosixPath),
-    ("pathlib", "PureWindowsPath"): _path(pathlib.PureWindowsPath),
-    ("pathlib", "WindowsPath"): _path(pathlib.PureWindowsPath),
-}
-_CALL_BY_ID = {id(f): f for f in _CALLS.values()}
-
 
 class _MetadataUnpickler(SafeUnpickler):
-    """Admits DCP's metadata records (created fresh, fields set only by ``build``), torch dtypes and a few vetted calls."""
+    """Admits ``_dcp_records``' records (created fresh, state set only by ``build``), torch dtypes and its calls."""
 
     def find_class(self, module: str, name: str) -> Any:
         key = (module, name)
         found = _RECORDS.get(key) or _CALLS.get(key) or (TORCH_DTYPES.get(name) if module == "torch" else None)
         if found is None:
-            raise RefusedError(f"refusing global {shown(module)}.{shown(name)}")
+            raise RefusedError(unknown_global(module, name))
         return found
 
     def call(self, func: Any, args: tuple[Any, ...]) -> Any:
-        vetted = _CALL_BY_ID.get(id(func))
+        vetted = CALL_BY_ID.get(id(func))
         if vetted is None or vetted is not func:
             raise RefusedError(f"refusing to call {described(func)}")
         return vetted(*args)
 
     def new(self, cls: Any, args: tuple[Any, ...]) -> Any:
-        record = _RECORD_BY_ID.get(id(cls))
+        record = RECORD_BY_ID.get(id(cls))
         if record is None or record is not cls:
             raise RefusedError(f"refusing to create an instance of {described(cls)}")
         if args:
@@ -126,16 +68,13 @@ class _MetadataUnpickler(SafeUnpickler):
     def build(self, obj: Any, state: Any) -> None:
         # only a record instance: NEWOBJ above made it in this load (no global or call returns one)
         cls = type(obj)
-        if _RECORD_BY_ID.get(id(cls)) is not cls:
+        if RECORD_BY_ID.get(id(cls)) is not cls:
             raise RefusedError(f"refusing to set the state of {described(obj)}")
-        if cls is dcp_metadata.TensorProperties and type(state) is tuple:
-            _tensor_properties(obj, state)
-            return
-        if type(state) is not dict or not (
-            _FIELDS[cls].issuperset(state) or all(type(k) is str and (k in _FIELDS[cls] or _plain_name(k)) for k in state)
-        ):
-            raise MalformedError(f"state of a {cls.__name__} is not a dict of its fields")
-        object.__setattr__(obj, "__dict__", dict(state))  # (the keys were checked as dict keys: hashing is safe)
+        fields = UNCHECKED_FIELDS.get(cls)  # (the state's keys were hashed as dict keys: hashing is safe)
+        if fields is not None and type(state) is dict and fields.issuperset(state):
+            object.__setattr__(obj, "__dict__", dict(state))
+        else:
+            object.__setattr__(obj, "__dict__", record_state(cls, state))
 
     def key_ok(self, key: Any) -> bool:
         # storage_data's keys: hashing a MetadataIndex hashes (fqn, offset); offset is a torch.Size of ints
@@ -143,28 +82,6 @@ class _MetadataUnpickler(SafeUnpickler):
             return False
         offset = getattr(key, "offset", None)
         return type(getattr(key, "fqn", None)) is str and (offset is None or type(offset) is torch.Size)
-
-
-def _plain_name(key: str) -> bool:
-    """A field a newer torch may add: kept, as the C unpickler would; never a dunder."""
-    return key.isidentifier() and not key.startswith("__")
-
-
-def _tensor_properties(obj: Any, state: tuple[Any, ...]) -> None:
-    """``TensorProperties.__setstate__`` with its types checked: (dtype, layout, requires_grad, encoding, pin_memory)."""
-    if len(state) != 5:
-        raise MalformedError("TensorProperties state is not 5 values")
-    dtype, layout, requires_grad, encoding, pin_memory = state
-    if (
-        not isinstance(dtype, torch.dtype)
-        or not isinstance(layout, torch.layout)
-        or type(requires_grad) is not bool
-        or type(pin_memory) is not bool
-        or type(encoding) is not MEM_FORMAT_ENCODING
-    ):
-        raise MalformedError("TensorProperties state has values of the wrong types")
-    fields = {"dtype": dtype, "layout": layout, "requires_grad": requires_grad, "pin_memory": pin_memory}
-    object.__setattr__(obj, "__dict__", {**fields, "memory_format": _MEMORY_FORMATS[encoding]})
 
 
 def check_metadata_size(size_bytes: int, path: Location | str | os.PathLike[str]) -> None:

@@ -38,6 +38,7 @@ from typer.testing import CliRunner
 
 from fsdp_convert.cli import app
 from tests._samples import Sample, _sample
+from tests.unit.test_dcp_metadata_writers import hostile_records
 from tests.unit.test_unpickler_hostile import LOADERS, _hostile
 
 EXAMPLES = int(os.environ.get("FSDP_CONVERT_FUZZ_HOSTILE_EXAMPLES", "100"))  # per target; three targets, ~0.1 s a case
@@ -137,6 +138,8 @@ def _mutate(data: st.DataObject, raw: bytes, start: int = 0) -> bytes:
 
 # BUILD (None, {"parts": ()}) on pathlib.PosixPath, then POP: what let "../outside" pass the folder check
 _MUTATE_PATH_PARTS = b"cpathlib\nPosixPath\nN}(\x8c\x05parts)u\x86b0"
+# BUILD (None, {"pwned": None}) on torch's SavePlan (admitted for Megatron-Core's all_local_plans), then POP
+_MUTATE_SAVE_PLAN = b"ctorch.distributed.checkpoint.planner\nSavePlan\nN}(\x8c\x05pwnedNu\x86b0"
 _DEEP_TUPLE_KEY = b"\x80\x04}" + b")" + b"\x85" * 1_000_000 + b"Ns."  # hashing it overflows the C stack
 _DEEP_JSON = b"[" * 200_000 + b"]" * 200_000
 
@@ -156,8 +159,10 @@ def _hostile_metadata(pristine: bytes) -> dict[str, bytes]:
             "protocol 0": b"(dp0\n.",
             "two pickles": pristine + pristine,
             "a class mutated, then the real metadata": pristine[:2] + _MUTATE_PATH_PARTS + pristine[2:],
+            "a writer's class mutated, then the real metadata": pristine[:2] + _MUTATE_SAVE_PLAN + pristine[2:],
         }
     )
+    cases.update({f"writer class: {name}": data for name, (data, _, _) in hostile_records().items()})  # OLMo-core, Megatron
     return cases
 
 
