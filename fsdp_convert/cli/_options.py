@@ -277,7 +277,7 @@ RenameOpt = Annotated[
     typer.Option(
         "--rename",
         metavar="REGEX=REPLACEMENT",
-        help="Rename parameter FQNs with re.sub; repeatable, applied in order.",
+        help="Rename parameter FQNs with re.sub; repeatable, applied in order, before --adapter.",
         show_default=False,
         rich_help_panel=SELECTION,
     ),
@@ -358,7 +358,7 @@ AdapterOpt = Annotated[
     typer.Option(
         "--adapter",
         metavar="NAME",
-        help="Map model weights to another framework's names and layouts: a built-in adapter such as "
+        help="Map model weights (named after --rename) to another framework's names and layouts: a built-in adapter such as "
         "torchtitan-llama3-to-hf (docs/huggingface.md lists them), or your module:function.",
         show_default=False,
         rich_help_panel=ADAPTERS,

@@ -246,8 +246,7 @@ def build_items(
         groups = tuple(g for g in groups if g == "model")
     if "model" in groups:
         seen: dict[str, str] = {}
-        for entry, out, derived, sources in _model_sources(index, slots, options):
-            out = name(out)
+        for entry, out, derived, sources in _model_sources(index, slots, options, name):
             if out in seen:
                 raise InvalidOptionError(f"{seen[out]} and {entry.fqn} would both be written as model key {out!r}")
             seen[out] = entry.fqn
@@ -265,17 +264,32 @@ def build_items(
     return tuple(items)
 
 
-def _model_sources(index: CheckpointIndex, slots: tuple[EntryRole, ...], options: TransformOptions) -> list[Sourced]:
-    """The selected model entries as ``(entry, output FQN before renames, derived, sources)`` (``derive.apply``)."""
+def _model_sources(
+    index: CheckpointIndex, slots: tuple[EntryRole, ...], options: TransformOptions, name: Callable[[str], str]
+) -> list[Sourced]:
+    """The selected model entries as ``(entry, output FQN, derived, sources)`` (``derive.apply_adapter``).
+
+    Selection (``include``/``exclude``) sees the FQN with wrapper names removed; then ``name``
+    (wrapper names, ``renames``) makes each FQN, and only then does the adapter map those names:
+    ``--rename`` can bring a checkpoint's names to the ones an adapter knows.
+
+    Raises:
+        InvalidOptionError: two FQNs renamed to one name before the adapter (it would see one tensor).
+    """
     selected: list[tuple[Entry, str]] = []
+    renamed: dict[str, str] = {}
     for i, slot in enumerate(slots):
         if slot.role == "model":
             assert isinstance(slot.param, str)
-            fqn = clean_fqn(slot.param, keep_wrapper_names=options.keep_wrapper_names)
-            if _selected(fqn, options):
-                selected.append((index.entries[i], fqn if options.adapter is not None else slot.param))
+            if not _selected(clean_fqn(slot.param, keep_wrapper_names=options.keep_wrapper_names), options):
+                continue
+            entry, fqn = index.entries[i], name(slot.param)
+            if options.adapter is not None and fqn in renamed:
+                raise InvalidOptionError(f"{renamed[fqn]} and {entry.fqn} would both reach --adapter as {fqn!r}")
+            renamed[fqn] = entry.fqn
+            selected.append((entry, fqn))
     if options.adapter is None:
-        return [(entry, param, None, ()) for entry, param in selected]
+        return [(entry, fqn, None, ()) for entry, fqn in selected]
     return apply_adapter(options.adapter, selected)
 
 

@@ -98,8 +98,9 @@ class TransformOptions:
             wrapper names are removed and before renames.
         dtype: cast floating-point model tensors to this (floating-point) dtype; None keeps them.
         optim_dtype: cast floating-point optimizer state (but never ``step``) to this dtype.
-        adapter: the model's tensors (wrapper names removed, ``include``/``exclude`` applied) to the
-            output's (``derive.Adapter``, ``adapters.load_adapter``); renames apply after. Model only.
+        adapter: the model's tensors (wrapper names removed, ``include``/``exclude`` applied,
+            then ``renames``) to the output's (``derive.Adapter``, ``adapters.load_adapter``): the
+            adapter sees the renamed FQNs. Model only.
         layout: top-level names of a consolidation: ``producer`` keeps the producer's name for the
             optimizer state (``optimizer`` for Lightning, accelerate and torchtitan) and merges
             Lightning's ``meta.pt`` (``items.prepare_items``), so that its own loader reads the
