@@ -3,8 +3,9 @@
 ``transform.build_items`` is pure; a flattened optimizer state dict needs some small param group
 values (the ``params`` lists, every field of each group) to build the items, so this reads them
 first, from whatever source the index describes. A consolidation in the producer's layout also
-reads the file whose entries the producer's own loader merges at the top level
-(``producers.Producer.merged``: Lightning's ``meta.pt``, ``torch.load(weights_only=True)``).
+reads the file whose entries the producer's own loader merges (``producers.Producer.merged``,
+``torch.load(weights_only=True)``): Lightning's ``meta.pt`` at the top level, Megatron-Core's
+``common.pt`` also into the checkpoint's own ``optimizer`` (its ``param_groups`` and step).
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ import torch
 
 from fsdp_convert.errors import CorruptChunkError, InvalidOptionError, UnsafeContentError, UnsupportedTransformError
 from fsdp_convert.formats import Reader, Source, open_reader
-from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, Url
+from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ObjPath, Url, flatten_with_paths
 from fsdp_convert.producers import detect_producer, merged_files
 from fsdp_convert.remote import read_bytes, size_of
-from fsdp_convert.roles import Group, classify
+from fsdp_convert.roles import MEGATRON_OPTIM_PREFIX, Group, classify, dcp_key, group_of_top
 from fsdp_convert.transform import OutputItem, TransformOptions, build_items, clean_fqn, needs_group_values
 from fsdp_convert.writers.safetensors import safetensors_name
 
@@ -76,18 +77,61 @@ def prepare_items(
                 entry = index.entries[i]
                 assert isinstance(entry, BytesEntry)  # checked above
                 values[i] = reader.read_value(entry)
+    producer = detect_producer(index)
+    # OLMo-core's unshard_checkpoint keeps its flattened optimizer state dict (producers.Producer.flat_optimizer)
+    keep_flat = producer.flat_optimizer and options.layout == "producer" and options.optim_keys == "names"
     items = build_items(
         index,
         slots,
         options,
         values,
         groups=groups,
-        keep_layout=keep_layout,
-        params_in_model_order=detect_producer(index).params_in_model_order,
+        keep_layout=keep_layout or keep_flat,
+        params_in_model_order=producer.params_in_model_order,
     )
-    if keep_layout or options.layout != "producer" or "other" not in groups:
-        return items
+    items = _megatron_optimizer_paths(items, keep_layout)
+    if not keep_layout and "optim" in groups:
+        _refuse_megatron_buckets(index)
+    if keep_layout or options.layout != "producer" or "other" not in groups or options.adapter is not None:
+        return items  # an adapter maps model weights only (transform.build_items)
     return items + _merged_items(index, items)
+
+
+def _megatron_optimizer_paths(items: tuple[OutputItem, ...], keep_layout: bool) -> tuple[OutputItem, ...]:
+    """Megatron-Core's flat optimizer keys (``optimizer.state.<name>.<key>``) placed as its loader has them.
+
+    ``build_items`` nests optimizer state under the entry's top-level key, which for Megatron's one
+    flat key is the whole key: ``consolidate`` puts it under ``optimizer`` (``{"state": {key:
+    {name: tensor}}}``, as ``FP32Optimizer.sharded_state_dict`` builds it before keying by id),
+    ``reshard`` back into one flat key (the key renamed).
+    """
+    out = []
+    for item in items:
+        top = item.path[0]
+        if item.group == "optim" and item.entry.path == (top,) and isinstance(top, str) and top.startswith(MEGATRON_OPTIM_PREFIX):
+            _, _, key, name = item.path  # (the flat key, "state", model key, state name)
+            path = (f"{MEGATRON_OPTIM_PREFIX}{name}.{key}",) if keep_layout else ("optimizer", "state", key, name)
+            item = dataclasses.replace(item, path=path)
+        out.append(item)
+    return tuple(out)
+
+
+# Megatron's DistributedOptimizer saved as dp_reshardable: whole flattened gradient buckets per DP rank
+_MEGATRON_BUCKET_RE = re.compile(r"optimizer\.distributed\.dp_group_idx_\d+\.(gbuf_idx_|param_state)")
+
+
+def _refuse_megatron_buckets(index: CheckpointIndex) -> None:
+    """Refuse Megatron's ``dp_reshardable`` optimizer state, which is not per parameter.
+
+    Raises:
+        UnsupportedTransformError: an entry is one of its flattened buckets.
+    """
+    bucket = next((e.fqn for e in index.entries if _MEGATRON_BUCKET_RE.match(e.fqn)), None)
+    if bucket is not None:
+        raise UnsupportedTransformError(
+            f"{bucket}: Megatron's distributed optimizer saved as dp_reshardable (flattened buckets, not per "
+            "parameter); save with distrib_optim_sharding_type fully_reshardable, or consolidate --only model"
+        )
 
 
 def _merged_location(index: CheckpointIndex) -> Path | Url | None:
@@ -133,12 +177,30 @@ def _load_merged(where: Path | Url) -> dict[str, Any]:
         raise CorruptChunkError(f"{where}: does not load as a torch.save file ({e})") from e
     if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
         raise CorruptChunkError(f"{where}: expected a dict with string keys (Lightning's meta.pt), got {type(meta).__name__}")
+    meta = {key: _numbers(value) for key, value in meta.items()}
     for key, value in meta.items():
         if _holds_tensor(value):
             raise UnsupportedTransformError(
                 f"{where}: {key!r} holds a tensor, which this tool does not merge; use --layout nested to leave {where.name} out"
             )
     return meta
+
+
+def _numbers(value: Any) -> Any:
+    """``value`` with each 0-dim tensor in its dicts, lists and tuples as the Python number it holds (``.item()``).
+
+    Megatron's ``FP32Optimizer`` keeps the step as a 0-dim tensor in ``common.pt``; the output's
+    torch.save writer places only the checkpoint's own tensors, and ``torch.optim`` optimizers'
+    ``load_state_dict`` turn a number step back into their tensor (same value: float32 and int
+    values are exact as Python numbers).
+    """
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex():
+        return value.item()
+    if isinstance(value, dict):
+        return {k: _numbers(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_numbers(v) for v in value)
+    return value
 
 
 def _holds_tensor(value: Any) -> bool:
@@ -152,32 +214,55 @@ def _holds_tensor(value: Any) -> bool:
 
 
 def _merged_items(index: CheckpointIndex, items: tuple[OutputItem, ...]) -> tuple[OutputItem, ...]:
-    """The merged file's entries as top-level values, after the checkpoint's own, as Lightning merges ``meta.pt``'s.
+    """The merged file's entries, after the checkpoint's own.
+
+    Top-level values, as Lightning merges ``meta.pt``'s; a dict under a key the checkpoint's items
+    also nest under is merged into theirs, as Megatron's ``dist_checkpointing.load`` merges
+    ``common.pt``'s ``optimizer`` (``param_groups``, ``state.common_step``), its values flattened
+    as the output is read back (``param_groups.0.lr``).
 
     Raises:
-        InvalidOptionError: a key of the merged file is also a top-level key of the checkpoint.
+        InvalidOptionError: a value of the merged file is also one of the checkpoint's, or holds
+            some of the checkpoint's values without being a dict.
+        UnsupportedTransformError: a key of a merged dict is neither a string nor an integer.
         As ``read_merged``.
     """
     where = _merged_location(index)
     meta = None if where is None else _load_merged(where)
     if not meta or where is None:
         return ()
-    tops = {item.path[0] for item in items}
-    clash = sorted(k for k in meta if k in tops)
-    if clash:
-        raise InvalidOptionError(
-            f"{index.checkpoint_id}: {where.name} and the checkpoint both hold {clash[0]!r}; "
-            f"use --layout nested to leave {where.name} out"
-        )
+    paths = {item.path for item in items}
+    inner = {path[:k] for path in paths for k in range(1, len(path))}  # the dicts the checkpoint's items make
+    leaves: list[tuple[ObjPath, Any]] = []
+    pending: list[tuple[ObjPath, dict[str, Any]]] = [((), meta)]
+    while pending:
+        prefix, tree = pending.pop(0)
+        for key, value in tree.items():
+            path = (*prefix, key)
+            if path in inner and isinstance(value, dict):
+                pending.append((path, value))  # merged into the checkpoint's own dict (Megatron's optimizer)
+            elif path in inner or path in paths:
+                held = key if not prefix else ".".join(map(str, path))
+                raise InvalidOptionError(
+                    f"{index.checkpoint_id}: {where.name} and the checkpoint both hold {held!r}; "
+                    f"use --layout nested to leave {where.name} out"
+                )
+            elif prefix:  # inside the checkpoint's dicts: flattened as the output reads back (param_groups.0.lr)
+                try:
+                    leaves += [((*prefix, *p), v) for p, v in flatten_with_paths({key: value}).values()]
+                except ValueError as e:  # a key neither a string nor an integer
+                    raise UnsupportedTransformError(f"{where}: {e}; use --layout nested to leave {where.name} out") from e
+            else:
+                leaves.append((path, value))
     return tuple(
         OutputItem(
-            entry=BytesEntry(fqn=key, path=(key,), relative_path=where.name, offset_bytes=0, length_bytes=0),
-            path=(key,),
-            group="other",
+            entry=BytesEntry(fqn=dcp_key(path), path=path, relative_path=where.name, offset_bytes=0, length_bytes=0),
+            path=path,
+            group="optim" if group_of_top(path[0]) == "optim" else "other",
             constant=True,
             value=value,
         )
-        for key, value in meta.items()
+        for path, value in leaves
     )
 
 

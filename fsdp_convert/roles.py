@@ -1,7 +1,7 @@
 """Roles stage: what each checkpoint entry is (model, optimizer state, param group field, other).
 
 Pure functions over a ``CheckpointIndex``; no I/O. Which producer wrote a checkpoint is
-``producers.py``'s; nesting paths back into a state dict (``unflatten``) is the index's own
+``producers``'; nesting paths back into a state dict (``unflatten``) is the index's own
 (``formats/index.py``), so the writers need nothing from here.
 """
 
@@ -37,6 +37,9 @@ NON_MODEL_TOPS = frozenset(
 )
 
 
+MEGATRON_OPTIM_PREFIX = "optimizer.state."
+
+
 @dataclass(frozen=True, slots=True)
 class EntryRole:
     """What one checkpoint entry is, independent of how its producer nested it.
@@ -70,6 +73,13 @@ def flat_layout(index: CheckpointIndex) -> bool:
 def _classify_entry(entry: Entry, flat: bool) -> EntryRole:
     path = entry.path
     top = path[0]
+    if len(path) == 1 and isinstance(top, str) and top.startswith(MEGATRON_OPTIM_PREFIX):
+        # Megatron-Core's one flat key per optimizer tensor: "optimizer.state.<name>.<model key>"
+        name, _, param = top.removeprefix(MEGATRON_OPTIM_PREFIX).partition(".")
+        if name and param:
+            return EntryRole("optim_state", param=param, key=name)
+    if len(path) == 1 and isinstance(top, str) and top.startswith("optimizer."):
+        return EntryRole("other")  # Megatron's distributed optimizer buckets ("optimizer.distributed.…"): never weights
     if top in OPTIM_TOPS and len(path) >= 2:
         second = path[1]
         if second == "state" and len(path) >= 4:
@@ -98,7 +108,8 @@ def classify(index: CheckpointIndex) -> tuple[EntryRole, ...]:
 
     Layouts understood: ``{"model": ..., "optim"|"optimizer": {"state": {param: {name: value}},
     "param_groups": [...]}}`` (FSDP2 ``get_state_dict``, FSDP1 ``FSDP.optim_state_dict``,
-    accelerate, Lightning); model weights at the top level next to ``optimizer``,
+    accelerate, Lightning); Megatron-Core's flat keys (model keys at the top level, optimizer
+    state as ``optimizer.state.<name>.<model key>``); model weights at the top level next to ``optimizer``,
     ``lr_scheduler``, ``train_state``, ``dataloader`` (torchtitan) with torch's flattened optimizer
     state dict (``StateDictOptions(flatten_optimizer_state_dict=True)``). Anything else is ``other``.
     """

@@ -205,7 +205,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "producer-never-fsdp2",
         "inspect names the producer",
-        "fsdp_convert/producers.py",
+        "fsdp_convert/producers/__init__.py",
         'if any(c.numel == 0 for e in small for c in e.chunks):\n        return "fsdp2"',
         'if any(c.numel == 0 for e in small for c in e.chunks):\n        return "fsdp1"',
         "tests/unit/test_producers.py::test_detects_fsdp2",
@@ -349,7 +349,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "torchtitan-not-detected",
         "`inspect` names the producer (`producer: ...`)",
-        "fsdp_convert/producers.py",
+        "fsdp_convert/producers/__init__.py",
         'and bool(tops & {"optimizer", "train_state", "lr_scheduler", "dataloader"})',
         "and False",
         "tests/integration/test_producers.py::test_each_producer_consolidates_to_its_ground_truth[torchtitan]",
@@ -697,6 +697,38 @@ MUTATIONS: list[Mutation] = [
         'diffs += [Difference(key=k, kind="differs", detail=d) for k, d in (differing or [])]',
         'diffs += [Difference(key=k, kind="differs", detail=d) for k, d in (differing or [])][:1]',
         "tests/integration/test_multinode.py::test_verify_with_two_workers_gathers_every_difference",
+    ),
+    Mutation(
+        "torchtune-not-detected",
+        "`inspect` names the producer (`producer: ...`)",
+        "fsdp_convert/producers/__init__.py",
+        'return index.producer is None and "model" in tops and _TORCHTUNE_PROGRESS <= tops',
+        "return False",
+        "tests/integration/test_torchtune.py::test_inspect_names_torchtune_and_reads_output_as_its_newest_epoch",
+    ),
+    Mutation(
+        "megatron-common-pt-not-copied",
+        "`reshard` copies `common.pt` and `metadata.json` byte for byte",
+        "fsdp_convert/producers/__init__.py",
+        "return index.producer is None and isinstance(root, Path) and all((root / name).is_file() for name in names)",
+        "return False",
+        "tests/integration/test_megatron.py::test_megatron_reshard_loads_with_dist_checkpointing_at_three_ranks",
+    ),
+    Mutation(
+        "olmo-core-flat-optimizer-nested",
+        "`consolidate` keeps a flattened optimizer as `unshard_checkpoint` writes it",
+        "fsdp_convert/items.py",
+        "keep_layout=keep_layout or keep_flat,",
+        "keep_layout=keep_layout,",
+        "tests/integration/test_olmo_core.py::test_olmo_core_step_folder_is_named_and_consolidates_as_its_unshard_checkpoint",
+    ),
+    Mutation(
+        "rename-after-adapter",
+        "`--rename` applies before `--adapter`: the adapter sees the renamed FQNs",
+        "fsdp_convert/transform/__init__.py",
+        "entry, fqn = index.entries[i], name(slot.param)",
+        "entry, fqn = index.entries[i], clean_fqn(slot.param, keep_wrapper_names=options.keep_wrapper_names)",
+        "tests/unit/test_rename_adapter_order.py::test_renames_reach_the_adapter_so_every_tensor_is_mapped",
     ),
 ]
 

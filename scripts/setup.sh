@@ -19,4 +19,6 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,lint]'
+# OLMo-core without its declared dependencies (scripts/requirements-olmo.txt says why)
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r scripts/requirements-olmo.txt
 echo "$VENV"

@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from fsdp_convert.adapters import llama3, qwen3
+from fsdp_convert.adapters import llama3, megatron, olmo, qwen3, torchtune
 from fsdp_convert.adapters.user import load_user_function
 from fsdp_convert.derive import Adapter, Derived, TensorInfo
 from fsdp_convert.errors import InvalidOptionError
@@ -33,6 +33,9 @@ ADAPTERS: dict[str, AdapterFunction] = {
     "hf-to-torchtitan-llama3": llama3.from_hf,
     "torchtitan-qwen3-to-hf": qwen3.to_hf,
     "hf-to-torchtitan-qwen3": qwen3.from_hf,
+    "torchtune-llama-to-hf": torchtune.to_hf,
+    "olmo-core-to-hf": olmo.to_hf,
+    "megatron-gpt-to-hf": megatron.to_hf,
 }
 
 

@@ -2,8 +2,9 @@
 
 Index: ``.metadata`` is unpickled safely and checked field by field (``_dcp_metadata``);
 accelerate's FSDP checkpoint folder (``pytorch_model_fsdp_0/`` + ``optimizer_0/``, two DCP folders
-side by side) is read as one checkpoint whose data file names carry their subfolder, and
-Lightning Fabric's ``meta.pt`` beside ``.metadata`` names the producer.
+side by side) is read as one checkpoint whose data file names carry their subfolder, as is
+OLMo-core's ``stepN/`` (its ``model_and_optim/``), torchtune's ``output/`` folder as its newest
+``dist_epoch_<n>/``, and Lightning Fabric's ``meta.pt`` beside ``.metadata`` names the producer.
 
 Reads: each payload (a torch.save zip, ``torch/distributed/checkpoint/filesystem.py``
 ``_write_item``) is decoded with ``torch.load(weights_only=True)`` from a ``ByteRangeFile`` over
@@ -21,6 +22,7 @@ byte range.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import pickle
 import re
@@ -65,11 +67,17 @@ from fsdp_convert.remote import as_location, read_bytes, read_range, size_of
 from fsdp_convert.signals import torch_call
 from fsdp_convert.zip_records import ZipFormatError, read_records
 
-__all__ = ["read_dcp_index", "load_metadata", "metadata_subfolders", "DcpReader", "LIGHTNING_META_FILENAME", "payload_formats"]
+__all__ = ["read_dcp_index", "load_metadata", "metadata_subfolders", "DcpReader", "payload_formats"]
+__all__ += ["LIGHTNING_META_FILENAME", "OLMO_CORE_DIRNAME"]
 
 # accelerate's FSDP checkpoint folder: one DCP folder for the model, one per optimizer
 _ACCELERATE_DIR_RE = re.compile(r"^(pytorch_model_fsdp|optimizer)_\d+$")
 LIGHTNING_META_FILENAME = "meta.pt"  # Lightning Fabric's FSDP strategy: user metadata beside .metadata
+OLMO_CORE_DIRNAME = "model_and_optim"  # OLMo-core's stepN/: its DCP folder, beside train/ and config.json
+# torchtune's DistributedCheckpointer: output/dist_epoch_<n>/, one DCP folder per epoch
+_TORCHTUNE_DIR_RE = re.compile(r"dist_epoch_(\d+)")
+
+logger = logging.getLogger(__name__)
 
 
 def metadata_subfolders(root: Path) -> list[Path]:
@@ -92,11 +100,13 @@ def read_dcp_index(checkpoint_id: str | os.PathLike[str]) -> CheckpointIndex:
     (a few KB each; see ``_dcp_payloads``).
 
     Args:
-        checkpoint_id: the checkpoint folder (the one holding ``.metadata``).
+        checkpoint_id: the checkpoint folder (the one holding ``.metadata``), accelerate's, OLMo-core's
+            ``stepN/``, or torchtune's ``output/`` (read as its newest ``dist_epoch_<n>/``).
 
     Raises:
         CheckpointNotFoundError: the path does not exist.
-        NotADcpCheckpointError: no ``.metadata`` in the folder, or it is malformed.
+        NotADcpCheckpointError: no ``.metadata`` in the folder, or it is malformed; two torchtune
+            folders of the newest epoch.
         UnsafeContentError: ``.metadata`` would run code when unpickled, or a file the index
             reads (``.metadata``, ``meta.pt``, a data file) is a symbolic link out of the folder
             (``location.inside``; the process's ``following_symlinks`` setting allows it).
@@ -121,6 +131,8 @@ def read_dcp_index(checkpoint_id: str | os.PathLike[str]) -> CheckpointIndex:
     if (root / LIGHTNING_META_FILENAME).is_file():
         inside(root, root / LIGHTNING_META_FILENAME)  # read later (items.read_merged), copied by reshard
         index = dataclasses.replace(index, producer="lightning")
+    elif root.name == OLMO_CORE_DIRNAME and (root.parent / ".metadata.json").is_file():  # OLMo-core's, passed alone
+        index = dataclasses.replace(index, producer="olmo-core")
     return index
 
 
@@ -167,6 +179,15 @@ def _read_parent_folder(root: Path) -> CheckpointIndex:
     if parts:
         indexes = [_build(load_metadata(_metadata_path(root, d)), d) for d in parts]
         return _merge_indexes(root, indexes, "accelerate")
+    if (root / OLMO_CORE_DIRNAME / METADATA_FILENAME).is_file():  # read as one checkpoint, as accelerate's
+        olmo = _metadata_path(root, root / OLMO_CORE_DIRNAME).parent
+        return _merge_indexes(root, [_build(load_metadata(olmo / METADATA_FILENAME), olmo)], "olmo-core")
+    newest = _newest_torchtune_epoch(root, subs)
+    if newest is not None:
+        logger.info("%s: reading %s, the newest dist_epoch_<n> (the one torchtune resumes from)", root, newest.name)
+        return read_dcp_index(_metadata_path(root, newest).parent)
+    if not subs:  # OLMo-core's save folder: stepN/ folders, each a checkpoint (its DCP folder one level down)
+        subs = sorted(d.parent for d in root.glob(f"*/{OLMO_CORE_DIRNAME}") if (d / METADATA_FILENAME).is_file())
     if len(subs) == 1:
         raise NotADcpCheckpointError(f"{root} has no {METADATA_FILENAME}, but {subs[0]} has: pass that folder")
     if subs:
@@ -176,6 +197,25 @@ def _read_parent_folder(root: Path) -> CheckpointIndex:
             f"{root} has no {METADATA_FILENAME}; it holds {len(subs)} checkpoints ({names}): pass one, e.g. {newest}"
         )
     raise NotADcpCheckpointError(f"{root} has no {METADATA_FILENAME}; not a DCP checkpoint")
+
+
+def _newest_torchtune_epoch(root: Path, subs: list[Path]) -> Path | None:
+    """The ``dist_epoch_<n>/`` of the largest ``n`` in torchtune's ``output/``; None unless all its DCP folders are such.
+
+    The folder torchtune's ``DistributedCheckpointer._get_latest_intermediate_checkpoint`` resumes from.
+
+    Raises:
+        NotADcpCheckpointError: two folders are of that epoch (``dist_epoch_2``, ``dist_epoch_02``).
+    """
+    epochs = {d: int(m.group(1)) for d in subs if (m := _TORCHTUNE_DIR_RE.fullmatch(d.name))}
+    if not epochs or len(epochs) != len(subs):
+        return None
+    last = max(epochs.values())
+    newest = [d for d, n in epochs.items() if n == last]
+    if len(newest) > 1:
+        names = ", ".join(d.name for d in newest)
+        raise NotADcpCheckpointError(f"{root} has no {METADATA_FILENAME}; its newest epoch {last} is in {names}: pass one")
+    return newest[0]
 
 
 def _merge_indexes(root: Path, parts: list[CheckpointIndex], producer: str) -> CheckpointIndex:

@@ -98,7 +98,9 @@ def _files_beside(index: CheckpointIndex, producer: Producer, plans: Plans) -> B
     entries = [
         (path.name, path.is_file(), path.is_dir())
         for path in sorted(root.iterdir())
-        if not (path.name in known or path.name.startswith(".") or _DATA_FILE_RE.match(path.name))
+        if not (path.name in known or _DATA_FILE_RE.match(path.name))
+        # hidden files are not the checkpoint's (locks, temporaries) unless the producer names them (.metadata.json)
+        and not (path.name.startswith(".") and producer.side_file(path.name) is None)
     ]
     return sort_beside(producer, entries)
 

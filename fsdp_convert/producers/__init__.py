@@ -3,8 +3,8 @@
 One record per producer in one ordered table, ``PRODUCERS``: how it is detected, its optimizer
 key, the files beside its DCP data (copied by ``reshard``, left out with a note, merged at the top
 level by ``consolidate``), its folder layout, and the loader that reads each output. The two
-tables of ``docs/producers.md`` are ``render_producer_table()``'s and ``render_loader_table()``'s
-text (a test keeps them equal). ``inspect`` prints ``detect_producer(index).name``; ``items``
+tables of ``docs/producers.md`` are rendered from the records (``producers.tables``; a test keeps
+them equal). ``inspect`` prints ``detect_producer(index).name``; ``items``
 and ``reshard`` read the record. Adding a producer is one record here (plus ``formats/`` when it
 needs a new way of reading the folder).
 
@@ -18,9 +18,10 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
-from fsdp_convert.formats.dcp import LIGHTNING_META_FILENAME
+from fsdp_convert.formats.dcp import LIGHTNING_META_FILENAME, OLMO_CORE_DIRNAME
 from fsdp_convert.formats.index import CheckpointIndex
 from fsdp_convert.roles import flat_layout
 from fsdp_convert.writers.transaction import ACCELERATE_SHARED_RE
@@ -33,8 +34,6 @@ __all__ = [
     "detect_producer",
     "get",
     "merged_files",
-    "render_loader_table",
-    "render_producer_table",
     "sort_beside",
 ]
 
@@ -81,6 +80,8 @@ class Producer:
             folder again. None: the checkpoint is one DCP folder.
         params_in_model_order: ``--optim-keys ids`` numbers each group's params in the model's
             order (FSDP1's ``optim_state_dict`` keeps no param group order of its own).
+        flat_optimizer: ``consolidate``'s ``--layout producer`` keeps a flattened optimizer state dict
+            as saved, as OLMo-core's ``unshard_checkpoint`` does; ``nested`` rebuilds it.
         label: the table's first column (Markdown).
         on_disk: the table's "what is on disk" column (Markdown); empty: no row in the table.
         notes: the table's "notes" column (Markdown).
@@ -95,6 +96,7 @@ class Producer:
     merged: str | None = None
     folders: re.Pattern[str] | None = None
     params_in_model_order: bool = False
+    flat_optimizer: bool = False
     label: str = ""
     on_disk: str = ""
     notes: str = ""
@@ -162,6 +164,27 @@ def _torchtitan(index: CheckpointIndex) -> bool:
     )
 
 
+# torchtune's TrainingProgress.state_dict() keys, saved beside "model" and "optimizer"
+_TORCHTUNE_PROGRESS = frozenset({"seed", "epochs_run", "total_epochs", "max_steps_per_epoch"})
+
+
+def _torchtune(index: CheckpointIndex) -> bool:
+    """What torchtune's ``CheckpointClient`` saves: ``model`` beside its training progress keys (``epochs_run``...)."""
+    tops = {e.path[0] for e in index.entries}
+    return index.producer is None and "model" in tops and _TORCHTUNE_PROGRESS <= tops
+
+
+MEGATRON_COMMON_FILENAME = "common.pt"  # dist_checkpointing's common state: optimizer param_groups, step, iteration
+MEGATRON_METADATA_FILENAME = "metadata.json"  # dist_checkpointing's backend record ({"sharded_backend": "torch_dist", ...})
+
+
+def _megatron(index: CheckpointIndex) -> bool:
+    """Megatron-Core's ``dist_checkpointing`` files beside ``.metadata``: ``common.pt`` and ``metadata.json``."""
+    root = index.checkpoint_id
+    names = (MEGATRON_COMMON_FILENAME, MEGATRON_METADATA_FILENAME)
+    return index.producer is None and isinstance(root, Path) and all((root / name).is_file() for name in names)
+
+
 def _any(index: CheckpointIndex) -> bool:
     """Any DCP checkpoint (the table's last record)."""
     return True
@@ -170,6 +193,10 @@ def _any(index: CheckpointIndex) -> bool:
 _AS_FSDP2 = "as `fsdp2`"
 _FSDP_CONSOLIDATE = '`{"model", "optim"}`: `model.load_state_dict`; `--optim-keys ids` for a plain `optim.load_state_dict`'
 _DCP_LOAD = "`dcp.load` (a regular DCP folder)"
+_OLMO_TRAIN_NOTE = (
+    "OLMo-core's per-rank trainer state (step, data loader, RNG; pickles, never loaded) belongs to the old ranks: "
+    "Checkpointer.load then loads model and optimizer only; copy train/rank0.pt over to resume the step count"
+)
 
 PRODUCERS: tuple[Producer, ...] = (
     Producer(
@@ -246,6 +273,61 @@ PRODUCERS: tuple[Producer, ...] = (
         reshard_loader="`fabric.load(OUT, ...)` at M ranks (FSDP1 and FSDP2)",
     ),
     Producer(
+        name="torchtune",
+        detect=_torchtune,
+        optimizer_key="optimizer",
+        label="`torchtune`",
+        on_disk="`DistributedCheckpointer`'s `output/dist_epoch_<n>/` (async, one file per entry): `model.<fqn>`, "
+        "`optimizer.state.<id>.<name>` and `optimizer.param_groups`, `seed`, `epochs_run`, `total_epochs`, "
+        "`max_steps_per_epoch`, `dataloader`",
+        notes="the optimizer is `optimizer.state_dict()` of the FSDP2 model: keyed by integer id (the model's "
+        "`parameters()` order), each group's `params` a list of ids, and it stays id-keyed; `output/` is read as its "
+        "newest `dist_epoch_<n>/`, the one torchtune resumes from",
+        consolidate_loader='`{"model", "optimizer", "seed", "epochs_run", ...}`: `model.load_state_dict` and '
+        "`optimizer.load_state_dict` of a plain model",
+        reshard_loader="its `CheckpointClient.load_distributed_checkpoint` at M ranks, OUT being `<output_dir>/dist_epoch_<n>`",
+    ),
+    Producer(
+        name="olmo-core",
+        detect=_named("olmo-core"),
+        flat_optimizer=True,
+        side_files=(
+            SideFile(pattern=re.compile(r"config\.json|\.metadata\.json"), action="copy"),
+            SideFile(pattern=re.compile("train"), action="leave_out", note=_OLMO_TRAIN_NOTE),
+        ),
+        folders=re.compile(OLMO_CORE_DIRNAME),
+        label="`olmo-core`",
+        on_disk="OLMo-core's `stepN/`: `model_and_optim/` (DCP: `model.<fqn>`, `optim` flattened as `state.<fqn>.<name>` / "
+        "`param_groups.<fqn>.<field>`, or nested), `train/rank<r>.pt`, `config.json`, `.metadata.json`",
+        notes="pass `stepN/` or its `model_and_optim/`; `consolidate` keeps a flattened optimizer as `unshard_checkpoint` "
+        'writes it (`--layout nested`: `{"state", "param_groups"}`); `reshard` copies `config.json` and `.metadata.json` '
+        "and leaves out `train/` (per-rank trainer state, never loaded)",
+        consolidate_loader='`{"model", "optim"}`: `unshard_checkpoint`\'s `model.pt` and `optim.pt` in one file',
+        reshard_loader="its `Checkpointer.load(OUT, ...)` and `load_model_and_optim_state(OUT/model_and_optim, ...)` at M ranks",
+    ),
+    Producer(
+        name="megatron-core",
+        detect=_megatron,
+        optimizer_key="optimizer",
+        side_files=(
+            SideFile(pattern=re.compile(re.escape(MEGATRON_COMMON_FILENAME)), action="copy"),
+            SideFile(pattern=re.compile(re.escape(MEGATRON_METADATA_FILENAME)), action="copy"),
+        ),
+        merged=MEGATRON_COMMON_FILENAME,
+        label="`megatron-core`",
+        on_disk='`dist_checkpointing.save(..., ("torch_dist", 1))`: DCP keyed by its sharded keys (`embedding.*`, '
+        "`decoder.layers.*` stacked on a leading layer dim, `output_layer.weight`), optimizer state as "
+        "`optimizer.state.<name>.<key>`, beside `common.pt` (`param_groups`, step, iteration) and `metadata.json`",
+        notes="checked with Megatron-Core 0.16.1 (`FP32Optimizer`'s per-parameter state; the distributed optimizer's "
+        "`fully_reshardable` and `fully_sharded_model_space` write the same keys, `dp_reshardable`'s flattened buckets "
+        "are refused); `consolidate` merges `common.pt` (read with `weights_only=True`) into the optimizer (its 0-dim "
+        "`common_step` tensor written as the number it holds), layers stay stacked; `reshard` copies `common.pt` and "
+        "`metadata.json` byte for byte",
+        consolidate_loader='`{"model", "optimizer": {"state", "param_groups"}, "iteration", ...}`, keyed by the '
+        "sharded keys (`--adapter megatron-gpt-to-hf` for HF's per-layer names)",
+        reshard_loader="`dist_checkpointing.load` at M ranks (checked at TP=1)",
+    ),
+    Producer(
         name="hf_storage",
         detect=_named("hf_storage"),
         label="`hf_storage`",
@@ -281,25 +363,6 @@ PRODUCERS: tuple[Producer, ...] = (
     Producer(name="safetensors", detect=_named("safetensors")),
     Producer(name="dcp", detect=_any),
 )
-
-# Rows of the tables that are not producers: layouts of one, writer options.
-_MESH_ROWS = (
-    (
-        "`fsdp2` on a 2-D mesh",
-        'DCP of `get_state_dict` after `parallelize_module` (tensor parallel) and `fully_shard(..., mesh=mesh["dp"])`, '
-        "or `fully_shard` on a (replicate, shard) mesh (HSDP)",
-        "row-parallel weights are cut on dim 1 too; each replica is stored once, so a tensor can have fewer chunks "
-        "than the world size",
-    ),
-    (
-        "`verl` on a 2-D mesh",
-        "the same models' DTensors saved rank by rank: `(_StridedShard(0, sf=2), Shard(0))` where FSDP cuts a "
-        "tensor-parallel shard again, `(Replicate(), Shard(0))` for HSDP",
-        "each rank's box is the one `dcp.save` records (torch's `compute_local_shape_and_global_offset`); a "
-        "`_StridedShard` whose rows are not one run is refused, as `dcp.save` refuses it",
-    ),
-)
-_OTHER_LOADER_ROW = ("FileSystemWriter options, 2-D meshes", _AS_FSDP2, "`dcp.load` at M ranks")
 
 
 def get(name: str) -> Producer:
@@ -376,38 +439,3 @@ def sort_beside(producer: Producer, entries: Iterable[tuple[str, bool, bool]]) -
         f"left out {', '.join(names)}: {UNKNOWN_NOTE if side is None else side.note}" for side, names in kinds.items() if names
     ]
     return Beside(copied=tuple(copied), left_out=tuple(n for names in kinds.values() for n in names), notes=tuple(notes))
-
-
-def _row(*cells: str) -> str:
-    return "| " + " | ".join(cells) + " |"
-
-
-def render_producer_table() -> str:
-    """``docs/producers.md``'s producer table: what each producer writes (Markdown, each line ending in a newline).
-
-    A row per record with ``on_disk``, in table order, then the 2-D mesh rows.
-    """
-    lines = [_row("producer", "what is on disk", "notes"), "|---|---|---|"]
-    lines += [_row(p.label, p.on_disk, p.notes) for p in PRODUCERS if p.on_disk]
-    lines += [_row(*cells) for cells in _MESH_ROWS]
-    return "\n".join(lines) + "\n"
-
-
-def render_loader_table() -> str:
-    """``docs/producers.md``'s loader table: what reads each output (Markdown, each line ending in a newline).
-
-    A row per run of consecutive records with ``on_disk`` that are read alike, then the row of
-    ``FileSystemWriter`` options and 2-D meshes.
-    """
-    lines = [_row("producer", "`consolidate` (default) is read by", "`reshard --world-size M` is read by"), "|---|---|---|"]
-    groups: list[tuple[list[str], str, str]] = []
-    for p in PRODUCERS:
-        if not p.on_disk:
-            continue
-        if groups and groups[-1][1:] == (p.consolidate_loader, p.reshard_loader):
-            groups[-1][0].append(p.label)
-        else:
-            groups.append(([p.label], p.consolidate_loader, p.reshard_loader))
-    lines += [_row(", ".join(labels), consolidate, reshard) for labels, consolidate, reshard in groups]
-    lines.append(_row(*_OTHER_LOADER_ROW))
-    return "\n".join(lines) + "\n"

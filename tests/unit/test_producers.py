@@ -9,7 +9,7 @@ import pytest
 from fsdp_convert import producers
 from fsdp_convert.formats import read_index
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex
-from fsdp_convert.producers import PRODUCERS, detect_producer
+from fsdp_convert.producers import PRODUCERS, detect_producer, tables
 from fsdp_convert.roles import OPTIM_TOPS
 from tests._samples import Sample
 
@@ -22,12 +22,12 @@ def test_detects_fsdp2(ws3_ckpt: Sample) -> None:
 
 def test_docs_producer_tables_are_the_ones_the_table_renders() -> None:
     text = DOCS.read_text()
-    assert producers.render_producer_table() in text, "docs/producers.md: paste producers.render_producer_table()"
-    assert producers.render_loader_table() in text, "docs/producers.md: paste producers.render_loader_table()"
+    assert tables.render_producer_table() in text, "docs/producers.md: paste tables.render_producer_table()"
+    assert tables.render_loader_table() in text, "docs/producers.md: paste tables.render_loader_table()"
 
 
 def test_docs_rows_name_every_producer_with_a_row() -> None:
-    rows = producers.render_producer_table().splitlines()[2:]
+    rows = tables.render_producer_table().splitlines()[2:]
     labels = [p.label for p in PRODUCERS if p.on_disk]
     assert [row.split(" | ")[0].removeprefix("| ") for row in rows[: len(labels)]] == labels
     assert {"fsdp2", "fsdp1", "torchtitan", "accelerate", "lightning", "hf_storage", "verl"} <= {
