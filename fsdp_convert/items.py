@@ -5,7 +5,8 @@ values (the ``params`` lists, every field of each group) to build the items, so 
 first, from whatever source the index describes. A consolidation in the producer's layout also
 reads the file whose entries the producer's own loader merges (``producers.Producer.merged``,
 ``torch.load(weights_only=True)``): Lightning's ``meta.pt`` at the top level, Megatron-Core's
-``common.pt`` also into the checkpoint's own ``optimizer`` (its ``param_groups`` and step).
+``common.pt`` also into the checkpoint's own ``optimizer`` (its ``param_groups`` and step). A small
+tensor in that file (Megatron's 0-dim step) is an item of its own, written as that tensor.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from fsdp_convert.constants import SUPPORTED_DTYPES
 from fsdp_convert.errors import CorruptChunkError, InvalidOptionError, UnsafeContentError, UnsupportedTransformError
 from fsdp_convert.formats import Reader, Source, open_reader
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ObjPath, Url, flatten_with_paths
@@ -29,7 +31,10 @@ from fsdp_convert.roles import MEGATRON_OPTIM_PREFIX, Group, classify, dcp_key, 
 from fsdp_convert.transform import OutputItem, TransformOptions, build_items, clean_fqn, needs_group_values
 from fsdp_convert.writers.safetensors import safetensors_name
 
-__all__ = ["prepare_items", "read_merged", "leave_out_model_keys"]
+__all__ = ["MERGED_TENSOR_MAX_BYTES", "prepare_items", "read_merged", "leave_out_model_keys"]
+
+# a tensor in a merged file (common.pt's step, a meta.pt counter) is read into memory at items time
+MERGED_TENSOR_MAX_BYTES = 1 << 20
 
 
 def _value_reader(source: CheckpointIndex | Source, check_crc: bool) -> Reader:
@@ -151,13 +156,16 @@ def _merged_location(index: CheckpointIndex) -> Path | Url | None:
 def read_merged(index: CheckpointIndex) -> dict[str, Any] | None:
     """The file whose entries the producer's loader merges at the top level (Lightning's ``meta.pt``), or None.
 
-    Loaded with ``torch.load(weights_only=True)``; its values must be plain (no tensor), as
-    ``fabric.save`` writes a step counter or hyperparameters in Lightning's ``meta.pt``.
+    Loaded with ``torch.load(weights_only=True)``; its values are plain (a step counter,
+    hyperparameters) or small tensors (Megatron's 0-dim step in ``common.pt``), each of those
+    at most ``MERGED_TENSOR_MAX_BYTES``, dense, on the CPU, in a dict or list (not a tuple or set).
 
     Raises:
         UnsafeContentError: it would run code when loaded.
         CorruptChunkError: it does not load, or is not a dict with string keys.
-        UnsupportedTransformError: a value holds a tensor (use ``--layout nested``, which leaves it out).
+        UnsupportedTransformError: a tensor larger than ``MERGED_TENSOR_MAX_BYTES``, of a layout or
+            dtype this tool does not write, or inside a tuple or set (use ``--layout nested``, which
+            leaves the file out).
     """
     where = _merged_location(index)
     return None if where is None else _load_merged(where)
@@ -177,30 +185,29 @@ def _load_merged(where: Path | Url) -> dict[str, Any]:
         raise CorruptChunkError(f"{where}: does not load as a torch.save file ({e})") from e
     if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
         raise CorruptChunkError(f"{where}: expected a dict with string keys (Lightning's meta.pt), got {type(meta).__name__}")
-    meta = {key: _numbers(value) for key, value in meta.items()}
     for key, value in meta.items():
-        if _holds_tensor(value):
+        why = _unmergeable(value)
+        if why is not None:
             raise UnsupportedTransformError(
-                f"{where}: {key!r} holds a tensor, which this tool does not merge; use --layout nested to leave {where.name} out"
+                f"{where}: {key!r} holds {why}, which this tool does not merge; use --layout nested to leave {where.name} out"
             )
     return meta
 
 
-def _numbers(value: Any) -> Any:
-    """``value`` with each 0-dim tensor in its dicts, lists and tuples as the Python number it holds (``.item()``).
-
-    Megatron's ``FP32Optimizer`` keeps the step as a 0-dim tensor in ``common.pt``; the output's
-    torch.save writer places only the checkpoint's own tensors, and ``torch.optim`` optimizers'
-    ``load_state_dict`` turn a number step back into their tensor (same value: float32 and int
-    values are exact as Python numbers).
-    """
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex():
-        return value.item()
+def _unmergeable(value: Any) -> str | None:
+    """Why ``value`` cannot be written as the output's items (its tensors each an item of their own), or None."""
+    if isinstance(value, torch.Tensor):
+        nbytes = value.numel() * value.element_size()
+        if value.layout != torch.strided or value.is_quantized or value.dtype not in SUPPORTED_DTYPES:
+            return f"a {value.dtype} {value.layout} tensor"
+        return f"a tensor of {nbytes} bytes (at most {MERGED_TENSOR_MAX_BYTES})" if nbytes > MERGED_TENSOR_MAX_BYTES else None
     if isinstance(value, dict):
-        return {k: _numbers(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(_numbers(v) for v in value)
-    return value
+        return next((why for v in value.values() if (why := _unmergeable(v)) is not None), None)
+    if isinstance(value, list):
+        return next((why for v in value if (why := _unmergeable(v)) is not None), None)
+    if isinstance(value, (tuple, set, frozenset)) and _holds_tensor(value):
+        return f"a tensor inside a {type(value).__name__}"
+    return None
 
 
 def _holds_tensor(value: Any) -> bool:
@@ -213,13 +220,22 @@ def _holds_tensor(value: Any) -> bool:
     return False
 
 
+def _own_tensor(value: Any) -> Any:
+    """A merged tensor as its own dense, contiguous copy (what torch.save of it stores); any other value as it is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.detach().resolve_conj().resolve_neg().contiguous().clone()
+
+
 def _merged_items(index: CheckpointIndex, items: tuple[OutputItem, ...]) -> tuple[OutputItem, ...]:
     """The merged file's entries, after the checkpoint's own.
 
     Top-level values, as Lightning merges ``meta.pt``'s; a dict under a key the checkpoint's items
     also nest under is merged into theirs, as Megatron's ``dist_checkpointing.load`` merges
     ``common.pt``'s ``optimizer`` (``param_groups``, ``state.common_step``), its values flattened
-    as the output is read back (``param_groups.0.lr``).
+    as the output is read back (``param_groups.0.lr``). A tensor is an item of its own (a top-level
+    value holding some is flattened as DCP flattens it), its value a dense copy that every output
+    kind writes as a tensor (``outputs.kind.value_tensor``): ``common_step`` stays ``tensor(3.)``.
 
     Raises:
         InvalidOptionError: a value of the merged file is also one of the checkpoint's, or holds
@@ -252,6 +268,8 @@ def _merged_items(index: CheckpointIndex, items: tuple[OutputItem, ...]) -> tupl
                     leaves += [((*prefix, *p), v) for p, v in flatten_with_paths({key: value}).values()]
                 except ValueError as e:  # a key neither a string nor an integer
                     raise UnsupportedTransformError(f"{where}: {e}; use --layout nested to leave {where.name} out") from e
+            elif _holds_tensor(value):  # its tensors are items of their own, as DCP flattens them
+                leaves += [((*path, *p[1:]), v) for p, v in flatten_with_paths({key: value}).values()]
             else:
                 leaves.append((path, value))
     return tuple(
@@ -260,7 +278,7 @@ def _merged_items(index: CheckpointIndex, items: tuple[OutputItem, ...]) -> tupl
             path=path,
             group="optim" if group_of_top(path[0]) == "optim" else "other",
             constant=True,
-            value=value,
+            value=_own_tensor(value),  # a tensor: written as one (outputs.kind.value_tensor)
         )
         for path, value in leaves
     )

@@ -99,7 +99,10 @@ def consolidate(
             ``full_state_dict=True`` give it; with ``transform.layout`` ``producer``, the default,
             the optimizer keeps its saved key, ``optimizer`` for Lightning, accelerate and
             torchtitan, and Lightning's ``meta.pt`` entries are merged at the top level, as
-            Lightning's own ``consolidate_checkpoint`` writes it, so ``fabric.load`` reads it);
+            Lightning's own ``consolidate_checkpoint`` writes it, so ``fabric.load`` reads it,
+            and Megatron-Core's ``common.pt`` into ``optimizer`` too; a tensor of such a file of at
+            most ``items.MERGED_TENSOR_MAX_BYTES`` (1 MiB; Megatron's 0-dim step) is written as
+            that tensor, dtype, shape and bits, by rank 0, in a storage record of its own);
             ``.safetensors`` for the model weights in one file; a folder (no suffix) for the model
             weights as Hugging Face safetensors shards with ``model.safetensors.index.json``, plus
             ``optimizer.pt`` (the optimizer state dict) and ``extra_state.pt`` (other entries) when
@@ -164,7 +167,9 @@ def consolidate(
             two keys renamed to one; ``hf_assets`` for a file output, without a ``config.json``, or
             whose config unties ``lm_head.weight`` which the output would not hold.
         UnsupportedTransformError: ``optim_keys="ids"`` without param groups listing the parameters,
-            or a Lightning ``meta.pt`` holding a tensor (``layout="nested"`` leaves it out).
+            or a merged file (Lightning's ``meta.pt``, Megatron's ``common.pt``) holding a tensor
+            larger than 1 MiB, sparse or quantized, or inside a tuple or set (``layout="nested"``
+            leaves the file out).
         OutputExistsError: ``output`` exists and ``overwrite`` is false, is a link, or is a folder not
             this tool's and ``force`` is false.
         MissingDataFileError, CorruptChunkError, CoverageError, ShapeMismatchError: bad data files.

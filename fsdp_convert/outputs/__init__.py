@@ -25,7 +25,7 @@ from fsdp_convert.errors import InvalidOptionError
 from fsdp_convert.lora import LoraOptions
 from fsdp_convert.outputs.files import RECORD_TAIL_BYTES, SafetensorsFile, TorchSaveFile
 from fsdp_convert.outputs.folders import HfFolder, PeftAdapterFolder, plan_shards
-from fsdp_convert.outputs.kind import FileKind, FilePlan, Only, OutputKind, RequestedFormat
+from fsdp_convert.outputs.kind import FileKind, FilePlan, Only, OutputKind, RequestedFormat, stored_bytes, value_tensor
 
 __all__ = [
     "Only",
@@ -33,6 +33,8 @@ __all__ = [
     "FilePlan",
     "FileKind",
     "OutputKind",
+    "value_tensor",
+    "stored_bytes",
     "TorchSaveFile",
     "SafetensorsFile",
     "HfFolder",

@@ -9,7 +9,7 @@ from typing import Any
 
 from fsdp_convert.errors import InvalidOptionError
 from fsdp_convert.formats.index import CheckpointIndex
-from fsdp_convert.outputs.kind import CrcOf, FileKind, FilePlan, Only, RequestedFormat, ValueOf
+from fsdp_convert.outputs.kind import CrcOf, FileKind, FilePlan, Only, RequestedFormat, ValueOf, value_tensor
 from fsdp_convert.roles import GROUPS, Group
 from fsdp_convert.suffixes import SAFETENSORS_SUFFIXES, TORCH_SAVE_SUFFIXES
 from fsdp_convert.transform import OutputItem, TransformOptions
@@ -93,9 +93,10 @@ class TorchSaveFile(_SingleFile):
         return _whole_file(self, items)
 
     def place(self, items: Sequence[OutputItem], ids: tuple[int, ...], filename: str | None, strip: int) -> FilePlan:
-        """Storage offsets of the file's tensors (torch.save holds any value too)."""
-        slots = [TensorSlot(dtype, items[i].shape) if items[i].is_tensor and (dtype := items[i].dtype) else None for i in ids]
-        return FilePlan(filename=filename, item_ids=ids, strip=strip, kind=self, data_offsets=torch_save_offsets(slots))
+        """Storage offsets of the file's tensors, a ``value_tensor`` too (torch.save holds any value as well)."""
+        return FilePlan(
+            filename=filename, item_ids=ids, strip=strip, kind=self, data_offsets=torch_save_offsets(_slots(items, ids))
+        )
 
     def size_bytes(self, file: FilePlan, items: Sequence[OutputItem]) -> int:
         """Storages, then ``data.pkl`` (each value at most its payload size) and the central directory, per item."""
@@ -104,7 +105,10 @@ class TorchSaveFile(_SingleFile):
         )
 
     def finish_file(self, fd: int, file: FilePlan, items: Sequence[OutputItem], crc_of: CrcOf, value_of: ValueOf) -> None:
-        """The pickle of the nested state dict and the zip's headers, the storages' CRC-32s patched in."""
+        """The pickle of the nested state dict and the zip's headers, the storages' CRC-32s patched in.
+
+        A ``value_tensor``'s storage is written here, by rank 0 (``write_torch_save_headers``).
+        """
         contents: list[tuple[tuple[str | int, ...], Any]] = []
         crcs: dict[int, int] = {}
         for j, (i, offset) in enumerate(zip(file.item_ids, file.data_offsets, strict=True)):
@@ -115,8 +119,20 @@ class TorchSaveFile(_SingleFile):
                 crcs[j] = crc_of(offset, item.nbytes)
                 contents.append((path, TensorSlot(item.dtype, item.shape)))
             else:
-                contents.append((path, value_of(item)))
+                contents.append((path, value_of(item)))  # a value_tensor: the tensor, its bytes written with the headers
         write_torch_save_headers(fd, contents, crcs, file.data_offsets)
+
+
+def _slots(items: Sequence[OutputItem], ids: tuple[int, ...]) -> list[TensorSlot | None]:
+    """Each item's storage: a tensor's, a ``value_tensor``'s, or None for a plain value."""
+    slots: list[TensorSlot | None] = []
+    for i in ids:
+        item, tensor = items[i], value_tensor(items[i])
+        if item.is_tensor and item.dtype is not None:
+            slots.append(TensorSlot(item.dtype, item.shape))
+        else:
+            slots.append(None if tensor is None else TensorSlot(tensor.dtype, tuple(tensor.shape)))
+    return slots
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,17 +7,34 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+import torch
+
 from fsdp_convert.formats.index import CheckpointIndex
 from fsdp_convert.roles import Group
 from fsdp_convert.transform import OutputItem, TransformOptions
 from fsdp_convert.writers.hf_assets import HfAssets
 
-__all__ = ["Only", "RequestedFormat", "CrcOf", "ValueOf", "FilePlan", "FileKind", "OutputKind"]
+__all__ = ["Only", "RequestedFormat", "CrcOf", "ValueOf", "FilePlan", "FileKind", "OutputKind", "value_tensor", "stored_bytes"]
 
 Only = Literal["all", "model", "optim"]
 RequestedFormat = Literal["auto", "torch", "safetensors"]
 CrcOf = Callable[[int, int], int]  # (offset, nbytes) in the file -> CRC-32 of those bytes, as the workers wrote them
 ValueOf = Callable[[OutputItem], Any]  # a plain value item -> its value, read from the checkpoint
+
+
+def value_tensor(item: OutputItem) -> torch.Tensor | None:
+    """A constant item's tensor, or None: a small tensor of a merged file (``items``: Megatron's 0-dim step).
+
+    Rank 0 writes its bytes itself, as a storage record of its own, when it finishes the file
+    (``FileKind.finish_file``); the workers move only the checkpoint's tensors.
+    """
+    return item.value if item.constant and isinstance(item.value, torch.Tensor) else None
+
+
+def stored_bytes(item: OutputItem) -> int:
+    """Bytes of the item's storage in the file: a tensor's (``OutputItem.nbytes``), a ``value_tensor``'s, 0 for a value."""
+    tensor = value_tensor(item)
+    return item.nbytes if tensor is None else tensor.numel() * tensor.element_size()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -31,7 +48,7 @@ class FilePlan:
             optimizer state dict itself, not ``{"optim": ...}``).
         kind: the file's format (``TorchSaveFile``, ``SafetensorsFile``): it finishes the file.
         data_offsets: per item of ``item_ids``, where its tensor's bytes start in the file, in
-            bytes (None for a plain value).
+            bytes (None for a plain value; a torch.save file places a ``value_tensor``'s storage too).
         header: a safetensors file's header bytes (empty for torch.save, whose headers rank 0
             writes once the values are read).
     """
@@ -50,7 +67,7 @@ class FilePlan:
 
     def data_end(self, items: Sequence[OutputItem]) -> int:
         """Where the last tensor's bytes end in the file (the header's end if it holds none), in bytes."""
-        ends = [o + items[i].nbytes for i, o in zip(self.item_ids, self.data_offsets, strict=True) if o is not None]
+        ends = [o + stored_bytes(items[i]) for i, o in zip(self.item_ids, self.data_offsets, strict=True) if o is not None]
         return max(ends, default=len(self.header))
 
 

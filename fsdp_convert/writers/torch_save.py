@@ -16,6 +16,8 @@ and zip64 records where needed are exactly torch's, and every storage's data off
 (``torch_save_offsets``). Workers ``pwrite`` the storages there; rank 0 writes the headers last
 (``write_torch_save_headers``), with the CRC-32s the workers computed patched in (``_zipcrc``),
 so ``torch.load(weights_only=True, mmap=True)``, ``zipfile.testzip()`` and ``unzip -t`` all pass.
+A small tensor rank 0 holds itself (a merged file's 0-dim step) gets a storage record of its own
+too, placed as the others, its bytes written by rank 0 with the headers.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import math
 import os
 import pickle
 import sys
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -233,11 +236,15 @@ def write_torch_save_headers(
     Builds ``data.pkl`` (the nested state dict, tensors as references to their storage records),
     builds the zip again with it, checks every storage lands where ``torch_save_offsets`` said,
     patches in the CRC-32s, and writes the headers, pickle and central directory into ``fd``.
+    A ``torch.Tensor`` value is written here: its bytes (contiguous, in element order) at its
+    storage offset, a storage record as torch.save writes one (``torch_save_offsets`` saw its
+    ``TensorSlot``).
 
     Args:
-        fd: the output file, open for writing, its storage data in place.
-        items: ``(path, TensorSlot or plain value)`` in file order (the order ``torch_save_offsets`` saw).
-        crcs: CRC-32 of each storage's bytes, by position in ``items``.
+        fd: the output file, open for writing, the workers' storage data in place.
+        items: ``(path, TensorSlot, tensor or plain value)`` in file order (the order
+            ``torch_save_offsets`` saw, a tensor as its ``TensorSlot``).
+        crcs: CRC-32 of each ``TensorSlot`` storage's bytes, by position in ``items``.
         data_offsets: what ``torch_save_offsets`` returned for these items.
 
     Returns:
@@ -249,9 +256,16 @@ def write_torch_save_headers(
     missing = [j for j, (_, value) in enumerate(items) if isinstance(value, TensorSlot) and j not in crcs]
     if missing:
         raise ValueError(f"no CRC-32 for the storages of items {missing[:5]}")
+    crcs = dict(crcs)
     slots: list[TensorSlot | None] = []
     tree: list[tuple[ObjPath, Any]] = []
     for j, (path, value) in enumerate(items):
+        if isinstance(value, torch.Tensor):  # rank 0's own: its bytes written now, then referenced as the others
+            offset = data_offsets[j]
+            if offset is None:
+                raise ValueError(f"no storage placed for the tensor of item {j}")
+            crcs[j] = _write_tensor_bytes(fd, value, offset)
+            value = TensorSlot(value.dtype, tuple(value.shape))
         if isinstance(value, TensorSlot):
             slots.append(value)
             tree.append((path, _TensorRef(_StorageRef(str(j), value.dtype, math.prod(value.shape)), value.shape)))
@@ -267,6 +281,16 @@ def write_torch_save_headers(
     _pwrite_parts(fd, image, 0)
     os.ftruncate(fd, image.size)
     return image.size
+
+
+def _write_tensor_bytes(fd: int, tensor: torch.Tensor, offset: int) -> int:
+    """Write ``tensor``'s bytes (contiguous, element order) at ``offset`` in ``fd``; their CRC-32."""
+    flat = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    view = memoryview(raw)
+    while view:
+        view = view[os.pwrite(fd, view, offset + len(raw) - len(view)) :]
+    return zlib.crc32(raw)
 
 
 @dataclass(frozen=True, slots=True)

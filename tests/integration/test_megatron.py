@@ -57,8 +57,9 @@ def test_megatron_inspect_names_it_and_consolidate_is_the_runs_state(megatron_ru
     assert layers.shape[0] == 2  # stacked: (num_layers, rows, hidden)
     assert assert_same_state(got["model"], truth["model"]) == len(truth["model"])
     state = dict(got["optimizer"]["state"])
-    step = state.pop("common_step")  # a 0-dim tensor in common.pt, written as its number
-    assert type(step) is float and step == truth["step"].item()
+    step = state.pop("common_step")  # a 0-dim tensor in common.pt, written as that tensor
+    assert type(step) is torch.Tensor and truth["step"].shape == ()
+    assert assert_same_state(step, truth["step"]) == 1  # dtype, shape and bits
     assert assert_same_state(state, truth["optimizer_state"]) == 2 * len(truth["model"])
     assert_same_state(got["optimizer"]["param_groups"], truth["param_groups"])
 

@@ -75,9 +75,14 @@ def test_lightning_meta_is_merged_at_the_top_level_in_the_producer_layout_only(t
     ("meta", "error", "message"),
     [
         (
-            {"ema": torch.ones(2)},
+            {"ema": torch.ones(262145)},  # a small tensor merges as itself (tests/unit/test_merged_tensors.py)
             UnsupportedTransformError,
-            "'ema' holds a tensor, which this tool does not merge; use options.layout nested",
+            "'ema' holds a tensor of 1048580 bytes (at most 1048576), which this tool does not merge; use options.layout nested",
+        ),
+        (
+            {"ema": (torch.ones(2), 1)},
+            UnsupportedTransformError,
+            "'ema' holds a tensor inside a tuple, which this tool does not merge; use options.layout nested",
         ),
         ({"model": 1}, InvalidOptionError, "meta.pt and the checkpoint both hold 'model'; use options.layout nested"),
         ([1, 2], CorruptChunkError, "expected a dict with string keys (Lightning's meta.pt), got list"),

@@ -189,3 +189,31 @@ def test_payload_pickle_is_torch_saves_for_every_dtype(tmp_path: Path, name: str
             assert ours.read("archive/data.pkl") == theirs.read("archive/data.pkl"), shape_name
             assert ours.testzip() is None
         assert_same_state(torch.load(path, weights_only=True), t)
+
+
+@pytest.mark.parametrize("value", [torch.tensor(3.0), torch.tensor([-0.0, float("nan")], dtype=torch.bfloat16)])
+def test_a_tensor_rank_0_holds_is_written_as_torch_save_writes_it(tmp_path: Path, value: torch.Tensor) -> None:
+    """A tensor passed as the value itself (a merged file's 0-dim step): rank 0 writes its bytes at
+    its planned storage with the headers; the file is the one the workers' bytes make, and
+    ``data.pkl`` and the records are torch.save's own, byte for byte."""
+    items: list[tuple[tuple[str | int, ...], object]] = [(("step",), value)]
+    workers = tmp_path / "workers.pt"
+    _write(workers, items)  # the bytes written ahead, the slot passed
+    own = tmp_path / "own.pt"
+    offsets = torch_save_offsets([TensorSlot(value.dtype, tuple(value.shape))])
+    fd = os.open(own, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+    try:
+        size = write_torch_save_headers(fd, items, {}, offsets)
+    finally:
+        os.close(fd)
+    assert size == own.stat().st_size and own.read_bytes() == workers.read_bytes()
+    buf = io.BytesIO()
+    torch.save({"step": value}, buf)
+    with zipfile.ZipFile(own) as ours, zipfile.ZipFile(buf) as theirs:
+        assert sorted(ours.namelist()) == sorted(theirs.namelist())
+        assert ours.read("archive/data.pkl") == theirs.read("archive/data.pkl")
+        assert ours.read("archive/data/0") == theirs.read("archive/data/0")
+        assert ours.testzip() is None
+    got = torch.load(own, weights_only=True)["step"]
+    assert (got.dtype, got.shape) == (value.dtype, value.shape)
+    assert torch.equal(got.reshape(-1).view(torch.uint8), value.reshape(-1).view(torch.uint8))
