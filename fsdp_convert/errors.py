@@ -77,6 +77,7 @@ FLAG_KEYWORDS: dict[str, str] = {
     "--dtype": "options.dtype",
     "--optim-dtype": "options.optim_dtype",
     "--adapter": "options.adapter",
+    "--unstack-layers": "options.unstack_layers=True",
     # Cluster fields
     "--nnodes": "cluster.nnodes",
     "--node-rank": "cluster.node_rank",

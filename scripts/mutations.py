@@ -730,6 +730,14 @@ MUTATIONS: list[Mutation] = [
         "entry, fqn = index.entries[i], clean_fqn(slot.param, keep_wrapper_names=options.keep_wrapper_names)",
         "tests/unit/test_rename_adapter_order.py::test_renames_reach_the_adapter_so_every_tensor_is_mapped",
     ),
+    Mutation(
+        "unstack-layers-off-by-one-layer",
+        "`--unstack-layers`: ... written with each layer its own tensor, `decoder.layers.<i>.<name>` of shape `(...)`",
+        "fsdp_convert/transform/unstack.py",
+        "inputs=(Input(fqn=entry.fqn, rows=Segment(0, rows, layer * rows), view=view),),",
+        "inputs=(Input(fqn=entry.fqn, rows=Segment(0, rows, (layers - 1 - layer) * rows), view=view),),",
+        "tests/integration/test_megatron_unstack.py::test_unstack_layers_consolidates_each_layer_bit_for_bit",
+    ),
 ]
 
 

@@ -6,12 +6,15 @@ Where each sample checkpoint comes from, and what it holds, is in ``tests/_sampl
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: forked ranks and a 2-core CI box
 
 import warnings  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+import pytest  # noqa: E402
 
 from tests._resume import resume_hook, resume_references  # noqa: E402, F401  (the --resume tests' hook and references)
 from tests._samples import (  # noqa: E402, F401  (fixtures, registered by being imported here)
@@ -27,3 +30,15 @@ from tests._samples import (  # noqa: E402, F401  (fixtures, registered by being
     ws3_bf16_ckpt,
     ws3_ckpt,
 )
+
+
+@pytest.fixture(scope="session")
+def megatron_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Megatron-Core's own save of a tiny GPT (``tests/_megatron.py``): ``iter_0000003/`` and ``truth.pt``; one run."""
+    from tests import _megatron
+    from tests._dist import run_ranks
+
+    _megatron.preload()
+    out = tmp_path_factory.mktemp("megatron_run")
+    run_ranks(_megatron.megatron_run, 2, out, timeout=300)
+    return out

@@ -43,6 +43,7 @@ __all__ = [
     "OptimKeysOpt",
     "LayoutOpt",
     "KeepWrapperNamesOpt",
+    "UnstackLayersOpt",
     "RenameOpt",
     "IncludeOpt",
     "ExcludeOpt",
@@ -272,6 +273,16 @@ KeepWrapperNamesOpt = Annotated[
         rich_help_panel=SELECTION,
     ),
 ]
+UnstackLayersOpt = Annotated[
+    bool,
+    typer.Option(
+        "--unstack-layers",
+        metavar="",
+        help="Write each layer of tensors stacked on a layer dim (Megatron-Core's decoder.layers.<name>) as "
+        "decoder.layers.<i>.<name>, optimizer state too; before --rename.",
+        rich_help_panel=SELECTION,
+    ),
+]
 RenameOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -333,6 +344,7 @@ def transform_options(
     dtype: DtypeChoice | None,
     optim_dtype: DtypeChoice | None,
     layout: LayoutChoice = LayoutChoice.producer,
+    unstack_layers: bool = False,
 ) -> TransformOptions:
     """The ``TransformOptions`` the command line asks for (``layout``: ``consolidate --layout``).
 
@@ -350,6 +362,7 @@ def transform_options(
         dtype=None if dtype is None else parse_dtype(dtype.value),
         optim_dtype=None if optim_dtype is None else parse_dtype(optim_dtype.value),
         layout=layout.value,
+        unstack_layers=unstack_layers,
     )
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "check_rename",
     "check_nodes",
     "check_lora_flags",
+    "check_unstack",
     "check_checkpoint",
     "check_consolidate",
     "check_reshard",
@@ -89,6 +90,18 @@ def check_lora_flags(merge: bool, only: bool, config: str | None, alpha: float |
         raise InvalidOptionError("--merge-lora and --lora-only exclude each other: merge the adapter, or write it alone")
     if not (merge or only) and (config is not None or alpha is not None or r is not None):
         raise InvalidOptionError("--lora-config, --lora-alpha and --lora-r go with --merge-lora or --lora-only")
+
+
+def check_unstack(unstack_layers: bool, optim_keys: str, adapter: str | None) -> None:
+    """Check that ``--unstack-layers`` goes with the other flags (``transform.TransformOptions``' own check).
+
+    Raises:
+        InvalidOptionError: beside ``--adapter`` or ``--optim-keys ids``.
+    """
+    if unstack_layers and adapter is not None:
+        raise InvalidOptionError("--unstack-layers and --adapter exclude each other: an adapter maps the stacked layers itself")
+    if unstack_layers and optim_keys == "ids":
+        raise InvalidOptionError("--unstack-layers names each layer's optimizer state; use --optim-keys names, not ids")
 
 
 def _local(location: str) -> Path | None:

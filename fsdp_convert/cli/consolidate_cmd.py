@@ -33,13 +33,14 @@ from fsdp_convert.cli._options import (
     OutputArg,
     ProgressOpt,
     RenameOpt,
+    UnstackLayersOpt,
     choice_option,
     parse_size,
     transform_options,
     with_adapter,
 )
 from fsdp_convert.cli._output import command_help, human_bytes, print_result
-from fsdp_convert.cli._precheck import check_consolidate, check_lora_flags, check_nodes, check_rename
+from fsdp_convert.cli._precheck import check_consolidate, check_lora_flags, check_nodes, check_rename, check_unstack
 from fsdp_convert.cli._run_options import (
     NPROC_DEFAULT,
     ForceOpt,
@@ -222,6 +223,7 @@ def consolidate_command(
     exclude: ExcludeOpt = None,
     rename: RenameOpt = None,
     keep_wrapper_names: KeepWrapperNamesOpt = False,
+    unstack_layers: UnstackLayersOpt = False,
     dtype: DtypeOpt = None,
     optim_dtype: OptimDtypeOpt = None,
     adapter: AdapterOpt = None,
@@ -260,6 +262,7 @@ def consolidate_command(
         for rule in rename or ():
             check_rename(rule)
         check_lora_flags(merge_lora, lora_only, lora_config, lora_alpha, lora_r)
+        check_unstack(unstack_layers, optim_keys.value, adapter)
         check_nodes(nnodes, node_rank)
         nproc = workers(nproc, nproc_per_node)
         check_consolidate(
@@ -284,6 +287,7 @@ def consolidate_command(
             dtype=dtype,
             optim_dtype=optim_dtype,
             layout=layout,
+            unstack_layers=unstack_layers,
         )
         transform = with_adapter(transform, adapter, model_config, adapter_option, hf_assets)
         transform = _with_lora(transform, merge_lora, lora_only, lora_config, lora_alpha, lora_r)

@@ -26,12 +26,13 @@ from fsdp_convert.cli._options import (
     OptimKeysOpt,
     ProgressOpt,
     RenameOpt,
+    UnstackLayersOpt,
     choice_option,
     transform_options,
     with_adapter,
 )
 from fsdp_convert.cli._output import command_help, human_bytes, print_result
-from fsdp_convert.cli._precheck import check_nodes, check_rename, check_reshard
+from fsdp_convert.cli._precheck import check_nodes, check_rename, check_reshard, check_unstack
 from fsdp_convert.cli._run_options import (
     NPROC_DEFAULT,
     ForceOpt,
@@ -113,6 +114,7 @@ def reshard_command(
     exclude: ExcludeOpt = None,
     rename: RenameOpt = None,
     keep_wrapper_names: KeepWrapperNamesOpt = False,
+    unstack_layers: UnstackLayersOpt = False,
     dtype: DtypeOpt = None,
     optim_dtype: OptimDtypeOpt = None,
     adapter: AdapterOpt = None,
@@ -142,11 +144,14 @@ def reshard_command(
         # what needs no torch first (cli._precheck), so a usage mistake is told at once
         for rule in rename or ():
             check_rename(rule)
+        check_unstack(unstack_layers, optim_keys.value, adapter)
         check_nodes(nnodes, node_rank)
         nproc = workers(nproc, nproc_per_node)
         check_reshard(checkpoint, output, overwrite=overwrite, resume=resume, force=force)
         torch_ready()
-        options = transform_options(optim_keys, keep_wrapper_names, rename, include, exclude, dtype, optim_dtype)
+        options = transform_options(
+            optim_keys, keep_wrapper_names, rename, include, exclude, dtype, optim_dtype, unstack_layers=unstack_layers
+        )
         options = with_adapter(options, adapter, model_config, adapter_option)
         from fsdp_convert.ops.options import ReshardOptions  # after torch_ready: it imports torch
 

@@ -82,6 +82,9 @@ class Producer:
             order (FSDP1's ``optim_state_dict`` keeps no param group order of its own).
         flat_optimizer: ``consolidate``'s ``--layout producer`` keeps a flattened optimizer state dict
             as saved, as OLMo-core's ``unshard_checkpoint`` does; ``nested`` rebuilds it.
+        stacked_layers: the FQN prefix of the model tensors it stacks on a leading layer dim
+            (Megatron-Core's ``decoder.layers.``), which ``--unstack-layers`` splits per layer;
+            empty: none (the flag is refused).
         label: the table's first column (Markdown).
         on_disk: the table's "what is on disk" column (Markdown); empty: no row in the table.
         notes: the table's "notes" column (Markdown).
@@ -97,6 +100,7 @@ class Producer:
     folders: re.Pattern[str] | None = None
     params_in_model_order: bool = False
     flat_optimizer: bool = False
+    stacked_layers: str = ""
     label: str = ""
     on_disk: str = ""
     notes: str = ""
@@ -314,6 +318,7 @@ PRODUCERS: tuple[Producer, ...] = (
             SideFile(pattern=re.compile(re.escape(MEGATRON_METADATA_FILENAME)), action="copy"),
         ),
         merged=MEGATRON_COMMON_FILENAME,
+        stacked_layers="decoder.layers.",
         label="`megatron-core`",
         on_disk='`dist_checkpointing.save(..., ("torch_dist", 1))`: DCP keyed by its sharded keys (`embedding.*`, '
         "`decoder.layers.*` stacked on a leading layer dim, `output_layer.weight`), optimizer state as "
@@ -321,8 +326,9 @@ PRODUCERS: tuple[Producer, ...] = (
         notes="checked with Megatron-Core 0.16.1 (`FP32Optimizer`'s per-parameter state; the distributed optimizer's "
         "`fully_reshardable` and `fully_sharded_model_space` write the same keys, `dp_reshardable`'s flattened buckets "
         "are refused); `consolidate` merges `common.pt` (read with `weights_only=True`) into the optimizer (its 0-dim "
-        "`common_step` tensor written as the number it holds), layers stay stacked; `reshard` copies `common.pt` and "
-        "`metadata.json` byte for byte",
+        "`common_step` written as that tensor), layers stay stacked (`--unstack-layers`: "
+        "`decoder.layers.<i>.<name>`, optimizer state alike); `reshard` copies `common.pt` and `metadata.json` byte "
+        "for byte",
         consolidate_loader='`{"model", "optimizer": {"state", "param_groups"}, "iteration", ...}`, keyed by the '
         "sharded keys (`--adapter megatron-gpt-to-hf` for HF's per-layer names)",
         reshard_loader="`dist_checkpointing.load` at M ranks (checked at TP=1)",

@@ -12,6 +12,7 @@ used; ``<optimizer>`` is the producer's own name for it (``optim``, ``optimizer`
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -26,6 +27,7 @@ from fsdp_convert.errors import InvalidOptionError, UnsupportedTransformError
 from fsdp_convert.formats.index import CheckpointIndex, DictKey, Entry, ObjPath, TensorEntry, dcp_key
 from fsdp_convert.roles import EntryRole, Group
 from fsdp_convert.transform.options import Layout, OptimKeys, TransformOptions, parse_dtype, parse_rename
+from fsdp_convert.transform.unstack import LayerSplit
 
 __all__ = [
     "WRAPPER_NAMES",
@@ -235,18 +237,26 @@ def build_items(
             the saved order is the optimizer's own, and ids follow it as torch.optim does.
 
     Raises:
-        InvalidOptionError: two FQNs become the same output key (names both), or a ``--rename``
-            replacement fails on an FQN (an unknown group reference).
+        InvalidOptionError: two FQNs become the same output key (names both), a ``--rename``
+            replacement fails on an FQN (an unknown group reference), or ``unstack_layers`` for a
+            producer that stacks no layers.
         UnsupportedTransformError: ``ids`` asked of optimizer state whose parameters no param
-            group lists, or a ``params`` value that is not a list of FQNs or ids.
+            group lists, a ``params`` value that is not a list of FQNs or ids, or a stacked tensor
+            (or its optimizer state) with no layer dim to split (``transform.unstack``).
     """
     name = _param_namer(options)
+    keep = options.keep_wrapper_names
+    layers = (
+        LayerSplit.of(index, slots, functools.partial(clean_fqn, keep_wrapper_names=keep))
+        if options.unstack_layers
+        else LayerSplit()
+    )
     items: list[OutputItem] = []
     if options.adapter is not None:  # model weights only: optimizer and other state keep the old FQNs, left out
         groups = tuple(g for g in groups if g == "model")
     if "model" in groups:
         seen: dict[str, str] = {}
-        for entry, out, derived, sources in _model_sources(index, slots, options, name):
+        for entry, out, derived, sources in _model_sources(index, slots, options, name, layers):
             if out in seen:
                 raise InvalidOptionError(f"{seen[out]} and {entry.fqn} would both be written as model key {out!r}")
             seen[out] = entry.fqn
@@ -255,7 +265,7 @@ def build_items(
             item = OutputItem(entry=entry, path=(*prefix, out), group="model", dtype=dtype, derived=derived, sources=sources)
             items.append(item)
     if "optim" in groups:
-        items += _optim_items(index, slots, options, values, name, keep_layout, params_in_model_order)
+        items += _optim_items(index, slots, options, values, name, keep_layout, params_in_model_order, layers)
     if "other" in groups:
         for i, slot in enumerate(slots):
             if slot.role == "other":
@@ -265,18 +275,24 @@ def build_items(
 
 
 def _model_sources(
-    index: CheckpointIndex, slots: tuple[EntryRole, ...], options: TransformOptions, name: Callable[[str], str]
+    index: CheckpointIndex,
+    slots: tuple[EntryRole, ...],
+    options: TransformOptions,
+    name: Callable[[str], str],
+    layers: LayerSplit,
 ) -> list[Sourced]:
     """The selected model entries as ``(entry, output FQN, derived, sources)`` (``derive.apply_adapter``).
 
     Selection (``include``/``exclude``) sees the FQN with wrapper names removed; then ``name``
     (wrapper names, ``renames``) makes each FQN, and only then does the adapter map those names:
-    ``--rename`` can bring a checkpoint's names to the ones an adapter knows.
+    ``--rename`` can bring a checkpoint's names to the ones an adapter knows. With
+    ``--unstack-layers`` a stacked tensor is one output per layer, named before ``renames``.
 
     Raises:
         InvalidOptionError: two FQNs renamed to one name before the adapter (it would see one tensor).
     """
     selected: list[tuple[Entry, str]] = []
+    params: list[str] = []
     renamed: dict[str, str] = {}
     for i, slot in enumerate(slots):
         if slot.role == "model":
@@ -288,8 +304,11 @@ def _model_sources(
                 raise InvalidOptionError(f"{renamed[fqn]} and {entry.fqn} would both reach --adapter as {fqn!r}")
             renamed[fqn] = entry.fqn
             selected.append((entry, fqn))
+            params.append(slot.param)
     if options.adapter is None:
-        return [(entry, fqn, None, ()) for entry, fqn in selected]
+        return [
+            out for (entry, fqn), p in zip(selected, params, strict=True) for out in layers.model_outputs(entry, fqn, p, name)
+        ]
     return apply_adapter(options.adapter, selected)
 
 
@@ -306,6 +325,7 @@ def _optim_items(
     name: Callable[[str], str],
     keep_layout: bool,
     params_in_model_order: bool,
+    layers: LayerSplit,
 ) -> list[OutputItem]:
     flattened = any(s.role == "optim_group" and s.group is None for s in slots)
     if flattened and keep_layout and options.optim_keys == "ids":
@@ -345,20 +365,21 @@ def _optim_items(
             continue
         entry = index.entries[i]
         assert slot.param is not None and slot.key is not None
-        key = state_key(slot.param, entry)
-        tail: ObjPath = entry.path[3:] if len(entry.path) >= 4 else (slot.key,)
-        if (key, *tail) in seen:
-            raise InvalidOptionError(f"{seen[(key, *tail)]} and {entry.fqn} would both be written as optimizer state {key!r}")
-        seen[(key, *tail)] = entry.fqn
-        dtype = _cast(entry, options.optim_dtype, keep=slot.key == "step")
-        if not keep_layout:
-            path: ObjPath = (_optim_top(entry, options), "state", key, *tail)
-        elif len(entry.path) == 2:  # flattened: "state.<fqn>.<name>"
-            path = (entry.path[0], f"state.{key}.{slot.key}")
-        else:
-            path = (entry.path[0], "state", key, *tail)
-        item = OutputItem(entry=entry, path=path, group="optim", dtype=dtype)
-        state.append((key if isinstance(key, int) and options.optim_keys == "ids" else len(state), item))
+        for param, derived, sources in layers.state_outputs(entry, slot.param):  # the parameter, or each of its layers
+            key = state_key(param, entry)
+            tail: ObjPath = entry.path[3:] if len(entry.path) >= 4 else (slot.key,)
+            if (key, *tail) in seen:
+                raise InvalidOptionError(f"{seen[(key, *tail)]} and {entry.fqn} would both be written as optimizer state {key!r}")
+            seen[(key, *tail)] = entry.fqn
+            dtype = _cast(entry, options.optim_dtype, keep=slot.key == "step")
+            if not keep_layout:
+                path: ObjPath = (_optim_top(entry, options), "state", key, *tail)
+            elif len(entry.path) == 2:  # flattened: "state.<fqn>.<name>"
+                path = (entry.path[0], f"state.{key}.{slot.key}")
+            else:
+                path = (entry.path[0], "state", key, *tail)
+            item = OutputItem(entry=entry, path=path, group="optim", dtype=dtype, derived=derived, sources=sources)
+            state.append((key if isinstance(key, int) and options.optim_keys == "ids" else len(state), item))
     items = [item for _, item in sorted(state, key=lambda pair: pair[0])]  # stable: ids order, else as saved
 
     if flattened and keep_layout:  # each parameter's copy of its group's fields, renamed
@@ -381,7 +402,7 @@ def _optim_items(
                 if options.optim_keys == "ids":
                     params: list[str | int] = list(range(first, first + len(group.params)))
                 else:
-                    params = [name(p) if isinstance(p, str) else p for p in group.params]
+                    params = [name(q) if isinstance(q, str) else q for p in group.params for q in layers.params(p)]
                 items.append(OutputItem(entry=entry, path=path, group="optim", constant=True, value=params))
             elif flattened:
                 items.append(OutputItem(entry=entry, path=path, group="optim", constant=True, value=value))

@@ -106,6 +106,12 @@ class TransformOptions:
             Lightning's ``meta.pt`` (``items.prepare_items``), so that its own loader reads the
             file; ``nested`` writes ``optim`` for every producer and leaves ``meta.pt`` out.
             Either way model weights go under ``model``. ``reshard`` keeps every key as saved.
+        unstack_layers: split each model tensor the producer stacks on a leading layer dim
+            (``producers.Producer.stacked_layers``: Megatron-Core's ``decoder.layers.<name>`` of
+            shape ``(L, ...)``) into ``L`` tensors ``decoder.layers.<i>.<name>`` of shape ``(...)``,
+            and its optimizer state alike; before renames, after ``include``/``exclude``. Keyed by
+            names only (not ``optim_keys="ids"``), and not with ``adapter`` (which maps the stacked
+            tensors itself). A producer that stacks no layers refuses it.
     """
 
     optim_keys: OptimKeys = "names"
@@ -117,6 +123,7 @@ class TransformOptions:
     optim_dtype: torch.dtype | None = None
     layout: Layout = "producer"
     adapter: Adapter | None = None
+    unstack_layers: bool = False
 
     def __post_init__(self) -> None:
         """Normalize the command line's spellings to the field types, and check every field.
@@ -139,6 +146,18 @@ class TransformOptions:
             raise InvalidOptionError(
                 f"--adapter: expected a derive.Adapter (adapters.load_adapter), got {type(self.adapter).__name__}"
             )
+        self._check_unstack()
+
+    def _check_unstack(self) -> None:
+        """``unstack_layers``: a bool, with names as optimizer keys and no adapter."""
+        if not isinstance(self.unstack_layers, bool):
+            raise InvalidOptionError(f"options.unstack_layers: expected True or False, got {self.unstack_layers!r}")
+        if self.unstack_layers and self.adapter is not None:
+            raise InvalidOptionError(
+                "--unstack-layers and --adapter exclude each other: an adapter maps the stacked layers itself"
+            )
+        if self.unstack_layers and self.optim_keys == "ids":
+            raise InvalidOptionError("--unstack-layers names each layer's optimizer state; use --optim-keys names, not ids")
 
 
 def choice(flag: str, value: object, allowed: tuple[S, ...]) -> S:

@@ -12,7 +12,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -23,15 +22,6 @@ from tests._compare import assert_same_state
 from tests._dist import run_ranks
 
 TARGET = 3
-
-
-@pytest.fixture(scope="module")
-def megatron_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The run's folder: ``iter_0000003/`` (Megatron's save) and ``truth.pt``."""
-    _megatron.preload()
-    out = tmp_path_factory.mktemp("megatron_run")
-    run_ranks(_megatron.megatron_run, 2, out, timeout=300)
-    return out
 
 
 def _truth(run: Path) -> dict[str, Any]:
