@@ -88,6 +88,8 @@ class Producer:
         label: the table's first column (Markdown).
         on_disk: the table's "what is on disk" column (Markdown); empty: no row in the table.
         notes: the table's "notes" column (Markdown).
+        tested: the table's "tested with" column: the writer's version whose own save (and load) the
+            tests run (Markdown).
         consolidate_loader: what reads ``consolidate``'s default output (Markdown).
         reshard_loader: what reads ``reshard --world-size M``'s output (Markdown).
     """
@@ -104,6 +106,7 @@ class Producer:
     label: str = ""
     on_disk: str = ""
     notes: str = ""
+    tested: str = ""
     consolidate_loader: str = ""
     reshard_loader: str = ""
 
@@ -207,6 +210,7 @@ PRODUCERS: tuple[Producer, ...] = (
         name="fsdp2",
         detect=_by_keys("fsdp2"),
         label="`fsdp2`",
+        tested="torch 2.13.0 `fully_shard` + `dcp.save`",
         on_disk='DCP of `get_state_dict`: `{"model", "optim"}`',
         notes="optimizer state keyed by FQN",
         consolidate_loader=_FSDP_CONSOLIDATE,
@@ -217,6 +221,7 @@ PRODUCERS: tuple[Producer, ...] = (
         detect=_fsdp1,
         params_in_model_order=True,
         label="`fsdp1`",
+        tested="torch 2.13.0 `FullyShardedDataParallel` + `dcp.save`",
         on_disk="DCP of `SHARDED_STATE_DICT` + `FSDP.optim_state_dict`, `use_orig_params` true or false",
         notes="told from FSDP2 by the empty chunks FSDP2 records for tensors smaller than the world size "
         "(`fsdp` when no tensor tells)",
@@ -228,6 +233,7 @@ PRODUCERS: tuple[Producer, ...] = (
         detect=_torchtitan,
         optimizer_key="optimizer",
         label="`torchtitan`",
+        tested="torchtitan 0.3.0",
         on_disk="DCP with model weights at the top level beside `optimizer` (flattened: `state.<fqn>.<name>`, "
         "`param_groups.<fqn>.<field>`), `lr_scheduler`, `train_state`, `dataloader`, under `checkpoint/step-N/`",
         notes="param groups are rebuilt from the per-parameter copies; the parent folder answers with the `step-N/` "
@@ -254,6 +260,7 @@ PRODUCERS: tuple[Producer, ...] = (
         ),
         folders=re.compile(r"(pytorch_model_fsdp|optimizer)_\d+"),
         label="`accelerate`",
+        tested="accelerate 1.15",
         on_disk="`save_state`'s folder: `pytorch_model_fsdp_0/` + `optimizer_0/`, two DCP folders, and `random_states_<r>.pkl`",
         notes="pass the parent folder; the pickles are never loaded. `reshard` writes both folders for M ranks, copies "
         "`scheduler*.bin`, `sampler*.bin`, `scaler.pt` and `custom_checkpoint_*.pkl` byte for byte, and leaves out "
@@ -269,6 +276,7 @@ PRODUCERS: tuple[Producer, ...] = (
         side_files=(SideFile(pattern=re.compile(re.escape(LIGHTNING_META_FILENAME)), action="copy"),),
         merged=LIGHTNING_META_FILENAME,
         label="`lightning`",
+        tested="Lightning 2.6",
         on_disk="DCP with `meta.pt` beside `.metadata`",
         notes="`consolidate` merges `meta.pt`'s entries at the top level, as Lightning does (read with "
         "`weights_only=True`); `reshard` copies it byte for byte",
@@ -281,6 +289,7 @@ PRODUCERS: tuple[Producer, ...] = (
         detect=_torchtune,
         optimizer_key="optimizer",
         label="`torchtune`",
+        tested="torchtune 0.6.1",
         on_disk="`DistributedCheckpointer`'s `output/dist_epoch_<n>/` (async, one file per entry): `model.<fqn>`, "
         "`optimizer.state.<id>.<name>` and `optimizer.param_groups`, `seed`, `epochs_run`, `total_epochs`, "
         "`max_steps_per_epoch`, `dataloader`",
@@ -301,6 +310,7 @@ PRODUCERS: tuple[Producer, ...] = (
         ),
         folders=re.compile(OLMO_CORE_DIRNAME),
         label="`olmo-core`",
+        tested="ai2-olmo-core 3.0.0",
         on_disk="OLMo-core's `stepN/`: `model_and_optim/` (DCP: `model.<fqn>`, `optim` flattened as `state.<fqn>.<name>` / "
         "`param_groups.<fqn>.<field>`, or nested), `train/rank<r>.pt`, `config.json`, `.metadata.json`",
         notes="pass `stepN/` or its `model_and_optim/`; `consolidate` keeps a flattened optimizer as `unshard_checkpoint` "
@@ -320,6 +330,7 @@ PRODUCERS: tuple[Producer, ...] = (
         merged=MEGATRON_COMMON_FILENAME,
         stacked_layers="decoder.layers.",
         label="`megatron-core`",
+        tested="megatron-core 0.16.1",
         on_disk='`dist_checkpointing.save(..., ("torch_dist", 1))`: DCP keyed by its sharded keys (`embedding.*`, '
         "`decoder.layers.*` stacked on a leading layer dim, `output_layer.weight`), optimizer state as "
         "`optimizer.state.<name>.<key>`, beside `common.pt` (`param_groups`, step, iteration) and `metadata.json`",
@@ -337,6 +348,7 @@ PRODUCERS: tuple[Producer, ...] = (
         name="hf_storage",
         detect=_named("hf_storage"),
         label="`hf_storage`",
+        tested="torch 2.13.0 `HuggingFaceStorageWriter`",
         on_disk="torch's `HuggingFaceStorageWriter`: per-rank safetensors shards, offsets in each header's "
         "`DCP_SHARDING_INFO`, no `.metadata`",
         notes="only headers are read to index",
@@ -347,6 +359,7 @@ PRODUCERS: tuple[Producer, ...] = (
         name="verl",
         detect=_named("verl"),
         label="`verl`",
+        tested="an imitation of verl's file names and contents (torch 2.13.0)",
         on_disk="per-rank `torch.save`: `model_world_size_N_rank_r.pt` (DTensors), `optim_...` (id-keyed), `extra_state_...`",
         notes="not DCP; indexed from the DTensors' placements, no process group needed",
         consolidate_loader=_AS_FSDP2,
@@ -357,6 +370,7 @@ PRODUCERS: tuple[Producer, ...] = (
         detect=_named("fsdp1"),
         params_in_model_order=True,
         label="`fsdp1` (rank files)",
+        tested="torch 2.13.0 `FullyShardedDataParallel` (`SHARDED_STATE_DICT`)",
         on_disk="`SHARDED_STATE_DICT` saved rank by rank with `torch.save` (`ShardedTensor` values), `*_rank_<r>.pt`",
         notes="indexed from `ShardMetadata`",
         consolidate_loader=_AS_FSDP2,

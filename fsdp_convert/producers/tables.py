@@ -39,9 +39,9 @@ def render_producer_table() -> str:
 
     A row per record with ``on_disk``, in table order, then the 2-D mesh rows.
     """
-    lines = [_row("producer", "what is on disk", "notes"), "|---|---|---|"]
-    lines += [_row(p.label, p.on_disk, p.notes) for p in PRODUCERS if p.on_disk]
-    lines += [_row(*cells) for cells in _MESH_ROWS]
+    lines = [_row("producer", "what is on disk", "notes", "tested with"), "|---|---|---|---|"]
+    lines += [_row(p.label, p.on_disk, p.notes, p.tested) for p in PRODUCERS if p.on_disk]
+    lines += [_row(*cells, "torch 2.13.0") for cells in _MESH_ROWS]
     return "\n".join(lines) + "\n"
 
 
