@@ -205,7 +205,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "producer-never-fsdp2",
         "inspect names the producer",
-        "fsdp_convert/producers/__init__.py",
+        "fsdp_convert/producers/detect.py",
         'if any(c.numel == 0 for e in small for c in e.chunks):\n        return "fsdp2"',
         'if any(c.numel == 0 for e in small for c in e.chunks):\n        return "fsdp1"',
         "tests/unit/test_producers.py::test_detects_fsdp2",
@@ -349,7 +349,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "torchtitan-not-detected",
         "`inspect` names the producer (`producer: ...`)",
-        "fsdp_convert/producers/__init__.py",
+        "fsdp_convert/producers/detect.py",
         'and bool(tops & {"optimizer", "train_state", "lr_scheduler", "dataloader"})',
         "and False",
         "tests/integration/test_producers.py::test_each_producer_consolidates_to_its_ground_truth[torchtitan]",
@@ -701,15 +701,15 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "torchtune-not-detected",
         "`inspect` names the producer (`producer: ...`)",
-        "fsdp_convert/producers/__init__.py",
-        'return index.producer is None and "model" in tops and _TORCHTUNE_PROGRESS <= tops',
+        "fsdp_convert/producers/detect.py",
+        'return index.producer is None and "model" in tops and TORCHTUNE_PROGRESS <= tops',
         "return False",
         "tests/integration/test_torchtune.py::test_inspect_names_torchtune_and_reads_output_as_its_newest_epoch",
     ),
     Mutation(
         "megatron-common-pt-not-copied",
         "`reshard` copies `common.pt` and `metadata.json` byte for byte",
-        "fsdp_convert/producers/__init__.py",
+        "fsdp_convert/producers/detect.py",
         "return index.producer is None and isinstance(root, Path) and all((root / name).is_file() for name in names)",
         "return False",
         "tests/integration/test_megatron.py::test_megatron_reshard_loads_with_dist_checkpointing_at_three_ranks",

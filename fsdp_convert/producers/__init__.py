@@ -18,12 +18,21 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from fsdp_convert.formats.dcp import LIGHTNING_META_FILENAME, OLMO_CORE_DIRNAME
 from fsdp_convert.formats.index import CheckpointIndex
-from fsdp_convert.roles import flat_layout
+from fsdp_convert.producers.detect import (
+    MEGATRON_COMMON_FILENAME,
+    MEGATRON_METADATA_FILENAME,
+    any_dcp,
+    by_keys,
+    fsdp1,
+    megatron,
+    named,
+    torchtitan,
+    torchtune,
+)
 from fsdp_convert.writers.transaction import ACCELERATE_SHARED_RE
 
 __all__ = [
@@ -115,88 +124,6 @@ class Producer:
         return next((s for s in self.side_files if s.pattern.fullmatch(name)), None)
 
 
-def _named(name: str) -> Callable[[CheckpointIndex], bool]:
-    """Detection by the name the folder's files gave the index (``CheckpointIndex.producer``)."""
-
-    def named(index: CheckpointIndex) -> bool:
-        return index.producer == name
-
-    named.__name__ = named.__qualname__ = f"named_{name}"
-    return named
-
-
-def _wrapped(index: CheckpointIndex) -> bool:
-    """Keys carry FSDP1's wrapper names (``_fsdp_wrapped_module``, ``_flat_param``)."""
-    return any("_fsdp_wrapped_module" in e.fqn or "_flat_param" in e.fqn for e in index.entries)
-
-
-def _fsdp_kind(index: CheckpointIndex) -> str:
-    """``fsdp2``, ``fsdp1`` or ``fsdp`` for the ``{"model", "optim"}`` layout with FQN-keyed optimizer state; else ``dcp``.
-
-    FSDP2 records an empty chunk for each rank past the end of a small tensor; FSDP1's sharded
-    state dict leaves them out. With no tensor smaller than the world size, the layouts agree.
-    """
-    tops = {e.path[0] for e in index.entries}
-    optim_fqn_keyed = any(
-        len(e.path) >= 4 and e.path[:2] == ("optim", "state") and isinstance(e.path[2], str) for e in index.entries
-    )
-    if not ({"model", "optim"} <= tops and optim_fqn_keyed) or index.world_size < 2:
-        return "dcp"
-    small = [e for e in index.tensors() if e.shape and e.shape[0] < index.world_size]
-    if any(c.numel == 0 for e in small for c in e.chunks):
-        return "fsdp2"
-    return "fsdp1" if small else "fsdp"
-
-
-def _by_keys(kind: str) -> Callable[[CheckpointIndex], bool]:
-    """Detection by the key layout, for an index whose files name no producer."""
-
-    def by_keys(index: CheckpointIndex) -> bool:
-        return index.producer is None and not _wrapped(index) and _fsdp_kind(index) == kind
-
-    by_keys.__name__ = by_keys.__qualname__ = f"by_keys_{kind}"
-    return by_keys
-
-
-def _fsdp1(index: CheckpointIndex) -> bool:
-    """FSDP1's wrapper names in the keys, or its sharded state dict's chunks (see ``_fsdp_kind``)."""
-    return index.producer is None and (_wrapped(index) or _fsdp_kind(index) == "fsdp1")
-
-
-def _torchtitan(index: CheckpointIndex) -> bool:
-    """Model weights at the top level beside torchtitan's ``optimizer``/``train_state``/... keys."""
-    tops = {e.path[0] for e in index.entries}
-    return (
-        index.producer is None and flat_layout(index) and bool(tops & {"optimizer", "train_state", "lr_scheduler", "dataloader"})
-    )
-
-
-# torchtune's TrainingProgress.state_dict() keys, saved beside "model" and "optimizer"
-_TORCHTUNE_PROGRESS = frozenset({"seed", "epochs_run", "total_epochs", "max_steps_per_epoch"})
-
-
-def _torchtune(index: CheckpointIndex) -> bool:
-    """What torchtune's ``CheckpointClient`` saves: ``model`` beside its training progress keys (``epochs_run``...)."""
-    tops = {e.path[0] for e in index.entries}
-    return index.producer is None and "model" in tops and _TORCHTUNE_PROGRESS <= tops
-
-
-MEGATRON_COMMON_FILENAME = "common.pt"  # dist_checkpointing's common state: optimizer param_groups, step, iteration
-MEGATRON_METADATA_FILENAME = "metadata.json"  # dist_checkpointing's backend record ({"sharded_backend": "torch_dist", ...})
-
-
-def _megatron(index: CheckpointIndex) -> bool:
-    """Megatron-Core's ``dist_checkpointing`` files beside ``.metadata``: ``common.pt`` and ``metadata.json``."""
-    root = index.checkpoint_id
-    names = (MEGATRON_COMMON_FILENAME, MEGATRON_METADATA_FILENAME)
-    return index.producer is None and isinstance(root, Path) and all((root / name).is_file() for name in names)
-
-
-def _any(index: CheckpointIndex) -> bool:
-    """Any DCP checkpoint (the table's last record)."""
-    return True
-
-
 _AS_FSDP2 = "as `fsdp2`"
 _FSDP_CONSOLIDATE = '`{"model", "optim"}`: `model.load_state_dict`; `--optim-keys ids` for a plain `optim.load_state_dict`'
 _DCP_LOAD = "`dcp.load` (a regular DCP folder)"
@@ -208,7 +135,7 @@ _OLMO_TRAIN_NOTE = (
 PRODUCERS: tuple[Producer, ...] = (
     Producer(
         name="fsdp2",
-        detect=_by_keys("fsdp2"),
+        detect=by_keys("fsdp2"),
         label="`fsdp2`",
         tested="torch 2.13.0 `fully_shard` + `dcp.save`",
         on_disk='DCP of `get_state_dict`: `{"model", "optim"}`',
@@ -218,7 +145,7 @@ PRODUCERS: tuple[Producer, ...] = (
     ),
     Producer(
         name="fsdp1",
-        detect=_fsdp1,
+        detect=fsdp1,
         params_in_model_order=True,
         label="`fsdp1`",
         tested="torch 2.13.0 `FullyShardedDataParallel` + `dcp.save`",
@@ -230,7 +157,7 @@ PRODUCERS: tuple[Producer, ...] = (
     ),
     Producer(
         name="torchtitan",
-        detect=_torchtitan,
+        detect=torchtitan,
         optimizer_key="optimizer",
         label="`torchtitan`",
         tested="torchtitan 0.3.0",
@@ -245,7 +172,7 @@ PRODUCERS: tuple[Producer, ...] = (
     ),
     Producer(
         name="accelerate",
-        detect=_named("accelerate"),
+        detect=named("accelerate"),
         optimizer_key="optimizer",
         side_files=(
             # written by the main process only, the same at any world size: LR schedulers, samplers, the
@@ -271,7 +198,7 @@ PRODUCERS: tuple[Producer, ...] = (
     ),
     Producer(
         name="lightning",
-        detect=_named("lightning"),
+        detect=named("lightning"),
         optimizer_key="optimizer",
         side_files=(SideFile(pattern=re.compile(re.escape(LIGHTNING_META_FILENAME)), action="copy"),),
         merged=LIGHTNING_META_FILENAME,
@@ -286,7 +213,7 @@ PRODUCERS: tuple[Producer, ...] = (
     ),
     Producer(
         name="torchtune",
-        detect=_torchtune,
+        detect=torchtune,
         optimizer_key="optimizer",
         label="`torchtune`",
         tested="torchtune 0.6.1",
@@ -302,7 +229,7 @@ PRODUCERS: tuple[Producer, ...] = (
     ),
     Producer(
         name="olmo-core",
-        detect=_named("olmo-core"),
+        detect=named("olmo-core"),
         flat_optimizer=True,
         side_files=(
             SideFile(pattern=re.compile(r"config\.json|\.metadata\.json"), action="copy"),
@@ -321,7 +248,7 @@ PRODUCERS: tuple[Producer, ...] = (
     ),
     Producer(
         name="megatron-core",
-        detect=_megatron,
+        detect=megatron,
         optimizer_key="optimizer",
         side_files=(
             SideFile(pattern=re.compile(re.escape(MEGATRON_COMMON_FILENAME)), action="copy"),
@@ -346,7 +273,7 @@ PRODUCERS: tuple[Producer, ...] = (
     ),
     Producer(
         name="hf_storage",
-        detect=_named("hf_storage"),
+        detect=named("hf_storage"),
         label="`hf_storage`",
         tested="torch 2.13.0 `HuggingFaceStorageWriter`",
         on_disk="torch's `HuggingFaceStorageWriter`: per-rank safetensors shards, offsets in each header's "
@@ -357,7 +284,7 @@ PRODUCERS: tuple[Producer, ...] = (
     ),
     Producer(
         name="verl",
-        detect=_named("verl"),
+        detect=named("verl"),
         label="`verl`",
         tested="an imitation of verl's file names and contents (torch 2.13.0)",
         on_disk="per-rank `torch.save`: `model_world_size_N_rank_r.pt` (DTensors), `optim_...` (id-keyed), `extra_state_...`",
@@ -367,7 +294,7 @@ PRODUCERS: tuple[Producer, ...] = (
     ),
     Producer(
         name="fsdp1",
-        detect=_named("fsdp1"),
+        detect=named("fsdp1"),
         params_in_model_order=True,
         label="`fsdp1` (rank files)",
         tested="torch 2.13.0 `FullyShardedDataParallel` (`SHARDED_STATE_DICT`)",
@@ -378,10 +305,10 @@ PRODUCERS: tuple[Producer, ...] = (
     ),
     # Named but in no table row: a producer the layout cannot tell, per-rank files of neither
     # verl nor FSDP1, a safetensors file, any other DCP checkpoint.
-    Producer(name="fsdp", detect=_by_keys("fsdp"), params_in_model_order=True),
-    Producer(name="torch_save", detect=_named("torch_save")),
-    Producer(name="safetensors", detect=_named("safetensors")),
-    Producer(name="dcp", detect=_any),
+    Producer(name="fsdp", detect=by_keys("fsdp"), params_in_model_order=True),
+    Producer(name="torch_save", detect=named("torch_save")),
+    Producer(name="safetensors", detect=named("safetensors")),
+    Producer(name="dcp", detect=any_dcp),
 )
 
 
