@@ -273,15 +273,17 @@ class SafetensorsFiles:
         except Exception as e:
             raise CorruptChunkError(f"{file}: {name} cannot be read ({library_problem(e)})") from e
 
-    def add_side_files(self) -> None:
-        """A folder's ``optimizer.pt`` (as ``optim``) and ``extra_state.pt``, if present.
+    def add_side_files(self, optimizer_key: str = "optim") -> None:
+        """A folder's ``optimizer.pt`` (under ``optimizer_key``: it holds the state dict, not its key) and ``extra_state.pt``.
 
         Raises:
             NotADcpCheckpointError: two of the folder's files hold the same top-level key.
             As ``TorchSaveFile``.
         """
         tops: set[str | int] = {"model"} if self._tensors else set()
-        for filename, prefix in ((f, p) for f, p in SIDE_FILES if (self.path / f).is_file()):
+        for filename, prefix in ((f, (optimizer_key,) if f == OPTIMIZER_FILENAME else p) for f, p in SIDE_FILES):
+            if not (self.path / filename).is_file():
+                continue
             self.sides.append(side := TorchSaveFile(self.path / filename, prefix, root=self.path))
             own = {obj_path[0] for obj_path, _ in side.flat_with_paths.values()}
             if clash := own & tops:
@@ -313,11 +315,11 @@ def is_full_checkpoint(location: Location) -> bool:
     return isinstance(location, Path) and (location.is_file() or is_hf_folder(location))
 
 
-def open_full_file(path: Path) -> FullFile:
+def open_full_file(path: Path, *, optimizer_key: str = "optim") -> FullFile:
     """Open a full checkpoint by what the path holds.
 
-    A folder (see ``is_hf_folder``), with its ``optimizer.pt`` and ``extra_state.pt``; a file by
-    its first bytes (``reader.sniff_file``: a torch.save zip or legacy pickle, or safetensors),
+    A folder (see ``is_hf_folder``), with ``optimizer.pt`` (under ``optimizer_key``) and ``extra_state.pt``;
+    a file by its first bytes (``reader.sniff_file``: a torch.save zip or legacy pickle, or safetensors),
     whatever its name, else by its suffix: ``.pt``/``.pth``/``.bin`` torch.save, ``.safetensors``.
 
     Raises:
@@ -328,7 +330,7 @@ def open_full_file(path: Path) -> FullFile:
     """
     if path.is_dir():
         folder = SafetensorsFiles.from_folder(path)
-        folder.add_side_files()
+        folder.add_side_files(optimizer_key)
         if not folder.keys() and not folder.sides:
             raise NotADcpCheckpointError(f"{path}: no .metadata and no weights or {OPTIMIZER_FILENAME}; not a checkpoint")
         return folder

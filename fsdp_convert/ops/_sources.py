@@ -60,10 +60,13 @@ class Side:
         source: its format and index, when it is read through ``transform`` items (any sharded
             checkpoint; a full file seen through transforms); None: a full file read whole
             (``formats.full_file.open_full_file``).
+        optimizer_key: the top-level key a Hugging Face folder's ``optimizer.pt`` is read under
+            (``optim``; ``verify`` sets the other side's, as ``optimizer.pt`` holds no key).
     """
 
     path: Location
     source: Source | None
+    optimizer_key: str = "optim"
 
 
 def find_side(path: str | os.PathLike[str] | Source, *, check_crc: bool = True, through_items: bool = False) -> Side:
@@ -173,7 +176,7 @@ def open_view(side: Side, transform: TransformOptions | None) -> FlatView:
     if side.source is not None:
         return ItemsView(side, transform)
     assert isinstance(side.path, Path)  # find_side: a full file is local
-    return open_full_file(side.path)
+    return open_full_file(side.path, optimizer_key=side.optimizer_key)
 
 
 def open_source(

@@ -282,7 +282,8 @@ def _open_sides(
     When one side holds weights alone (safetensors, HF, PEFT: no group) and the other is read
     through items with no transform, that side is seen as ``consolidate`` names the weights
     (``model.`` + FQN, whether it nests them or saved them flat: a reshard of such a file); its
-    index is not read again.
+    index is not read again. A Hugging Face folder's ``optimizer.pt`` is read under the other
+    side's optimizer key (``_folder_optimizer``).
 
     Returns:
         The sides as found, the transform the items are seen through, and the open views (close them).
@@ -301,10 +302,35 @@ def _open_sides(
                 if side.source is not None:  # seen again through the transform, from the index already read
                     views[i].close()
                     views[i] = open_view(side, transform)
+        sides = [side_a, side_b]
+        for i in _folder_optimizer(views):  # a folder's optimizer.pt read under the other side's key
+            views[i].close()
+            sides[i] = dataclasses.replace(sides[i], optimizer_key=_optimizer_tops(views[1 - i]).pop())
+            views[i] = open_view(sides[i], transform)
     except BaseException:
         _close(views)
         raise
-    return (side_a, side_b), transform, (views[0], views[1])
+    return (sides[0], sides[1]), transform, (views[0], views[1])
+
+
+def _optimizer_tops(view: FlatView) -> set[str]:
+    """The top-level keys of ``view``'s optimizer state (``optim``, ``optimizer``)."""
+    return {key.split(".", 1)[0] for key in view.keys() if _key_group(key) == "optim"}
+
+
+def _folder_optimizer(views: Sequence[FlatView]) -> list[int]:
+    """The side (none or one) that is a Hugging Face folder whose optimizer is compared under the other side's key.
+
+    A folder's ``optimizer.pt`` holds the optimizer state dict itself, read as ``optim``; the
+    checkpoint it was consolidated from may keep its producer's key (``optimizer``: Lightning,
+    accelerate, torchtitan, Megatron-Core), so the folder's is read under that key.
+    """
+    tops = [_optimizer_tops(view) for view in views]
+    return [
+        i
+        for i in (0, 1)
+        if isinstance(views[i], SafetensorsFiles) and tops[i] == {"optim"} and len(tops[1 - i]) == 1 and tops[1 - i] != {"optim"}
+    ]
 
 
 def _close(views: Sequence[FlatView]) -> None:
