@@ -7,10 +7,10 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fsdp_convert.derive import Derived, Gather, HeadPermute, Input, RowMap, TensorInfo
+from fsdp_convert.derive import Derived, Gather, HeadPermute, Input, RowMap, Segment, TensorInfo
 from fsdp_convert.errors import InvalidOptionError, UnsupportedTransformError
 
-__all__ = ["abstract_key", "config_int", "heads", "tied", "moved", "rope_rows", "warn_left_out"]
+__all__ = ["abstract_key", "config_int", "heads", "tied", "moved", "rope_rows", "split_experts", "stack_experts", "warn_left_out"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,3 +89,36 @@ def warn_left_out(adapter: str, fqns: Sequence[str]) -> None:
         logger.warning(
             "%s leaves out %d tensor(s) it does not map, as torchtitan's to_hf does: %s", adapter, len(fqns), ", ".join(fqns)
         )
+
+
+def split_experts(info: TensorInfo, hf_abstract: str, layer: str) -> dict[str, Derived]:
+    """One HF tensor per expert of a stacked ``(E, F, D)`` weight: expert ``e`` is ``[e * F, (e + 1) * F)`` of ``(E * F, D)``."""
+    if len(info.shape) != 3:
+        raise UnsupportedTransformError(f"{info.fqn}: expected a stacked (experts, out, in) weight, got shape {info.shape}")
+    n, rows, cols = info.shape
+    view = (n * rows, cols)
+    return {
+        hf_abstract.format(layer, e): Derived(
+            inputs=(Input(fqn=info.fqn, rows=Segment(0, rows, src_start=e * rows), view=view),),
+            shape=(rows, cols),
+            dtype=info.dtype,
+        )
+        for e in range(n)
+    }
+
+
+def stack_experts(key: str, by_expert: dict[int, TensorInfo]) -> Derived:
+    """Experts ``0..E-1`` of one weight stacked: in the output's ``(E * F, D)`` view, expert ``e`` is ``[e * F, (e + 1) * F)``."""
+    first = by_expert[min(by_expert)]
+    n = len(by_expert)
+    if sorted(by_expert) != list(range(n)) or any((i.shape, i.dtype) != (first.shape, first.dtype) for i in by_expert.values()):
+        raise UnsupportedTransformError(f"{key}: its experts are not 0..{n - 1} of one shape and dtype")
+    if len(first.shape) != 2:
+        raise UnsupportedTransformError(f"{first.fqn}: expected a 2-d expert weight, got shape {first.shape}")
+    rows, cols = first.shape
+    return Derived(
+        inputs=tuple(Input(fqn=by_expert[e].fqn, rows=Segment(e * rows, rows)) for e in range(n)),
+        shape=(n, rows, cols),
+        dtype=first.dtype,
+        view=(n * rows, cols),
+    )

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fsdp_convert.adapters._common import abstract_key, moved, tied, warn_left_out
-from fsdp_convert.derive import Derived, Input, Segment, TensorInfo
+from fsdp_convert.adapters._common import abstract_key, moved, split_experts, stack_experts, tied, warn_left_out
+from fsdp_convert.derive import Derived, TensorInfo
 from fsdp_convert.errors import UnsupportedTransformError
 
 __all__ = ["FROM_HF", "to_hf", "from_hf"]
@@ -45,22 +45,6 @@ TO_HF = {v: k for k, v in FROM_HF.items() if v is not None}
 _EXPERTS = "moe.routed_experts.inner_experts"
 
 
-def _split_experts(info: TensorInfo, hf_abstract: str, layer: str) -> dict[str, Derived]:
-    """One HF tensor per expert of a stacked ``(E, F, D)`` weight: expert ``e`` is ``[e * F, (e + 1) * F)`` of ``(E * F, D)``."""
-    if len(info.shape) != 3:
-        raise UnsupportedTransformError(f"{info.fqn}: expected a stacked (experts, out, in) weight, got shape {info.shape}")
-    n, rows, cols = info.shape
-    view = (n * rows, cols)
-    return {
-        hf_abstract.format(layer, e): Derived(
-            inputs=(Input(fqn=info.fqn, rows=Segment(0, rows, src_start=e * rows), view=view),),
-            shape=(rows, cols),
-            dtype=info.dtype,
-        )
-        for e in range(n)
-    }
-
-
 def to_hf(tensors: Sequence[TensorInfo], config: Mapping[str, Any]) -> dict[str, Derived]:
     """``torchtitan-qwen3-to-hf``: a torchtitan Qwen 3 model's tensors to HF ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``'s.
 
@@ -83,7 +67,7 @@ def to_hf(tensors: Sequence[TensorInfo], config: Mapping[str, Any]) -> dict[str,
         if hf is None:
             left_out.append(info.fqn)
         elif _EXPERTS in abstract:
-            out.update(_split_experts(info, hf, numbers[0]))
+            out.update(split_experts(info, hf, numbers[0]))
         elif not (hf == "lm_head.weight" and tied(config)):
             out[hf.format(*numbers)] = moved(info)
     warn_left_out("torchtitan-qwen3-to-hf", left_out)
@@ -120,25 +104,8 @@ def from_hf(tensors: Sequence[TensorInfo], config: Mapping[str, Any]) -> dict[st
         else:
             out[titan.format(*numbers)] = moved(info)
     for key, by_expert in experts.items():
-        out[key] = _stack_experts(key, by_expert)
+        out[key] = stack_experts(key, by_expert)
     embed = next((t for t in tensors if t.fqn == "model.embed_tokens.weight"), None)
     if tied(config) and not any(t.fqn == "lm_head.weight" for t in tensors) and embed is not None:
         out["lm_head.weight"] = moved(embed)
     return out
-
-
-def _stack_experts(key: str, by_expert: dict[int, TensorInfo]) -> Derived:
-    """Experts ``0..E-1`` of one weight stacked: in the output's ``(E * F, D)`` view, expert ``e`` is ``[e * F, (e + 1) * F)``."""
-    first = by_expert[min(by_expert)]
-    n = len(by_expert)
-    if sorted(by_expert) != list(range(n)) or any((i.shape, i.dtype) != (first.shape, first.dtype) for i in by_expert.values()):
-        raise UnsupportedTransformError(f"{key}: its experts are not 0..{n - 1} of one shape and dtype")
-    if len(first.shape) != 2:
-        raise UnsupportedTransformError(f"{first.fqn}: expected a 2-d expert weight, got shape {first.shape}")
-    rows, cols = first.shape
-    return Derived(
-        inputs=tuple(Input(fqn=by_expert[e].fqn, rows=Segment(e * rows, rows)) for e in range(n)),
-        shape=(n, rows, cols),
-        dtype=first.dtype,
-        view=(n * rows, cols),
-    )
