@@ -738,6 +738,14 @@ MUTATIONS: list[Mutation] = [
         "inputs=(Input(fqn=entry.fqn, rows=Segment(0, rows, (layers - 1 - layer) * rows), view=view),),",
         "tests/integration/test_megatron_unstack.py::test_unstack_layers_consolidates_each_layer_bit_for_bit",
     ),
+    Mutation(
+        "deepseek-v3-mtp-layer-misnumbered",
+        "`torchtitan-deepseek-v3-to-hf` and `hf-to-torchtitan-deepseek-v3` follow torchtitan 0.3.0's `DeepSeekV3StateDictAdapter`",
+        "fsdp_convert/adapters/deepseek_v3.py",
+        "numbers = [str(main_layers + int(numbers[0]))]",
+        "numbers = [str(int(numbers[0]))]",
+        "tests/integration/test_deepseek_v3.py::test_torchtitan_deepseek_v3_to_hf_and_back",
+    ),
 ]
 
 
