@@ -746,6 +746,22 @@ MUTATIONS: list[Mutation] = [
         "numbers = [str(int(numbers[0]))]",
         "tests/integration/test_deepseek_v3.py::test_torchtitan_deepseek_v3_to_hf_and_back",
     ),
+    Mutation(
+        "fp8-dequantize-one-scale-row",
+        "`--dequantize`: the output is bit for bit what torch's `QuantizedHuggingFaceStorageReader` (block 128, float32 target) reads",
+        "fsdp_convert/transform/fp8.py",
+        "*= scale[:, j : j + 1]",
+        "*= scale[:1, j : j + 1]",
+        "tests/integration/test_fp8_dequantize.py::test_dequantize_equals_torch_reader_and_weight_dequant",
+    ),
+    Mutation(
+        "fp8-quantize-block-without-its-head",
+        "`--quantize fp8-block128`: transformers' fine-grained FP8 `Fp8Quantize`, bit for bit",
+        "fsdp_convert/transform/fp8.py",
+        "whole = torch.cat([head, rows, tail]).to(torch.float32)",
+        "whole = torch.cat([rows, tail]).to(torch.float32)",
+        "tests/integration/test_fp8_quantize.py::test_quantize_equals_transformers",
+    ),
 ]
 
 

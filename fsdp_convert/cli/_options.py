@@ -44,6 +44,8 @@ __all__ = [
     "LayoutOpt",
     "KeepWrapperNamesOpt",
     "UnstackLayersOpt",
+    "DequantizeOpt",
+    "QuantizeOpt",
     "RenameOpt",
     "IncludeOpt",
     "ExcludeOpt",
@@ -117,6 +119,12 @@ class OptimKeysChoice(Choice):
 
     names = "names"
     ids = "ids"
+
+
+class QuantizeChoice(Choice):
+    """``--quantize``: the quantized layout an HF folder is written in."""
+
+    fp8_block128 = "fp8-block128"
 
 
 class LayoutChoice(Choice):
@@ -283,6 +291,25 @@ UnstackLayersOpt = Annotated[
         rich_help_panel=SELECTION,
     ),
 ]
+DequantizeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--dequantize",
+        metavar="",
+        help="Dequantize block FP8 weights (float8_e4m3fn with <name>_scale_inv, DeepSeek-V3's) to float32, then --dtype.",
+        rich_help_panel=SELECTION,
+    ),
+]
+QuantizeOpt = Annotated[
+    QuantizeChoice | None,
+    choice_option(
+        QuantizeChoice,
+        "--quantize",
+        help="Write the weights DeepSeek-V3 quantizes as float8_e4m3fn with a weight_scale_inv per 128x128 block.",
+        show_default=False,
+        rich_help_panel=CASTING,
+    ),
+]
 RenameOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -345,6 +372,8 @@ def transform_options(
     optim_dtype: DtypeChoice | None,
     layout: LayoutChoice = LayoutChoice.producer,
     unstack_layers: bool = False,
+    dequantize: bool = False,
+    quantize: QuantizeChoice | None = None,
 ) -> TransformOptions:
     """The ``TransformOptions`` the command line asks for (``layout``: ``consolidate --layout``).
 
@@ -363,6 +392,8 @@ def transform_options(
         optim_dtype=None if optim_dtype is None else parse_dtype(optim_dtype.value),
         layout=layout.value,
         unstack_layers=unstack_layers,
+        dequantize=dequantize,
+        quantize=None if quantize is None else quantize.value,
     )
 
 

@@ -14,6 +14,7 @@ from fsdp_convert.cli._options import (
     AdapterOpt,
     AdapterOptionOpt,
     CheckpointArg,
+    DequantizeOpt,
     DtypeOpt,
     ExcludeOpt,
     FollowSymlinksOpt,
@@ -32,6 +33,7 @@ from fsdp_convert.cli._options import (
     OptimKeysOpt,
     OutputArg,
     ProgressOpt,
+    QuantizeOpt,
     RenameOpt,
     UnstackLayersOpt,
     choice_option,
@@ -224,6 +226,8 @@ def consolidate_command(
     rename: RenameOpt = None,
     keep_wrapper_names: KeepWrapperNamesOpt = False,
     unstack_layers: UnstackLayersOpt = False,
+    dequantize: DequantizeOpt = False,
+    quantize: QuantizeOpt = None,
     dtype: DtypeOpt = None,
     optim_dtype: OptimDtypeOpt = None,
     adapter: AdapterOpt = None,
@@ -288,6 +292,8 @@ def consolidate_command(
             optim_dtype=optim_dtype,
             layout=layout,
             unstack_layers=unstack_layers,
+            dequantize=dequantize,
+            quantize=quantize,
         )
         transform = with_adapter(transform, adapter, model_config, adapter_option, hf_assets)
         transform = _with_lora(transform, merge_lora, lora_only, lora_config, lora_alpha, lora_r)

@@ -13,6 +13,7 @@ from fsdp_convert.cli._options import (
     AdapterOptionOpt,
     CheckpointArg,
     Choice,
+    DequantizeOpt,
     DtypeOpt,
     ExcludeOpt,
     FollowSymlinksOpt,
@@ -115,6 +116,7 @@ def reshard_command(
     rename: RenameOpt = None,
     keep_wrapper_names: KeepWrapperNamesOpt = False,
     unstack_layers: UnstackLayersOpt = False,
+    dequantize: DequantizeOpt = False,
     dtype: DtypeOpt = None,
     optim_dtype: OptimDtypeOpt = None,
     adapter: AdapterOpt = None,
@@ -150,7 +152,15 @@ def reshard_command(
         check_reshard(checkpoint, output, overwrite=overwrite, resume=resume, force=force)
         torch_ready()
         options = transform_options(
-            optim_keys, keep_wrapper_names, rename, include, exclude, dtype, optim_dtype, unstack_layers=unstack_layers
+            optim_keys,
+            keep_wrapper_names,
+            rename,
+            include,
+            exclude,
+            dtype,
+            optim_dtype,
+            unstack_layers=unstack_layers,
+            dequantize=dequantize,
         )
         options = with_adapter(options, adapter, model_config, adapter_option)
         from fsdp_convert.ops.options import ReshardOptions  # after torch_ready: it imports torch

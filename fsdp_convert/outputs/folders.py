@@ -20,6 +20,7 @@ from fsdp_convert.outputs.files import SafetensorsFile, TorchSaveFile, check_ten
 from fsdp_convert.outputs.kind import FilePlan, Only, RequestedFormat
 from fsdp_convert.roles import GROUPS, Group
 from fsdp_convert.transform import OutputItem, TransformOptions
+from fsdp_convert.transform.fp8 import QUANTIZATION_CONFIG
 from fsdp_convert.writers.hf_assets import HfAssets, weights_dtype, write_hf_assets
 from fsdp_convert.writers.safetensors import ShardFile, write_hf_index
 from fsdp_convert.writers.transaction import writing
@@ -127,7 +128,9 @@ class HfFolder:
             return 0
         dtype = weights_dtype(options.dtype, (i.dtype for i in items if i.group == "model" and i.is_tensor))
         with writing(folder):
-            return sum(p.stat().st_size for p in write_hf_assets(assets, folder, dtype=dtype))
+            quantization = QUANTIZATION_CONFIG if options.quantize else None
+            written = write_hf_assets(assets, folder, dtype=dtype, quantization=quantization, dequantized=options.dequantize)
+            return sum(p.stat().st_size for p in written)
 
 
 @dataclass(frozen=True, slots=True)

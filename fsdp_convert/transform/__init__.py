@@ -22,10 +22,11 @@ from typing import Any
 import torch
 
 from fsdp_convert.constants import UNCASTABLE_DTYPES
-from fsdp_convert.derive import Derived, Sourced, apply_adapter
+from fsdp_convert.derive import Derived, Sourced, TensorInfo, apply_adapter
 from fsdp_convert.errors import InvalidOptionError, UnsupportedTransformError
 from fsdp_convert.formats.index import CheckpointIndex, DictKey, Entry, ObjPath, TensorEntry, dcp_key
 from fsdp_convert.roles import EntryRole, Group
+from fsdp_convert.transform import fp8
 from fsdp_convert.transform.options import Layout, OptimKeys, TransformOptions, parse_dtype, parse_rename
 from fsdp_convert.transform.unstack import LayerSplit
 
@@ -261,7 +262,8 @@ def build_items(
                 raise InvalidOptionError(f"{seen[out]} and {entry.fqn} would both be written as model key {out!r}")
             seen[out] = entry.fqn
             prefix = entry.path[:1] if keep_layout and entry.path[0] == "model" else () if keep_layout else ("model",)
-            dtype = _cast(entry, options.dtype, src=derived.dtype if derived else None)
+            quantized = derived is not None and isinstance(derived.combine, (fp8.BlockQuantize, fp8.BlockScaleInv))
+            dtype = _cast(entry, options.dtype, keep=quantized, src=derived.dtype if derived else None)
             item = OutputItem(entry=entry, path=(*prefix, out), group="model", dtype=dtype, derived=derived, sources=sources)
             items.append(item)
     if "optim" in groups:
@@ -300,16 +302,27 @@ def _model_sources(
             if not _selected(clean_fqn(slot.param, keep_wrapper_names=options.keep_wrapper_names), options):
                 continue
             entry, fqn = index.entries[i], name(slot.param)
-            if options.adapter is not None and fqn in renamed:
+            if (options.adapter is not None or options.dequantize or options.quantize) and fqn in renamed:
                 raise InvalidOptionError(f"{renamed[fqn]} and {entry.fqn} would both reach --adapter as {fqn!r}")
             renamed[fqn] = entry.fqn
             selected.append((entry, fqn))
             params.append(slot.param)
+    if options.dequantize or options.quantize:
+        return apply_adapter(fp8.dequantize_rules if options.dequantize else fp8.quantize_rules, selected)
+    if options.dtype is not None and (quantized := fp8.quantized_fqns([_info(e, fqn) for e, fqn in selected])):
+        raise InvalidOptionError(f"{quantized[0]} is block FP8 (with {fp8.SCALE_SUFFIX}): --dtype needs --dequantize")
     if options.adapter is None:
         return [
             out for (entry, fqn), p in zip(selected, params, strict=True) for out in layers.model_outputs(entry, fqn, p, name)
         ]
     return apply_adapter(options.adapter, selected)
+
+
+def _info(entry: Entry, fqn: str) -> TensorInfo:
+    """``entry`` as a ``derive.TensorInfo`` under ``fqn`` (a non-tensor as a 0-dim ``uint8``, never quantized)."""
+    if isinstance(entry, TensorEntry):
+        return TensorInfo(fqn, entry.dtype, entry.shape)
+    return TensorInfo(fqn, torch.uint8, ())
 
 
 def _optim_top(entry: Entry, options: TransformOptions) -> str | int:

@@ -19,10 +19,11 @@ from fsdp_convert.constants import DTYPE_NAMES
 from fsdp_convert.derive import Adapter
 from fsdp_convert.errors import InvalidOptionError
 
-__all__ = ["OptimKeys", "Layout", "TransformOptions", "choice", "dtype_names", "parse_dtype", "parse_rename"]
+__all__ = ["OptimKeys", "Layout", "Quantize", "TransformOptions", "choice", "dtype_names", "parse_dtype", "parse_rename"]
 
 OptimKeys = Literal["names", "ids"]
 Layout = Literal["producer", "nested"]
+Quantize = Literal["fp8-block128"]
 S = TypeVar("S", bound=str)
 
 
@@ -112,6 +113,15 @@ class TransformOptions:
             and its optimizer state alike; before renames, after ``include``/``exclude``. Keyed by
             names only (not ``optim_keys="ids"``), and not with ``adapter`` (which maps the stacked
             tensors itself). A producer that stacks no layers refuses it.
+        dequantize: dequantize block-quantized FP8 model weights (a ``float8_e4m3fn`` ``<fqn>``
+            with ``<fqn>_scale_inv``, DeepSeek-V3's layout: ``transform.fp8``) to float32, then
+            ``dtype``; the scales are left out. Not with ``adapter`` or ``unstack_layers``.
+            Without it, ``dtype`` refuses such weights (a cast would drop their scales).
+        quantize: ``fp8-block128`` writes the model weights DeepSeek-V3 quantizes
+            (``transform.fp8.quantized_by_deepseek``) as ``float8_e4m3fn``, each with
+            ``<fqn>_scale_inv`` (1 / (448 / amax) per 128x128 block), from the weights as read
+            (``dtype`` casts the others); None: no quantizing. Not with ``adapter``,
+            ``unstack_layers`` or ``dequantize``.
     """
 
     optim_keys: OptimKeys = "names"
@@ -124,6 +134,8 @@ class TransformOptions:
     layout: Layout = "producer"
     adapter: Adapter | None = None
     unstack_layers: bool = False
+    dequantize: bool = False
+    quantize: Quantize | None = None
 
     def __post_init__(self) -> None:
         """Normalize the command line's spellings to the field types, and check every field.
@@ -147,6 +159,18 @@ class TransformOptions:
                 f"--adapter: expected a derive.Adapter (adapters.load_adapter), got {type(self.adapter).__name__}"
             )
         self._check_unstack()
+        if not isinstance(self.dequantize, bool):
+            raise InvalidOptionError(f"options.dequantize: expected True or False, got {self.dequantize!r}")
+        if self.dequantize and (self.adapter is not None or self.unstack_layers):
+            raise InvalidOptionError(
+                "--dequantize goes alone: dequantize to a folder first, then run --adapter or --unstack-layers on it"
+            )
+        if self.quantize is not None:
+            set_field(self, "quantize", choice("--quantize", self.quantize, get_args(Quantize)))
+            if self.adapter is not None or self.unstack_layers or self.dequantize:
+                raise InvalidOptionError(
+                    "--quantize goes alone: run --adapter, --unstack-layers or --dequantize to a folder first, then quantize it"
+                )
 
     def _check_unstack(self) -> None:
         """``unstack_layers``: a bool, with names as optimizer keys and no adapter."""

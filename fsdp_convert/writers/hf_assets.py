@@ -22,7 +22,7 @@ import os
 import re
 import shutil
 import stat
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -338,7 +338,13 @@ def _version(text: object) -> tuple[int, ...]:
     return tuple(int(n) for n in numbers[:2])
 
 
-def rewrite_config(config_bytes: bytes, dtype: torch.dtype | None) -> bytes:
+def rewrite_config(
+    config_bytes: bytes,
+    dtype: torch.dtype | None,
+    *,
+    quantization: Mapping[str, Any] | None = None,
+    dequantized: bool = False,
+) -> bytes:
     """``config.json`` with its dtype set to the weights written; otherwise the user's.
 
     The config keeps whichever of ``torch_dtype`` (transformers < 4.56) and ``dtype`` (4.56 and
@@ -351,22 +357,32 @@ def rewrite_config(config_bytes: bytes, dtype: torch.dtype | None) -> bytes:
     Args:
         config_bytes: the source ``config.json``.
         dtype: the dtype of the weights written, or None to leave the config as it is.
+        quantization: set as ``quantization_config`` (weights written quantized: ``--quantize``).
+        dequantized: drop ``quantization_config`` (weights written dequantized: ``--dequantize``).
     """
-    if dtype is None:
+    if dtype is None and quantization is None and not dequantized:
         return config_bytes
     config = json.loads(config_bytes)
-    name = config_dtype_name(dtype)
-    keys = [k for k in _DTYPE_KEYS if k in config]
-    if not keys:
-        keys = ["dtype" if _version(config.get("transformers_version")) >= (4, 56) else "torch_dtype"]
-    if all(config.get(k) == name for k in keys):
-        return config_bytes
-    for key in keys:
-        config[key] = name
-    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+    changed = dequantized and config.pop("quantization_config", None) is not None
+    if quantization is not None and config.get("quantization_config") != quantization:
+        config["quantization_config"], changed = dict(quantization), True
+    if dtype is not None:
+        keys = [k for k in _DTYPE_KEYS if k in config]
+        if not keys:
+            keys = ["dtype" if _version(config.get("transformers_version")) >= (4, 56) else "torch_dtype"]
+        changed = changed or any(config.get(k) != config_dtype_name(dtype) for k in keys)
+        config |= dict.fromkeys(keys, config_dtype_name(dtype))
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode() if changed else config_bytes
 
 
-def write_hf_assets(assets: HfAssets, folder: Path, *, dtype: torch.dtype | None) -> list[Path]:
+def write_hf_assets(
+    assets: HfAssets,
+    folder: Path,
+    *,
+    dtype: torch.dtype | None,
+    quantization: Mapping[str, Any] | None = None,
+    dequantized: bool = False,
+) -> list[Path]:
     """Copy the assets into an output folder (the hidden temporary, before its rename), config last.
 
     Files are copied as bytes (a local file, or a link's target inside the folder, opened by
@@ -378,6 +394,8 @@ def write_hf_assets(assets: HfAssets, folder: Path, *, dtype: torch.dtype | None
         assets: from ``open_hf_assets``.
         folder: the output folder being written.
         dtype: the dtype of the weights written (``--dtype``, or theirs when uniform), or None.
+        quantization: as ``rewrite_config``.
+        dequantized: as ``rewrite_config``.
 
     Returns:
         The paths written.
@@ -402,7 +420,7 @@ def write_hf_assets(assets: HfAssets, folder: Path, *, dtype: torch.dtype | None
         source = assets.source / relative
         with open(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), "wb") as out:
             if relative == CONFIG_FILENAME:
-                out.write(rewrite_config(assets.config_bytes, dtype))
+                out.write(rewrite_config(assets.config_bytes, dtype, quantization=quantization, dequantized=dequantized))
             elif isinstance(source, Url):
                 out.write(read_bytes(source))
             else:
