@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from fsdp_convert.adapters import deepseek_v3, llama3, megatron, olmo, qwen3, torchtune
+from fsdp_convert.adapters import deepseek_v3, gpt_oss, llama3, megatron, olmo, qwen3, torchtune
 from fsdp_convert.adapters.user import load_user_function
 from fsdp_convert.derive import Adapter, Derived, TensorInfo
 from fsdp_convert.errors import InvalidOptionError
@@ -35,6 +35,8 @@ ADAPTERS: dict[str, AdapterFunction] = {
     "hf-to-torchtitan-qwen3": qwen3.from_hf,
     "torchtitan-deepseek-v3-to-hf": deepseek_v3.to_hf,
     "hf-to-torchtitan-deepseek-v3": deepseek_v3.from_hf,
+    "torchtitan-gpt-oss-to-hf": gpt_oss.to_hf,
+    "hf-to-torchtitan-gpt-oss": gpt_oss.from_hf,
     "torchtune-llama-to-hf": torchtune.to_hf,
     "olmo-core-to-hf": olmo.to_hf,
     "megatron-gpt-to-hf": megatron.to_hf,
@@ -79,7 +81,8 @@ def load_adapter(name: str, config: Mapping[str, Any] | None = None) -> Adapter:
     Args:
         name: a built-in (``ADAPTERS``: ``torchtitan-llama3-to-hf``, ``hf-to-torchtitan-llama3``,
             ``torchtitan-qwen3-to-hf``, ``hf-to-torchtitan-qwen3``, ``torchtitan-deepseek-v3-to-hf``,
-            ``hf-to-torchtitan-deepseek-v3``) or ``module:function``, which
+            ``hf-to-torchtitan-deepseek-v3``, ``torchtitan-gpt-oss-to-hf``, ``hf-to-torchtitan-gpt-oss``...)
+            or ``module:function``, which
             imports ``module`` (from ``sys.path``, the current folder first) and takes its
             ``function`` (see ``adapters.user`` for its interface).
         config: the model's configuration (``read_model_config``, plus ``--adapter-option`` s).
