@@ -7,7 +7,9 @@ model's full state dict, gathered. ``consolidate --adapter torchtitan-deepseek-v
 exactly what torchtitan's ``DeepSeekV3StateDictAdapter.to_hf`` makes of it (every key, every
 tensor), ``reshard --adapter hf-to-torchtitan-deepseek-v3`` of that folder exactly its ``from_hf``
 (so the run's model again), and transformers' ``DeepseekV3ForCausalLM`` loads the folder with no
-missing key (the MTP layer, HF layer 2, is the only thing it does not take).
+missing key (the MTP layer, HF layer 2, is the only thing it does not take). With the run's
+routing in its ``config.json``, that folder gives the torchtitan model's logits in transformers,
+and its ``reshard --world-size 3`` is what torchtitan's ``CheckpointManager`` loads at 3 ranks.
 """
 
 from __future__ import annotations
@@ -26,7 +28,21 @@ from fsdp_convert.adapters.deepseek_v3 import from_hf, to_hf
 from fsdp_convert.cli.app import app
 from fsdp_convert.derive import TensorInfo
 from fsdp_convert.errors import UnsupportedTransformError
-from tests._deepseek import DS_DIM, DS_EXPERTS, DS_HEADS, DS_LAYERS, DS_VOCAB, ds_model_config, ds_run
+from tests._deepseek import (
+    DS_DIM,
+    DS_EXPERTS,
+    DS_HEADS,
+    DS_LAYERS,
+    DS_NORM_EPS,
+    DS_SEQ,
+    DS_VOCAB,
+    HF_ROUTING,
+    ds_build,
+    ds_fp32_experts,
+    ds_load,
+    ds_model_config,
+    ds_run,
+)
 from tests._dist import run_ranks
 from tests._frameworks import preload
 
@@ -137,3 +153,68 @@ def test_deepseek_v3_mtp_layer_numbers_without_config() -> None:
     titan = [info(f"layers.{n}.attention_norm.weight") for n in range(3)] + [info("mtp_layers.0.enorm.weight")]
     assert sorted(to_hf(titan, {}))[-1] == "model.layers.3.enorm.weight"
     assert list(from_hf([info("model.layers.3.enorm.weight")], {"num_hidden_layers": 3})) == ["mtp_layers.0.enorm.weight"]
+
+
+@pytest.fixture(scope="module")
+def ds_hf(ds_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``consolidate --adapter torchtitan-deepseek-v3-to-hf`` of the run, with a ``config.json``
+    that is the run's model in full: its routing (``HF_ROUTING``), norm eps and RoPE."""
+    root = tmp_path_factory.mktemp("deepseek_v3_hf")
+    config = {**_hf_config(), **HF_ROUTING, "rms_norm_eps": DS_NORM_EPS, "rope_interleave": True}
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    (root / "config.json").write_text(json.dumps(config))
+    hf = root / "hf"
+    adapter = ["--adapter", "torchtitan-deepseek-v3-to-hf", "--model-config", str(root / "config.json"), "--nproc", "2"]
+    result = CliRunner().invoke(app, ["consolidate", str(ds_checkpoint / "checkpoint"), str(hf), *adapter])
+    assert result.exit_code == 0, result.output
+    (hf / "config.json").write_text((root / "config.json").read_text())
+    return hf
+
+
+def test_hf_deepseek_v3_reshard_loads_with_torchtitans_checkpoint_manager_at_three_ranks(
+    ds_checkpoint: Path, ds_hf: Path, tmp_path: Path, runner: CliRunner
+) -> None:
+    """docs/huggingface.md: ``reshard --adapter hf-to-torchtitan-deepseek-v3 --world-size 3`` of the
+    exported folder is what torchtitan starts from: its ``CheckpointManager``, as
+    ``initial_load_path`` at 3 ranks, fills the FSDP2-sharded DeepSeek-V3 (4 experts over 3
+    ranks: uneven) with the run's model bit for bit, experts, router bias and MTP layer included."""
+    truth = torch.load(ds_checkpoint / "truth.pt", weights_only=True)
+    assert any(torch.count_nonzero(v) for k, v in truth.items() if k.endswith("expert_bias_E"))
+    out = tmp_path / "titan"
+    back = ["--adapter", "hf-to-torchtitan-deepseek-v3", "--model-config", str(ds_hf / "config.json")]
+    result = runner.invoke(app, ["reshard", str(ds_hf), str(out), "--world-size", "3", *back])
+    assert result.exit_code == 0, result.output
+    work = tmp_path / "load"
+    work.mkdir()
+    run_ranks(ds_load, 3, out, ds_checkpoint / "truth.pt", work)
+
+
+FP32_ATOL = 1e-6
+"""|HF - torchtitan| on the logits (~4 in size) with torchtitan's routed experts in fp32: the same
+function in other op orders (HF's fused-expert loop, RoPE on even/odd slices, eager attention);
+measured max 1.2e-7 over 5 batches."""
+BF16_EXPERTS_ATOL = 1e-4
+"""The same with torchtitan's experts as shipped, in bf16 (``ds_fp32_experts``): measured max 3.4e-5."""
+
+
+def test_hf_deepseek_v3_export_gives_torchtitans_logits(ds_checkpoint: Path, ds_hf: Path) -> None:
+    """docs/huggingface.md: transformers' ``DeepseekV3ForCausalLM.from_pretrained`` of the exported
+    folder computes the torchtitan model's logits (its main head; HF has no MTP), routing
+    included (sigmoid, the run's ``expert_bias_E`` as ``e_score_correction_bias``, top 2
+    renormalised and scaled): within ``FP32_ATOL`` once torchtitan's experts run in fp32 as HF's
+    do, within ``BF16_EXPERTS_ATOL`` with its bf16 experts."""
+    from transformers import DeepseekV3ForCausalLM
+
+    truth = torch.load(ds_checkpoint / "truth.pt", weights_only=True)
+    titan = ds_build(seed=0)
+    titan.load_state_dict(truth)
+    hf = DeepseekV3ForCausalLM.from_pretrained(ds_hf, torch_dtype=torch.float32, attn_implementation="eager")
+    tokens = torch.randint(0, DS_VOCAB, (3, DS_SEQ), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        got = hf.eval()(tokens).logits
+        shipped = titan.eval()(tokens)[0]
+        ds_fp32_experts(titan)
+        want = titan(tokens)[0]
+    assert got.shape == want.shape == (3, DS_SEQ, DS_VOCAB)
+    torch.testing.assert_close(got, want, rtol=0, atol=FP32_ATOL)
+    torch.testing.assert_close(got, shipped, rtol=0, atol=BF16_EXPERTS_ATOL)
