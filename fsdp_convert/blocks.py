@@ -6,7 +6,11 @@ from whichever chunks hold them (any tiling: FSDP's dim-0 chunks, tensor-paralle
 ``move_derived`` writes a ``derive.Derived`` output: per block of output rows, each input's rows
 (the span its row map covers, at most about a block plus, for a head permutation, one head), the
 ``combine`` function, a cast, one ``pwrite``. Memory: the block's inputs and output, sized from
-the mover's buffers; inputs read whole (``rows=None``) are held for the tensor.
+the mover's buffers; inputs read whole (``rows=None``) are held for the tensor. ``segment_runs``
+finds the derived tensors that need none of that: row segments of their inputs, no ``combine``,
+no cast (a stacked expert weight split per expert, experts stacked back, a fused QKV weight cut
+or joined), as byte ranges of the inputs' dim-0 chunks that the mover copies as it copies a
+plain tensor.
 """
 
 from __future__ import annotations
@@ -19,13 +23,24 @@ import zlib
 import torch
 
 from fsdp_convert._pagecache import PageCache
-from fsdp_convert.derive import Derived, Input, concat, row_span
+from fsdp_convert.derive import Derived, Input, Segment, concat, row_span
 from fsdp_convert.errors import CorruptChunkError, ShapeMismatchError
 from fsdp_convert.formats import Reader
 from fsdp_convert.formats.index import ChunkEntry, TensorEntry
 from fsdp_convert.formats.reader import StoredBytes
 
-__all__ = ["ChunkReads", "ChunkSource", "pwrite_all", "rows_of", "box", "check_crc", "read_rows", "move_derived"]
+__all__ = [
+    "ChunkReads",
+    "ChunkSource",
+    "pwrite_all",
+    "rows_of",
+    "box",
+    "check_crc",
+    "read_rows",
+    "move_derived",
+    "SegmentRun",
+    "segment_runs",
+]
 
 COMPUTE_ITEMSIZE = 4  # a combine function's intermediates, fp32, per element
 
@@ -76,6 +91,8 @@ class ChunkReads:
         self.cache = PageCache(drop_cache)
         self._stop = stop
         self._buffers: list[bytearray] = [bytearray(0), bytearray(0)]
+        self._verified: set[tuple[int, int]] = set()  # (fd, offset) of the chunks read through for their CRC-32
+        self._located: dict[tuple[str, tuple[int, ...]], StoredBytes | None] = {}
 
     def buffer(self, which: int, nbytes: int) -> memoryview:
         """The first ``nbytes`` of buffer ``which`` (0: output, 1: chunk rows); valid until its next call.
@@ -85,6 +102,17 @@ class ChunkReads:
         if len(self._buffers[which]) < nbytes:
             self._buffers[which] = bytearray(max(nbytes, self.piece_bytes))
         return memoryview(self._buffers[which])[:nbytes]
+
+    def locate(self, entry: TensorEntry, chunk: ChunkEntry) -> StoredBytes | None:
+        """``reader.locate``, once per chunk: a chunk holding many experts is split into as many tensors.
+
+        Raises:
+            As ``Reader.locate``.
+        """
+        key = (entry.fqn, chunk.offsets)
+        if key not in self._located:
+            self._located[key] = self.reader.locate(entry, chunk)
+        return self._located[key]
 
     def check_stop(self) -> None:
         """Raise ``InterruptedError`` when another thread asked this one to stop (called between pieces)."""
@@ -97,8 +125,8 @@ class ChunkReads:
         Raises:
             CorruptChunkError: the CRC-32 differs, or the file is shorter than the record.
         """
-        if stored.crc32 is None:
-            return
+        if stored.crc32 is None or (stored.fd, stored.offset) in self._verified:
+            return  # nothing to check, or checked already (a chunk holding several experts, each its own tensor)
         crc, done = 0, 0
         while done < stored.nbytes:
             self.check_stop()
@@ -107,6 +135,7 @@ class ChunkReads:
             crc = zlib.crc32(view, crc)
             done += len(view)
         check_crc(stored, crc)
+        self._verified.add((stored.fd, stored.offset))
 
     def read_exact(self, stored: StoredBytes, view: memoryview, at: int) -> None:
         """Fill ``view`` with the located chunk's bytes from ``at`` (bytes from the record's start).
@@ -321,3 +350,60 @@ def move_derived(
     for reader in readers:
         reader.finish()
     return runs
+
+
+SegmentRun = tuple[TensorEntry, ChunkEntry, int, int, int]
+"""``(entry, chunk, begin, end, at)``: the chunk's bytes ``[begin, end)`` go to byte ``at`` of the rows written."""
+
+
+def segment_runs(
+    derived: Derived, entries: tuple[TensorEntry, ...], dtype: torch.dtype, row_range: tuple[int, int]
+) -> list[SegmentRun] | None:
+    """Rows ``row_range`` of a derived tensor as byte ranges of its inputs' chunks, when it is only that.
+
+    It is when there is no ``combine``, no cast (every input in ``dtype``), each input's rows a
+    ``derive.Segment`` of rows as long as the output's (in the views), the segments tiling the
+    output in input order, and every input chunk whole rows (dim-0 chunks: FSDP's ``Shard(0)``).
+
+    Args:
+        derived: how the tensor is made.
+        entries: the entries of ``derived.inputs``, in order.
+        dtype: the dtype written.
+        row_range: the tensor's dim-0 rows ``[begin, end)`` written.
+
+    Returns:
+        The runs, in output order (offsets ``at`` in bytes from row ``row_range[0]``); None when the
+        tensor is not such a copy (``move_derived`` builds it).
+    """
+    view = derived.out_view
+    if derived.combine is not None:
+        return None
+    row_bytes = math.prod(view[1:]) * dtype.itemsize
+    per_row = view[0] // max(rows_of(derived.shape)[0], 1)
+    begin, end = row_range[0] * per_row, row_range[1] * per_row
+    runs: list[SegmentRun] = []
+    tiled = 0
+    for inp, entry in zip(derived.inputs, entries, strict=True):
+        seg, in_view = inp.rows, inp.view or entry.shape or (1,)
+        if not isinstance(seg, Segment) or not entry.shape or seg.start != tiled or entry.dtype != dtype:
+            return None
+        if in_view[1:] != view[1:]:
+            return None
+        if seg.src_start < 0 or seg.src_start + seg.length > in_view[0]:
+            return None  # move_derived says what is wrong
+        tiled += seg.length
+        lo, hi = max(begin, seg.start), min(end, seg.start + seg.length)
+        if lo >= hi:
+            continue
+        src_lo, src_hi = (lo - seg.start + seg.src_start) * row_bytes, (hi - seg.start + seg.src_start) * row_bytes
+        tensor_row_bytes = rows_of(entry.shape)[1] * dtype.itemsize
+        for chunk in sorted((c for c in entry.chunks if c.numel > 0), key=lambda c: c.offsets):
+            (c0, *rest_offsets), (c_rows, *rest_sizes) = box(chunk)
+            if any(rest_offsets) or tuple(rest_sizes) != tuple(entry.shape[1:]):
+                return None
+            a, b = max(src_lo, c0 * tensor_row_bytes), min(src_hi, (c0 + c_rows) * tensor_row_bytes)
+            if a < b:
+                runs.append(
+                    (entry, chunk, a - c0 * tensor_row_bytes, b - c0 * tensor_row_bytes, (lo - begin) * row_bytes + a - src_lo)
+                )
+    return runs if tiled == view[0] else None

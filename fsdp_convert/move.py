@@ -15,6 +15,8 @@ range in its output file, and whichever worker owns the tensor writes it there w
   the block are one contiguous run of its storage, read into a second buffer and copied into
   place (casting if asked); the block is then written with one ``pwrite``. Memory: two buffers,
   or one row of the tensor if a row is larger.
+- A derived tensor that is row segments of its inputs, no combine, no cast (an expert split,
+  ``blocks.segment_runs``): each input chunk's byte range copied as a dim-0 chunk's is.
 - A chunk that cannot be located (a remote source, a stream-transformed payload, a view) is
   decoded with ``Reader.read_chunk`` and held until its last row is written: memory then also
   holds that chunk.
@@ -34,7 +36,16 @@ from typing import Any
 
 import torch
 
-from fsdp_convert.blocks import ChunkReads, ChunkSource, box, check_crc, move_derived, pwrite_all, rows_of
+from fsdp_convert.blocks import (
+    ChunkReads,
+    ChunkSource,
+    box,
+    check_crc,
+    move_derived,
+    pwrite_all,
+    rows_of,
+    segment_runs,
+)
 from fsdp_convert.derive import Derived
 from fsdp_convert.formats import Reader
 from fsdp_convert.formats.crc import combine
@@ -162,6 +173,9 @@ class Mover(ChunkReads):
         if job.nbytes == 0:
             return []
         if job.derived is not None:
+            copied = self._move_segments(job)
+            if copied is not None:
+                return copied
             runs = move_derived(self, job.derived, job.sources, job.dtype, job.fd, job.offset, job.row_range)
             return [Piece(job.file, offset, nbytes, crc) for offset, nbytes, crc in runs]
         r0, r1 = job.row_range
@@ -170,6 +184,47 @@ class Mover(ChunkReads):
         if dim0 and job.dtype == entry.dtype:
             return self._move_dim0(job, chunks)
         return self._move_row_blocks(job, chunks)
+
+    def _move_segments(self, job: MoveJob) -> list[Piece] | None:
+        """A derived tensor that is row segments of its inputs (``blocks.segment_runs``), copied as byte ranges.
+
+        Located chunks are streamed as ``_move_dim0`` streams them (each located once per thread,
+        ``ChunkReads.locate``); others (a safetensors file's tensor) are decoded a buffer's worth
+        of rows at a time (``_copy_decoded``). None: not such a tensor.
+        """
+        assert job.derived is not None
+        runs = segment_runs(job.derived, job.sources, job.dtype, job.row_range)
+        if runs is None:
+            return None  # blocks.move_derived builds it
+        pieces = []
+        for entry, chunk, begin, end, at in runs:
+            dst = job.offset + at
+            stored = self.locate(entry, chunk)
+            if stored is not None:
+                if (begin, end) != (0, stored.nbytes):
+                    self.verify(stored)  # a part (an expert): the stored CRC-32 is the whole chunk's
+                pieces.append(Piece(job.file, dst, end - begin, self._stream(stored, begin, end, job.fd, dst)))
+                continue
+            pieces += self._copy_decoded(job, entry, chunk, begin, end, dst)
+        return pieces
+
+    def _copy_decoded(self, job: MoveJob, entry: TensorEntry, chunk: ChunkEntry, begin: int, end: int, dst: int) -> list[Piece]:
+        """Bytes ``[begin, end)`` of a chunk that cannot be located, decoded a buffer's worth of its rows at a time (or a row)."""
+        row_bytes = _rows(entry.shape)[1] * entry.dtype.itemsize
+        step = max(1, self.piece_bytes // row_bytes)
+        pieces = []
+        for t in range(begin // row_bytes, -(-end // row_bytes), step):  # the chunk's rows holding the range
+            self.check_stop()
+            lo, hi = max(begin, t * row_bytes), min(end, (t + step) * row_bytes)
+            at_rows = (chunk.offsets[0] + t, *chunk.offsets[1:])
+            rows = dense(self.reader.read_box(entry, at_rows, (-(-hi // row_bytes) - t, *entry.shape[1:])))
+            data = byte_view(rows)[lo - t * row_bytes : hi - t * row_bytes]
+            at = dst + lo - begin
+            pwrite_all(job.fd, data, at)
+            self.cache.wrote(job.fd, at, len(data))
+            self._wrote(len(data))
+            pieces.append(Piece(job.file, at, len(data), zlib.crc32(data)))
+        return pieces
 
     def _move_dim0(self, job: MoveJob, chunks: list[ChunkEntry]) -> list[Piece]:
         row_bytes = _rows(job.entry.shape)[1] * job.dtype.itemsize

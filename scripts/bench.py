@@ -28,6 +28,9 @@ fsdp-convert consolidate with default options: wall, GB/s, peak RSS of the proce
     python scripts/bench.py --size-gb 3.4 --rounds 3
     python scripts/bench.py --size-gb 3.4 --rounds 3 --systems dcp_to_torch_save,n1,cgroup
     python scripts/bench.py --sizes 1,4,8 --rounds 1
+
+--moe-mb 200 instead prints the MoE row (scripts/_bench_moe.py): plain consolidate to a folder vs
+the same with --adapter torchtitan-qwen3-to-hf (an expert split), and their ratio.
 """
 
 from __future__ import annotations
@@ -415,8 +418,15 @@ def main() -> None:
     parser.add_argument("--sizes", default=None, help="e.g. 1,4,8: the scaling table of consolidate at these sizes (GB)")
     parser.add_argument("--cache", type=Path, default=ROOT / "bench-cache")
     parser.add_argument("--json-out", type=Path, default=None, help="default: <cache>/bench-results.json (bench-sizes.json)")
+    parser.add_argument("--moe-mb", type=int, default=None, help="e.g. 200: the MoE expert-split row (scripts/_bench_moe.py)")
+    parser.add_argument("--moe-shape", default="128,64,128", help="E,F,D of the MoE row's expert weights (default 128,64,128)")
+    parser.add_argument("--moe-nproc", type=int, default=1, help="--nproc of the MoE row's runs (default 1)")
     args = parser.parse_args()
-    if args.sizes:
+    if args.moe_mb:
+        from _bench_moe import bench_moe
+
+        bench_moe(args)
+    elif args.sizes:
         bench_sizes(args)
     else:
         bench_systems(args)

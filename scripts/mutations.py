@@ -762,6 +762,30 @@ MUTATIONS: list[Mutation] = [
         "whole = torch.cat([rows, tail]).to(torch.float32)",
         "tests/integration/test_fp8_quantize.py::test_quantize_equals_transformers",
     ),
+    Mutation(
+        "gpt-oss-expert-bias-misnamed",
+        "`torchtitan-gpt-oss-to-hf` and `hf-to-torchtitan-gpt-oss` follow torchtitan 0.3.0's `GptOssStateDictAdapter`",
+        "fsdp_convert/adapters/gpt_oss.py",
+        '"model.layers.{}.mlp.experts.down_proj_bias": _EXPERTS + "mlp2_bias_ED",',
+        '"model.layers.{}.mlp.experts.down_proj_bias": _EXPERTS + "mlp1_bias_EG",',
+        "tests/integration/test_gpt_oss.py::test_torchtitan_gpt_oss_to_hf_and_back",
+    ),
+    Mutation(
+        "expert-copy-crc-not-verified",
+        "CRC-32: every zip record of every payload is checked as it is read (a chunk moved only in part is read through for its CRC-32)",
+        "fsdp_convert/move.py",
+        "self.verify(stored)  # a part (an expert): the stored CRC-32 is the whole chunk's",
+        "pass  # a part (an expert): the stored CRC-32 is the whole chunk's",
+        "tests/unit/test_move_segments.py::test_expert_copied_from_a_corrupt_chunk_is_refused",
+    ),
+    Mutation(
+        "expert-split-not-a-byte-copy",
+        "each routed expert of a stacked weight is a byte-range copy",
+        "fsdp_convert/blocks.py",
+        "if derived.combine is not None:",
+        "if False:",
+        "tests/unit/test_move_segments.py::test_segment_runs_leaves_other_derived_tensors_to_move_derived",
+    ),
 ]
 
 
