@@ -47,6 +47,7 @@ from fsdp_convert.torch_compat import (
     storage_type_for,
 )
 from fsdp_convert.writers._zipcrc import patch_crcs
+from fsdp_convert.writers.buffer import byte_view, dense
 from fsdp_convert.zip_records import read_records
 
 __all__ = [
@@ -284,10 +285,13 @@ def write_torch_save_headers(
 
 
 def _write_tensor_bytes(fd: int, tensor: torch.Tensor, offset: int) -> int:
-    """Write ``tensor``'s bytes (contiguous, element order) at ``offset`` in ``fd``; their CRC-32."""
-    flat = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
-    raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-    view = memoryview(raw)
+    """Write ``tensor``'s bytes (contiguous, element order) at ``offset`` (bytes) in ``fd``; their CRC-32.
+
+    Read through a byte view of the tensor (``writers.buffer``), without NumPy.
+    """
+    flat = dense(tensor.resolve_conj().resolve_neg())
+    raw = byte_view(flat)
+    view = raw
     while view:
         view = view[os.pwrite(fd, view, offset + len(raw) - len(view)) :]
     return zlib.crc32(raw)

@@ -53,3 +53,18 @@ def test_consolidate_and_verify_with_two_workers_need_no_numpy(
     proc = _cli(no_numpy_env, "verify", ws3_ckpt.checkpoint, out, "--nproc", "2")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("equal: 138 entries match"), proc.stdout
+
+
+def test_a_merged_meta_tensor_is_written_without_numpy(no_numpy_env: dict[str, str], tmp_path: Path) -> None:
+    """Rank 0 writes a merged file's tensors (Lightning's ``meta.pt``) itself: through a byte view, not ``Tensor.numpy()``."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = tmp_path / "ckpt"
+    dcp.save({"model": {"w": torch.arange(4.0)}, "optimizer": {"state": {}}}, checkpoint_id=ckpt, no_dist=True)
+    meta = {"step": torch.tensor(3.0), "seen": torch.tensor([-0.0, float("nan")], dtype=torch.bfloat16)}
+    torch.save(meta, ckpt / "meta.pt")
+    out = tmp_path / "full.pt"
+    proc = _cli(no_numpy_env, "consolidate", ckpt, out, "--nproc", "1")
+    assert proc.returncode == 0, proc.stderr
+    got = torch.load(out, weights_only=True)
+    assert assert_same_state({"step": got["step"], "seen": got["seen"]}, meta) == 2

@@ -305,3 +305,15 @@ def test_the_main_commands_run_with_only_what_the_dependencies_install(small_che
     assert len(errors) == 2, proc.stderr[-4000:]
     assert "pip install 'fsdp-convert[zstd]'" in errors[0]
     assert "pip install 'fsdp-convert[s3]'" in errors[1]
+
+
+def test_no_tensor_goes_through_numpy() -> None:
+    """``Tensor.numpy()`` needs NumPy, which is not a dependency: a wheel installed without extras
+    fails there ("Numpy is not available"). Bytes of a tensor go through ``writers.buffer.byte_view``."""
+    calls = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "numpy"
+    ]
+    assert not calls, f"Tensor.numpy() in {calls}"
