@@ -78,6 +78,11 @@ class Choice(str, Enum):
     the torch dtype), as before.
     """
 
+    def __str__(self) -> str:
+        # its value, as enum.StrEnum's: typer before 0.28 converts an Enum option's default
+        # through str(), and Python 3.11+ spells a (str, Enum) member 'OptimKeysChoice.names'
+        return str(self.value)
+
     @classmethod
     def metavar(cls) -> str:
         """``[a|b|c]``, as ``--help`` shows the option's value."""

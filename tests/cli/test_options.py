@@ -186,3 +186,17 @@ def test_the_default_max_shard_size_is_what_save_pretrained_uses() -> None:
     theirs = pyinspect.signature(PreTrainedModel.save_pretrained).parameters["max_shard_size"].default
     # transformers 5 (what the test extra installs fresh) uses ours; 4.x used 5GB (docs/options.md says so)
     assert parse_size(theirs) == (DEFAULT_MAX_SHARD_BYTES if int(transformers.__version__.split(".")[0]) >= 5 else 5 * 10**9)
+
+
+def test_every_choice_reads_as_its_value_through_typers_enum_convertor() -> None:
+    """typer before 0.28 (the declared floor is 0.12) converts an Enum option's default through
+    str() and looks the result up among the values: with Python 3.11+'s 'OptimKeysChoice.names'
+    the default arrived as None, and every consolidate without --optim-keys was an internal error."""
+    from fsdp_convert.cli import _options
+
+    kinds = [k for k in vars(_options).values() if isinstance(k, type) and issubclass(k, _options.Choice)]
+    assert len(kinds) > 5
+    for kind in kinds:
+        by_value = {str(m.value).lower(): m for m in kind}  # typer 0.12-0.27's generate_enum_convertor
+        for member in kind:
+            assert by_value.get(str(member).lower()) is member, (kind.__name__, member)
