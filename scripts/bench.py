@@ -31,6 +31,15 @@ fsdp-convert consolidate with default options: wall, GB/s, peak RSS of the proce
 
 --moe-mb 200 instead prints the MoE row (scripts/_bench_moe.py): plain consolidate to a folder vs
 the same with --adapter torchtitan-qwen3-to-hf (an expert split), and their ratio.
+
+--warm instead prints the warm-cache table (scripts/_bench_warm.py): `cat` and `cp` of the data
+files against consolidate --nproc 1, 2 to disk and to tmpfs, and `inspect`, with tree CPU per GB and
+the time to the first output byte; --scaling 1,2,4,8,16 the scaling table of --nproc (OUT on
+tmpfs). Both take --checkpoint (any DCP folder instead of the cached sample) and --python (the
+command that runs the package from this tree, e.g. "python3"; see scripts/bench_scaling.sh).
+
+    python scripts/bench.py --warm --rounds 2 --checkpoint /tmp/s26/mid/checkpoint
+    python3 scripts/bench.py --scaling 1,2,4,8,16 --rounds 2 --checkpoint CK --python python3
 """
 
 from __future__ import annotations
@@ -421,8 +430,20 @@ def main() -> None:
     parser.add_argument("--moe-mb", type=int, default=None, help="e.g. 200: the MoE expert-split row (scripts/_bench_moe.py)")
     parser.add_argument("--moe-shape", default="128,64,128", help="E,F,D of the MoE row's expert weights (default 128,64,128)")
     parser.add_argument("--moe-nproc", type=int, default=1, help="--nproc of the MoE row's runs (default 1)")
+    parser.add_argument("--warm", action="store_true", help="the warm-cache table (scripts/_bench_warm.py)")
+    parser.add_argument("--warm-nproc", default="1,2", help="--nproc values of the warm table's consolidate rows (default 1,2)")
+    parser.add_argument("--scaling", default=None, help="e.g. 1,2,4,8,16: the --nproc scaling table, warm cache, OUT on tmpfs")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="--warm/--scaling: this DCP folder, not the cached sample")
+    parser.add_argument("--python", default=None, help="--warm/--scaling: command running the package from this tree")
+    parser.add_argument("--tmpfs", type=Path, default=Path("/dev/shm"), help="--warm/--scaling: a tmpfs folder for OUT")
+    parser.add_argument("--out-dir", type=Path, default=None, help="--warm: the disk folder for OUT (default <cache>/out-warm)")
     args = parser.parse_args()
-    if args.moe_mb:
+    if args.warm or args.scaling:
+        from _bench_warm import bench_scaling, bench_warm
+
+        ck = args.checkpoint.resolve() if args.checkpoint else make_checkpoint(args.size_gb, args.cache)
+        (bench_scaling if args.scaling else bench_warm)(args, ck)
+    elif args.moe_mb:
         from _bench_moe import bench_moe
 
         bench_moe(args)
