@@ -33,6 +33,19 @@ from tests._samples import (  # noqa: E402, F401  (fixtures, registered by being
 
 
 @pytest.fixture(scope="session")
+def ds_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny torchtitan DeepSeek-V3 run (``tests/_deepseek.py``): ``checkpoint/`` (DCP, 2 ranks) and ``truth.pt``; one run."""
+    from tests._deepseek import ds_run
+    from tests._dist import run_ranks
+    from tests._frameworks import preload
+
+    preload("torchtitan")
+    out = tmp_path_factory.mktemp("deepseek_v3")
+    run_ranks(ds_run, 2, out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def megatron_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Megatron-Core's own save of a tiny GPT (``tests/_megatron.py``): ``iter_0000003/`` and ``truth.pt``; one run."""
     from tests import _megatron

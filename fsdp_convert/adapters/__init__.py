@@ -7,7 +7,9 @@ copies: key maps, the Q/K RoPE row permutation, fused-QKV splits, stacked-expert
 ``load_adapter(name, config)`` binds one to the model's configuration (a Hugging Face
 ``config.json``'s fields: ``num_attention_heads``, ``num_key_value_heads``, ``tie_word_embeddings``,
 ``num_experts``...). ``NAME`` is a built-in (``ADAPTERS``) or ``module:function``, the user's own
-(``adapters.user``): the one place this tool imports code it was not shipped with.
+(``adapters.user``): the one place this tool imports code it was not shipped with. An
+``hf-to-torchtitan-*`` adapter reads a block-FP8 folder (DeepSeek-V3's Hub weights) dequantized
+first (``transform.fp8.with_fp8``), as torchtitan reads one through ``QuantizedHuggingFaceStorageReader``.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from fsdp_convert.adapters import deepseek_v3, gpt_oss, llama3, megatron, olmo, 
 from fsdp_convert.adapters.user import load_user_function
 from fsdp_convert.derive import Adapter, Derived, TensorInfo
 from fsdp_convert.errors import InvalidOptionError
+from fsdp_convert.transform.fp8 import with_fp8
 
-__all__ = ["ADAPTERS", "load_adapter", "read_model_config", "parse_adapter_option", "configured_adapter"]
+__all__ = ["ADAPTERS", "DEQUANTIZING_PREFIX", "load_adapter", "read_model_config", "parse_adapter_option", "configured_adapter"]
 
 AdapterFunction = Callable[[Sequence[TensorInfo], Mapping[str, Any]], Mapping[str, Derived]]
 
@@ -41,6 +44,8 @@ ADAPTERS: dict[str, AdapterFunction] = {
     "olmo-core-to-hf": olmo.to_hf,
     "megatron-gpt-to-hf": megatron.to_hf,
 }
+DEQUANTIZING_PREFIX = "hf-to-torchtitan-"
+"""A built-in adapter whose name starts so reads block-FP8 weights dequantized to float32 (an implied ``--dequantize``)."""
 
 
 def read_model_config(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -87,6 +92,11 @@ def load_adapter(name: str, config: Mapping[str, Any] | None = None) -> Adapter:
             ``function`` (see ``adapters.user`` for its interface).
         config: the model's configuration (``read_model_config``, plus ``--adapter-option`` s).
 
+    Returns:
+        The bound adapter; for an ``hf-to-torchtitan-*`` one (``DEQUANTIZING_PREFIX``), chained after
+        ``transform.fp8.dequantize_rules``, so a block-FP8 folder's weights reach it as float32
+        without their scales (an unquantized folder passes unchanged).
+
     Raises:
         InvalidOptionError: an unknown name, or a user module that does not import or lacks the function.
     """
@@ -98,7 +108,10 @@ def load_adapter(name: str, config: Mapping[str, Any] | None = None) -> Adapter:
             known = ", ".join(ADAPTERS)
             raise InvalidOptionError(f"--adapter {name!r}: unknown; use one of {known}, or module:function for your own")
         function = found
-    return partial(function, config=dict(config or {}))
+    bound = partial(function, config=dict(config or {}))
+    if ":" not in name and name.startswith(DEQUANTIZING_PREFIX):
+        return with_fp8(bound, dequantize=True) or bound
+    return bound
 
 
 def configured_adapter(

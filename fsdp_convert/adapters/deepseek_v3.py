@@ -100,6 +100,10 @@ def to_hf(tensors: Sequence[TensorInfo], config: Mapping[str, Any]) -> dict[str,
 def from_hf(tensors: Sequence[TensorInfo], config: Mapping[str, Any]) -> dict[str, Derived]:
     """``hf-to-torchtitan-deepseek-v3``: HF DeepSeek-V3 tensors (unquantized) to torchtitan 0.3.0's DeepSeek-V3 model's.
 
+    The Hub's block-FP8 weights reach it dequantized to float32, without their scales:
+    ``adapters.load_adapter`` runs it after ``transform.fp8.dequantize_rules`` (as torchtitan reads
+    them through ``QuantizedHuggingFaceStorageReader``), each expert dequantized as it is stacked.
+
     As torchtitan 0.3.0's ``DeepSeekV3StateDictAdapter.from_hf`` (offline): keys mapped, each
     layer's experts stacked in expert order into one ``(num_experts, ...)`` weight (one segment
     per expert of its ``(E * F, D)`` view), and with ``num_hidden_layers`` in the config, HF layers

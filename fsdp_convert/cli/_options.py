@@ -301,7 +301,10 @@ DequantizeOpt = Annotated[
     typer.Option(
         "--dequantize",
         metavar="",
-        help="Dequantize block FP8 weights (float8_e4m3fn with <name>_scale_inv, DeepSeek-V3's) to float32, then --dtype.",
+        help=(
+            "Dequantize block FP8 weights (float8_e4m3fn with <name>_scale_inv, DeepSeek-V3's) to float32,"
+            " then --adapter and --dtype; implied by an hf-to-torchtitan-* --adapter."
+        ),
         rich_help_panel=SELECTION,
     ),
 ]
@@ -310,7 +313,10 @@ QuantizeOpt = Annotated[
     choice_option(
         QuantizeChoice,
         "--quantize",
-        help="Write the weights DeepSeek-V3 quantizes as float8_e4m3fn with a weight_scale_inv per 128x128 block.",
+        help=(
+            "Write the weights DeepSeek-V3 quantizes (after --adapter: its outputs, each expert on its own)"
+            " as float8_e4m3fn with a weight_scale_inv per 128x128 block."
+        ),
         show_default=False,
         rich_help_panel=CASTING,
     ),

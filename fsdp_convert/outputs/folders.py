@@ -20,7 +20,7 @@ from fsdp_convert.outputs.files import SafetensorsFile, TorchSaveFile, check_ten
 from fsdp_convert.outputs.kind import FilePlan, Only, RequestedFormat
 from fsdp_convert.roles import GROUPS, Group
 from fsdp_convert.transform import OutputItem, TransformOptions
-from fsdp_convert.transform.fp8 import QUANTIZATION_CONFIG
+from fsdp_convert.transform.fp8 import QUANTIZATION_CONFIG, dequantizes
 from fsdp_convert.writers.hf_assets import HfAssets, weights_dtype, write_hf_assets
 from fsdp_convert.writers.safetensors import ShardFile, write_hf_index
 from fsdp_convert.writers.transaction import writing
@@ -129,7 +129,8 @@ class HfFolder:
         dtype = weights_dtype(options.dtype, (i.dtype for i in items if i.group == "model" and i.is_tensor))
         with writing(folder):
             quantization = QUANTIZATION_CONFIG if options.quantize else None
-            written = write_hf_assets(assets, folder, dtype=dtype, quantization=quantization, dequantized=options.dequantize)
+            dequantized = options.dequantize or dequantizes(options.adapter)  # an hf-to-torchtitan-* adapter implies it
+            written = write_hf_assets(assets, folder, dtype=dtype, quantization=quantization, dequantized=dequantized)
             return sum(p.stat().st_size for p in written)
 
 

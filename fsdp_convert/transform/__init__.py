@@ -262,8 +262,7 @@ def build_items(
                 raise InvalidOptionError(f"{seen[out]} and {entry.fqn} would both be written as model key {out!r}")
             seen[out] = entry.fqn
             prefix = entry.path[:1] if keep_layout and entry.path[0] == "model" else () if keep_layout else ("model",)
-            quantized = derived is not None and isinstance(derived.combine, (fp8.BlockQuantize, fp8.BlockScaleInv))
-            dtype = _cast(entry, options.dtype, keep=quantized, src=derived.dtype if derived else None)
+            dtype = _cast(entry, options.dtype, keep=fp8.keeps_dtype(derived), src=derived.dtype if derived else None)
             item = OutputItem(entry=entry, path=(*prefix, out), group="model", dtype=dtype, derived=derived, sources=sources)
             items.append(item)
     if "optim" in groups:
@@ -307,15 +306,15 @@ def _model_sources(
             renamed[fqn] = entry.fqn
             selected.append((entry, fqn))
             params.append(slot.param)
-    if options.dequantize or options.quantize:
-        return apply_adapter(fp8.dequantize_rules if options.dequantize else fp8.quantize_rules, selected)
-    if options.dtype is not None and (quantized := fp8.quantized_fqns([_info(e, fqn) for e, fqn in selected])):
-        raise InvalidOptionError(f"{quantized[0]} is block FP8 (with {fp8.SCALE_SUFFIX}): --dtype needs --dequantize")
-    if options.adapter is None:
+    adapter = fp8.with_fp8(options.adapter, dequantize=options.dequantize, quantize=options.quantize is not None)
+    if options.dtype is not None and not fp8.dequantizes(adapter):
+        if quantized := fp8.quantized_fqns([_info(e, fqn) for e, fqn in selected]):
+            raise InvalidOptionError(f"{quantized[0]} is block FP8 (with {fp8.SCALE_SUFFIX}): --dtype needs --dequantize")
+    if adapter is None:
         return [
             out for (entry, fqn), p in zip(selected, params, strict=True) for out in layers.model_outputs(entry, fqn, p, name)
         ]
-    return apply_adapter(options.adapter, selected)
+    return apply_adapter(adapter, selected)
 
 
 def _info(entry: Entry, fqn: str) -> TensorInfo:

@@ -6,18 +6,23 @@ as ``float8_e4m3fn`` beside ``<fqn>_scale_inv`` (``W.weight_scale_inv``), float3
 ``(ceil(rows / 128), ceil(cols / 128))``. The weight's value is ``W.float() * scale_inv[i // 128,
 j // 128]`` at ``(i, j)``: the Hub reference ``weight_dequant`` and torch's
 ``QuantizedHuggingFaceStorageReader`` (block 128, float32 target), one float32 multiply each.
-``dequantize_rules`` makes that a ``derive.Derived`` per weight, built row block by row block.
+``dequantize_rules`` makes that a ``derive.Derived`` per weight, built row block by row block;
+``quantize_rules`` the other way (transformers' ``Fp8Quantize``). ``with_fp8`` puts either around a
+model-family adapter (``transform.chain.Chain``): dequantized before it (``--dequantize``, implied by
+an ``hf-to-torchtitan-*`` adapter), quantized after it (``--quantize fp8-block128``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from fsdp_convert.derive import Derived, Input, TensorInfo, copy_of
+from fsdp_convert.derive import Adapter, Derived, Input, TensorInfo, copy_of
 from fsdp_convert.errors import UnsupportedTransformError
+from fsdp_convert.transform.chain import Chain, Staged
 
 __all__ = [
     "BLOCK",
@@ -34,6 +39,9 @@ __all__ = [
     "BlockQuantize",
     "quantized_by_deepseek",
     "quantize_rules",
+    "keeps_dtype",
+    "dequantizes",
+    "with_fp8",
 ]
 
 BLOCK = 128
@@ -49,6 +57,7 @@ _FP8 = torch.float8_e4m3fn
 class ScaleRows:
     """Output row ``i`` of a dequantized weight takes scale row ``i // block`` (a row map, ``derive.RowMap``)."""
 
+    one_per_row: ClassVar[bool] = True  # transform.chain: one scale row per weight row
     block: int = BLOCK
 
     def __call__(self, r0: int, r1: int) -> Sequence[int]:
@@ -74,8 +83,12 @@ class BlockDequant:
         weight, scale = parts
         out = weight.to(torch.float32)
         scale = scale.to(torch.float32)
-        for j in range(scale.shape[1]):
-            out[:, j * self.block : (j + 1) * self.block] *= scale[:, j : j + 1]
+        n, cols = out.shape
+        whole = cols // self.block  # column blocks of full width, multiplied at once; then the partial one
+        if whole:
+            out[:, : whole * self.block].view(n, whole, self.block).mul_(scale[:, :whole, None])
+        if whole * self.block < cols:
+            out[:, whole * self.block :] *= scale[:, whole : whole + 1]
         return out
 
 
@@ -137,6 +150,7 @@ QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme"
 class BlockHead:
     """The rows of the 128-row block before output row ``r0``: ``[r0 // block * block, r0)`` (its quantized part's context)."""
 
+    contiguous: ClassVar[bool] = True  # transform.chain: one ascending range per block
     block: int = BLOCK
 
     def __call__(self, r0: int, r1: int) -> Sequence[int]:
@@ -152,6 +166,7 @@ class BlockHead:
 class BlockTail:
     """The rows of the 128-row block after output row ``r1 - 1``: ``[r1, min(ceil(r1 / block) * block, rows))``."""
 
+    contiguous: ClassVar[bool] = True  # transform.chain: one ascending range per block
     rows: int
     block: int = BLOCK
 
@@ -168,6 +183,7 @@ class BlockTail:
 class BlockRowsOf:
     """Scale row ``k`` reads weight rows ``[k * block, (k + 1) * block)`` (a row map; its rows are scale rows)."""
 
+    contiguous: ClassVar[bool] = True  # transform.chain: one ascending range per block
     rows: int
     block: int = BLOCK
 
@@ -255,3 +271,36 @@ def quantize_rules(tensors: Sequence[TensorInfo]) -> Mapping[str, Derived]:
             inputs=(scale,), shape=_scale_shape(info.shape), dtype=torch.float32, combine=BlockScaleInv()
         )
     return rules
+
+
+def keeps_dtype(derived: Derived | None) -> bool:
+    """True for a quantized weight or its scales (``--dtype`` casts neither), also at the end of a chain."""
+    combine = derived.combine if derived is not None else None
+    if isinstance(combine, Staged):
+        combine = combine.outer
+    return isinstance(combine, (BlockQuantize, BlockScaleInv))
+
+
+def dequantizes(adapter: Adapter | None) -> bool:
+    """True when ``adapter`` dequantizes block FP8 weights before anything else (``dequantize_rules``, first in a chain)."""
+    while isinstance(adapter, Chain):
+        adapter = adapter.first
+    return adapter is dequantize_rules
+
+
+def with_fp8(adapter: Adapter | None, *, dequantize: bool = False, quantize: bool = False) -> Adapter | None:
+    """``adapter`` with block FP8 around it: dequantized before it, quantized after it (``transform.chain.Chain``).
+
+    Args:
+        adapter: the model-family adapter, or None.
+        dequantize: ``--dequantize``: ``dequantize_rules`` first (once, when ``adapter`` already does).
+        quantize: ``--quantize fp8-block128``: ``quantize_rules`` last, on the adapter's outputs.
+
+    Returns:
+        The rules to run (``derive.Adapter``), or None when there is neither an adapter nor FP8 to do.
+    """
+    if dequantize and not dequantizes(adapter):
+        adapter = dequantize_rules if adapter is None else Chain(dequantize_rules, adapter)
+    if quantize:
+        adapter = quantize_rules if adapter is None else Chain(adapter, quantize_rules)
+    return adapter

@@ -115,13 +115,15 @@ class TransformOptions:
             tensors itself). A producer that stacks no layers refuses it.
         dequantize: dequantize block-quantized FP8 model weights (a ``float8_e4m3fn`` ``<fqn>``
             with ``<fqn>_scale_inv``, DeepSeek-V3's layout: ``transform.fp8``) to float32, then
-            ``dtype``; the scales are left out. Not with ``adapter`` or ``unstack_layers``.
-            Without it, ``dtype`` refuses such weights (a cast would drop their scales).
+            ``adapter`` (it sees the float32 weights, without scales), then ``dtype``; the scales
+            are left out. An ``hf-to-torchtitan-*`` adapter does it without being asked
+            (``adapters.load_adapter``). Not with ``unstack_layers``. Without it, ``dtype``
+            refuses such weights (a cast would drop their scales).
         quantize: ``fp8-block128`` writes the model weights DeepSeek-V3 quantizes
             (``transform.fp8.quantized_by_deepseek``) as ``float8_e4m3fn``, each with
-            ``<fqn>_scale_inv`` (1 / (448 / amax) per 128x128 block), from the weights as read
-            (``dtype`` casts the others); None: no quantizing. Not with ``adapter``,
-            ``unstack_layers`` or ``dequantize``.
+            ``<fqn>_scale_inv`` (1 / (448 / amax) per 128x128 block), from the weights as read or
+            as ``adapter`` makes them (its HF names: each expert quantized on its own); ``dtype``
+            casts the others. None: no quantizing. Not with ``unstack_layers`` or ``dequantize``.
     """
 
     optim_keys: OptimKeys = "names"
@@ -161,15 +163,14 @@ class TransformOptions:
         self._check_unstack()
         if not isinstance(self.dequantize, bool):
             raise InvalidOptionError(f"options.dequantize: expected True or False, got {self.dequantize!r}")
-        if self.dequantize and (self.adapter is not None or self.unstack_layers):
-            raise InvalidOptionError(
-                "--dequantize goes alone: dequantize to a folder first, then run --adapter or --unstack-layers on it"
-            )
+        if self.dequantize and self.unstack_layers:
+            raise InvalidOptionError("--dequantize and --unstack-layers exclude each other: dequantize to a folder first")
         if self.quantize is not None:
             set_field(self, "quantize", choice("--quantize", self.quantize, get_args(Quantize)))
-            if self.adapter is not None or self.unstack_layers or self.dequantize:
+            if self.unstack_layers or self.dequantize:
                 raise InvalidOptionError(
-                    "--quantize goes alone: run --adapter, --unstack-layers or --dequantize to a folder first, then quantize it"
+                    "--quantize goes alone (or after --adapter): run --unstack-layers or --dequantize to a folder first, "
+                    "then quantize it"
                 )
 
     def _check_unstack(self) -> None:

@@ -41,19 +41,8 @@ from tests._deepseek import (
     ds_fp32_experts,
     ds_load,
     ds_model_config,
-    ds_run,
 )
 from tests._dist import run_ranks
-from tests._frameworks import preload
-
-
-@pytest.fixture(scope="module")
-def ds_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny DeepSeek-V3 run: ``checkpoint/`` (DCP, 2 ranks) and ``truth.pt``."""
-    preload("torchtitan")
-    out = tmp_path_factory.mktemp("deepseek_v3")
-    run_ranks(ds_run, 2, out)
-    return out
 
 
 def _hf_config() -> dict[str, Any]:

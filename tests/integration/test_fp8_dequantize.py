@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -20,11 +21,12 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
 from typer.testing import CliRunner
 
+from fsdp_convert.adapters import load_adapter
 from fsdp_convert.cli.app import app
-from fsdp_convert.derive import TensorInfo
-from fsdp_convert.errors import UnsupportedTransformError
+from fsdp_convert.derive import Adapter, Derived, TensorInfo, copy_of
+from fsdp_convert.errors import InvalidOptionError, UnsupportedTransformError
 from fsdp_convert.transform import TransformOptions
-from fsdp_convert.transform.fp8 import dequantize_rules
+from fsdp_convert.transform.fp8 import dequantize_rules, dequantizes, with_fp8
 
 SHAPES = {
     "model.layers.0.self_attn.q_proj": (300, 200),
@@ -136,18 +138,40 @@ def test_dtype_without_dequantize_is_refused(runner: CliRunner, quantized: Quant
     assert sorted(got) == sorted(raw) and all(torch.equal(_bits(got[k]), _bits(raw[k])) for k in raw)
 
 
-def test_bad_scales_and_adapter_are_refused(runner: CliRunner, quantized: Quantized, tmp_path: Path) -> None:
-    """Scales of the wrong shape name the weight; --dequantize with --adapter is refused before reading."""
+def test_bad_scales_and_unstack_are_refused(runner: CliRunner, quantized: Quantized, tmp_path: Path) -> None:
+    """Scales of the wrong shape name the weight; --dequantize with --unstack-layers is refused before reading."""
     infos = [
         TensorInfo("w.weight", torch.float8_e4m3fn, (300, 200)),
         TensorInfo("w.weight_scale_inv", torch.float32, (2, 2)),
     ]
     with pytest.raises(UnsupportedTransformError, match=r"w\.weight: .*\(3, 2\)"):
         dequantize_rules(infos)
-    with pytest.raises(Exception, match="--dequantize goes alone"):
-        TransformOptions(dequantize=True, adapter=dequantize_rules)
+    with pytest.raises(InvalidOptionError, match="exclude each other: dequantize to a folder first"):
+        TransformOptions(dequantize=True, unstack_layers=True)
     root = quantized[0]
-    done = runner.invoke(
-        app, ["consolidate", str(root), str(tmp_path / "c"), "--dequantize", "--adapter", "hf-to-torchtitan-llama3"]
-    )
-    assert done.exit_code != 0 and "--dequantize goes alone" in done.output, done.output
+    done = runner.invoke(app, ["consolidate", str(root), str(tmp_path / "c"), "--dequantize", "--unstack-layers"])
+    assert done.exit_code == 2 and "exclude each other" in done.output, done.output
+
+
+def _names_seen(seen: list[TensorInfo]) -> Adapter:
+    def adapter(tensors: Sequence[TensorInfo]) -> dict[str, Derived]:
+        seen.extend(tensors)
+        return {f"renamed.{t.fqn}": copy_of(t) for t in tensors}
+
+    return adapter
+
+
+def test_dequantize_then_adapter_sees_float32_weights(quantized: Quantized) -> None:
+    """--dequantize with --adapter: the adapter sees the float32 weights and no scales, and its rules read the FP8
+    weights and their scales (dequantized as they are read); an hf-to-torchtitan-* adapter implies it."""
+    root, truth, raw = quantized
+    infos = [TensorInfo(fqn, t.dtype, tuple(t.shape)) for fqn, t in raw.items()]
+    seen: list[TensorInfo] = []
+    rules = with_fp8(_names_seen(seen), dequantize=True)(infos)  # type: ignore[misc]
+    assert sorted(t.fqn for t in seen) == sorted(truth)
+    assert all(t.dtype == truth[t.fqn].dtype and t.shape == truth[t.fqn].shape for t in seen)
+    fqn = "model.layers.1.mlp.gate_proj.weight"
+    rule = rules[f"renamed.{fqn}"]
+    assert [i.fqn for i in rule.inputs] == [fqn, f"{fqn}_scale_inv"] and rule.dtype == torch.float32
+    assert torch.equal(rule.compute([raw[fqn], raw[f"{fqn}_scale_inv"]]), truth[fqn])
+    assert dequantizes(load_adapter("hf-to-torchtitan-deepseek-v3")) and not dequantizes(load_adapter("torchtitan-llama3-to-hf"))
