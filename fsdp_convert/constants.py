@@ -1,14 +1,15 @@
 """Format constants shared by readers and writers: file names, suffixes, the safetensors dtype table and shape rule.
 
-A leaf: it imports only torch. DCP's own names come from ``torch/distributed/checkpoint``
-(``filesystem.py`` writes ``.metadata``); Hugging Face's from transformers' ``save_pretrained``
-and Trainer; safetensors' dtype names from its format description
+A leaf, torch-free until a torch table is first used: the tables keyed by torch dtypes are built
+then (``__getattr__``), so reading a checkpoint's index imports no torch. DCP's own names come
+from ``torch/distributed/checkpoint`` (``filesystem.py`` writes ``.metadata``); Hugging Face's
+from transformers' ``save_pretrained`` and Trainer; safetensors' dtype names from its format description
 (https://github.com/huggingface/safetensors, "Format").
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING, Any
 
 from fsdp_convert.suffixes import SAFETENSORS_SUFFIXES, TORCH_SAVE_SUFFIXES
 
@@ -29,8 +30,11 @@ __all__ = [
     "torch_shape",
     "UNCASTABLE_DTYPES",
     "SUPPORTED_DTYPES",
+    "TORCH_DTYPE_NAMES",
     "DTYPE_NAMES",
     "READ_LOG_ENV",
+    "WORKER_PRELOAD",
+    "quiet_workers",
 ]
 
 METADATA_FILENAME = ".metadata"  # DCP's pickled Metadata, FileSystemWriter.finish
@@ -41,40 +45,132 @@ EXTRA_STATE_FILENAME = "extra_state.pt"
 ADAPTER_WEIGHTS_FILENAME = "adapter_model.safetensors"  # a PEFT adapter folder's: peft.utils.constants.SAFETENSORS_WEIGHTS_NAME
 ADAPTER_CONFIG_FILENAME = "adapter_config.json"  # peft.utils.constants.CONFIG_NAME
 
-_FLOAT4 = getattr(torch, "float4_e2m1fn_x2", None)  # torch >= 2.8
+# every torch dtype a pickle may name (``GLOBAL torch <name>``), aliases included, to its canonical
+# name (``str(dtype)`` without ``torch.``), for .metadata's torch-free unpickler (formats/_dcp_records.py);
+# tests/unit/test_startup.py checks each against torch
+TORCH_DTYPE_NAMES: dict[str, str] = {
+    **{n: n for n in (
+        "bfloat16", "bits16", "bits1x8", "bits2x4", "bits4x2", "bits8", "bool", "complex128", "complex32", "complex64",
+        "float16", "float32", "float4_e2m1fn_x2", "float64", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
+        "float8_e5m2fnuz", "float8_e8m0fnu", "int1", "int16", "int2", "int3", "int32", "int4", "int5", "int6", "int64",
+        "int7", "int8", "qint32", "qint8", "quint2x4", "quint4x2", "quint8", "uint1", "uint16", "uint2", "uint3", "uint32",
+        "uint4", "uint5", "uint6", "uint64", "uint7", "uint8",
+    )},
+    "bit": "uint1", "cdouble": "complex128", "cfloat": "complex64", "chalf": "complex32", "double": "float64",
+    "float": "float32", "half": "float16", "int": "int32", "long": "int64", "short": "int16",
+}  # fmt: skip
 
-# torch dtype -> safetensors dtype name (the header's "dtype"): the one table, inverted below and
-# used by the writer (writers/safetensors.py) and both readers (formats/hf_storage.py,
-# formats/full_file.py). The names are the ones safetensors 0.8 writes for each torch dtype
-# (``safetensors.torch.save``; its Rust ``Dtype``); tests/unit/test_constants.py checks each.
-# safetensors has no complex128 or complex32 (ComplexHalf).
-SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
-    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
-    torch.float8_e8m0fnu: "F8_E8M0",
-    torch.complex64: "C64",
-    **({_FLOAT4: "F4"} if _FLOAT4 is not None else {}),
-}
-# safetensors dtype name -> torch dtype (the inverse of SAFETENSORS_DTYPES)
-SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
-# torch dtypes packing several safetensors values into one element: safetensors' header shape
-# counts the values (F4: two 4-bit floats per byte), so its last dim is this many times torch's
-SAFETENSORS_VALUES_PER_ELEMENT: dict[torch.dtype, int] = {_FLOAT4: 2} if _FLOAT4 is not None else {}
+if TYPE_CHECKING:
+    import torch
+
+    # the tables keyed by torch dtypes: built by ``__getattr__`` at first use, with torch
+    SAFETENSORS_DTYPES: dict[torch.dtype, str]
+    SAFETENSORS_TO_TORCH: dict[str, torch.dtype]
+    SAFETENSORS_VALUES_PER_ELEMENT: dict[torch.dtype, int]
+    UNCASTABLE_DTYPES: frozenset[torch.dtype]
+    SUPPORTED_DTYPES: frozenset[torch.dtype]
+    DTYPE_NAMES: dict[str, torch.dtype]
+
+
+def __getattr__(name: str) -> Any:
+    """The torch tables (``SAFETENSORS_DTYPES``, ``SUPPORTED_DTYPES``, ...), built with torch at first use."""
+    if name not in _TORCH_TABLES:  # (the import system asks for __path__ and such: no torch for those)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _torch_tables()[name]
+
+
+_TORCH_TABLES = frozenset(
+    {
+        "SAFETENSORS_DTYPES",
+        "SAFETENSORS_TO_TORCH",
+        "SAFETENSORS_VALUES_PER_ELEMENT",
+        "UNCASTABLE_DTYPES",
+        "SUPPORTED_DTYPES",
+        "DTYPE_NAMES",
+    }
+)
+
+
+def _torch_tables() -> dict[str, Any]:
+    import torch
+
+    _FLOAT4 = getattr(torch, "float4_e2m1fn_x2", None)  # torch >= 2.8
+
+    # torch dtype -> safetensors dtype name (the header's "dtype"): the one table, inverted below and
+    # used by the writer (writers/safetensors.py) and both readers (formats/hf_storage.py,
+    # formats/full_file.py). The names are the ones safetensors 0.8 writes for each torch dtype
+    # (``safetensors.torch.save``; its Rust ``Dtype``); tests/unit/test_constants.py checks each.
+    # safetensors has no complex128 or complex32 (ComplexHalf).
+    SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+        torch.float64: "F64",
+        torch.float32: "F32",
+        torch.float16: "F16",
+        torch.bfloat16: "BF16",
+        torch.int64: "I64",
+        torch.int32: "I32",
+        torch.int16: "I16",
+        torch.int8: "I8",
+        torch.uint8: "U8",
+        torch.uint16: "U16",
+        torch.uint32: "U32",
+        torch.uint64: "U64",
+        torch.bool: "BOOL",
+        torch.float8_e4m3fn: "F8_E4M3",
+        torch.float8_e5m2: "F8_E5M2",
+        torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+        torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+        torch.float8_e8m0fnu: "F8_E8M0",
+        torch.complex64: "C64",
+        **({_FLOAT4: "F4"} if _FLOAT4 is not None else {}),
+    }
+    # safetensors dtype name -> torch dtype (the inverse of SAFETENSORS_DTYPES)
+    SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+    # torch dtypes packing several safetensors values into one element: safetensors' header shape
+    # counts the values (F4: two 4-bit floats per byte), so its last dim is this many times torch's
+    SAFETENSORS_VALUES_PER_ELEMENT: dict[torch.dtype, int] = {_FLOAT4: 2} if _FLOAT4 is not None else {}
+
+    # floating dtypes torch has no cast for (float4_e2m1fn_x2 packs two 4-bit values per element):
+    # --dtype/--optim-dtype keep them as they are, and verify compares them by bytes only
+    UNCASTABLE_DTYPES: frozenset[torch.dtype] = frozenset({_FLOAT4} if _FLOAT4 is not None else ())
+
+    # dtypes a full tensor can be allocated, written by torch.save and read back for (no quantized types)
+    SUPPORTED_DTYPES = frozenset(
+        {
+            torch.float64, torch.float32, torch.float16, torch.bfloat16,
+            torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu,
+            *([_FLOAT4] if _FLOAT4 is not None else []),
+            torch.complex128, torch.complex64, torch.complex32,
+            torch.int64, torch.int32, torch.int16, torch.int8,
+            torch.uint64, torch.uint32, torch.uint16, torch.uint8, torch.bool,
+        }
+    )  # fmt: skip
+
+    # the one table of dtype names (torchtitan's TORCH_DTYPE_MAP): --dtype / --optim-dtype, and the strings
+    # TransformOptions.dtype / optim_dtype take, to torch dtypes. Each dtype's first name is the one the
+    # CLI lists (cli._options.DtypeChoice); the others are aliases, matched without regard to case.
+    DTYPE_NAMES: dict[str, torch.dtype] = {
+        "fp32": torch.float32, "float32": torch.float32,
+        "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+        "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    }  # fmt: skip
+
+    tables = {
+        "SAFETENSORS_DTYPES": SAFETENSORS_DTYPES,
+        "SAFETENSORS_TO_TORCH": SAFETENSORS_TO_TORCH,
+        "SAFETENSORS_VALUES_PER_ELEMENT": SAFETENSORS_VALUES_PER_ELEMENT,
+        "UNCASTABLE_DTYPES": UNCASTABLE_DTYPES,
+        "SUPPORTED_DTYPES": SUPPORTED_DTYPES,
+        "DTYPE_NAMES": DTYPE_NAMES,
+    }
+    globals().update(tables)  # later lookups find them without this function
+    return tables
+
+
+def _values_per_element(dtype: torch.dtype) -> int:
+    # a module's own functions see its globals, not its __getattr__: build the tables first
+    table = globals().get("SAFETENSORS_VALUES_PER_ELEMENT")
+    per_element: dict[torch.dtype, int] = table if table is not None else _torch_tables()["SAFETENSORS_VALUES_PER_ELEMENT"]
+    return per_element.get(dtype, 1)
 
 
 def safetensors_shape(dtype: torch.dtype, shape: tuple[int, ...]) -> list[int]:
@@ -87,7 +183,7 @@ def safetensors_shape(dtype: torch.dtype, shape: tuple[int, ...]) -> list[int]:
         ValueError: a 0-dim tensor of a packed dtype (its header would count half a byte;
             safetensors itself refuses to write one).
     """
-    per_element = SAFETENSORS_VALUES_PER_ELEMENT.get(dtype, 1)
+    per_element = _values_per_element(dtype)
     if per_element == 1:
         return list(shape)
     if not shape:
@@ -103,7 +199,7 @@ def torch_shape(dtype: torch.dtype, header_shape: list[int] | tuple[int, ...]) -
     Raises:
         ValueError: a packed dtype whose last dim does not fill whole torch elements (or no dims).
     """
-    per_element = SAFETENSORS_VALUES_PER_ELEMENT.get(dtype, 1)
+    per_element = _values_per_element(dtype)
     if per_element == 1:
         return tuple(header_shape)
     if not header_shape or header_shape[-1] % per_element:
@@ -111,30 +207,18 @@ def torch_shape(dtype: torch.dtype, header_shape: list[int] | tuple[int, ...]) -
     return (*header_shape[:-1], header_shape[-1] // per_element)
 
 
-# floating dtypes torch has no cast for (float4_e2m1fn_x2 packs two 4-bit values per element):
-# --dtype/--optim-dtype keep them as they are, and verify compares them by bytes only
-UNCASTABLE_DTYPES: frozenset[torch.dtype] = frozenset({_FLOAT4} if _FLOAT4 is not None else ())
+# what the forkserver that forks every worker imports once (launch.run_workers), torch included
+WORKER_PRELOAD = ("torch.distributed", "fsdp_convert.ops.consolidate", "fsdp_convert.ops.reshard")
+# a run stopped by a signal leaves the launcher's semaphore to multiprocessing's resource tracker,
+# whose warning about it would be the only other line on stderr; and torch warns in every worker
+# when NumPy is absent, which this tool never needs (it is not a dependency)
+_WORKER_WARNING_FILTERS = ("ignore:resource_tracker:UserWarning", "ignore:Failed to initialize NumPy:UserWarning")
 
-# dtypes a full tensor can be allocated, written by torch.save and read back for (no quantized types)
-SUPPORTED_DTYPES = frozenset(
-    {
-        torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu,
-        *([_FLOAT4] if _FLOAT4 is not None else []),
-        torch.complex128, torch.complex64, torch.complex32,
-        torch.int64, torch.int32, torch.int16, torch.int8,
-        torch.uint64, torch.uint32, torch.uint16, torch.uint8, torch.bool,
-    }
-)  # fmt: skip
 
-# the one table of dtype names (torchtitan's TORCH_DTYPE_MAP): --dtype / --optim-dtype, and the strings
-# TransformOptions.dtype / optim_dtype take, to torch dtypes. Each dtype's first name is the one the
-# CLI lists (cli._options.DtypeChoice); the others are aliases, matched without regard to case.
-DTYPE_NAMES: dict[str, torch.dtype] = {
-    "fp32": torch.float32, "float32": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-}  # fmt: skip
+def quiet_workers(pythonwarnings: str) -> str:
+    """``PYTHONWARNINGS`` for the forkserver and its workers: ``pythonwarnings`` plus the filters they need."""
+    return ",".join(filter(None, [pythonwarnings, *(f for f in _WORKER_WARNING_FILTERS if f not in pythonwarnings)]))
+
 
 # FSDP_CONVERT_READ_LOG=<folder>: every reader appends one JSON line per chunk it reads to
 # <folder>/reads-<pid>.jsonl (which worker read what; the tests check the split of the reads)

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_convert import errors
+from fsdp_convert.constants import WORKER_PRELOAD, quiet_workers
 from fsdp_convert.errors import CheckpointError, InvalidOptionError, TerminatedError, WorkerFailedError
 from fsdp_convert.progress import Bars
 
@@ -362,12 +363,10 @@ def run_workers(
     old_levels = [lg.level for lg in quiet]
     for lg in quiet:
         lg.setLevel(logging.CRITICAL + 1)
-    # a run stopped by a signal leaves the launcher's semaphore to multiprocessing's resource
-    # tracker, whose warning about it would be the only other line on stderr; and torch warns in
-    # every worker when NumPy is absent, which this tool never needs (it is not a dependency)
-    quiet_warnings = ["ignore:resource_tracker:UserWarning", "ignore:Failed to initialize NumPy:UserWarning"]
-    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), *quiet_warnings]))
-    multiprocessing.set_forkserver_preload(["torch.distributed", "fsdp_convert.ops.consolidate", "fsdp_convert.ops.reshard"])
+    # the forkserver and its workers keep the environment it started with (the CLI may have started it
+    # already: cli._run_options.start_worker_server, the same two steps)
+    os.environ["PYTHONWARNINGS"] = quiet_workers(os.environ.get("PYTHONWARNINGS", ""))
+    multiprocessing.set_forkserver_preload(list(WORKER_PRELOAD))
     try:
         results = elastic_launch(config, _worker_main)(_WorkerCall(fn, job, str(error_dir), dict(os.environ)))
     except ChildFailedError as e:

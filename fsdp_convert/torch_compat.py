@@ -21,19 +21,19 @@ import inspect
 import io
 import pickle
 from collections.abc import Callable
-from typing import IO, Any
-
-import torch
-import torch.distributed.checkpoint.filesystem as dcp_filesystem
-import torch.distributed.checkpoint.metadata as dcp_metadata
+from typing import IO, TYPE_CHECKING, Any
 
 from fsdp_convert.errors import TorchFeatureError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "TESTED_TORCH",
     "Feature",
     "FEATURES",
     "check_torch",
+    "DCP_FEATURES",
     "StorageInfo",
     "MEM_FORMAT_ENCODING",
     "REBUILD_TENSOR_V2",
@@ -75,13 +75,21 @@ def _resolve(feature: Feature) -> Any:
     try:
         return feature.probe()
     except (AttributeError, ImportError, TypeError, ValueError) as e:
+        import torch
+
         raise TorchFeatureError(
             f"torch {torch.__version__} lacks {feature.name} ({type(e).__name__}: {e}); "
             f"fsdp-convert is tested with torch{TESTED_TORCH}"
         ) from None
 
 
+# torch.distributed.checkpoint (0.5 s to import) is imported by the probes that need it, not here:
+# reading a checkpoint never does (formats/_dcp_records.py holds its own records of .metadata)
+
+
 def _storage_info() -> type:
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
     cls = dcp_filesystem._StorageInfo
     fields = {f.name for f in dataclasses.fields(cls)}
     missing = {"relative_path", "offset", "length", "transform_descriptors"} - fields
@@ -90,13 +98,23 @@ def _storage_info() -> type:
     return cls
 
 
+def _mem_format_encoding() -> type:
+    import torch.distributed.checkpoint.metadata as dcp_metadata
+
+    return dcp_metadata._MEM_FORMAT_ENCODING
+
+
 def _metadata_version() -> type:
+    import torch.distributed.checkpoint.metadata as dcp_metadata
+
     if "version" not in {f.name for f in dataclasses.fields(dcp_metadata.Metadata)}:
         raise TypeError("Metadata has no version field")
     return dcp_metadata.Metadata
 
 
 def _torch_save_writer() -> type:
+    import torch
+
     writer = torch._C.PyTorchFileWriter(io.BytesIO(), True, 64)  # three-argument form: storage alignment
     if not callable(getattr(writer, "write_record_metadata", None)):
         raise AttributeError("PyTorchFileWriter has no write_record_metadata")
@@ -104,6 +122,8 @@ def _torch_save_writer() -> type:
 
 
 def _storage_alignment() -> Callable[[], int]:
+    import torch
+
     fn = torch.serialization._get_storage_alignment
     if not isinstance(fn(), int):
         raise TypeError("_get_storage_alignment does not return an int")
@@ -111,6 +131,8 @@ def _storage_alignment() -> Callable[[], int]:
 
 
 def _storage_type_map() -> Callable[[], dict[torch.dtype, str]]:
+    import torch
+
     fn = torch.storage._dtype_to_storage_type_map
     if fn().get(torch.float32) != "FloatStorage":
         raise ValueError("_dtype_to_storage_type_map()[float32] is not FloatStorage")
@@ -119,6 +141,8 @@ def _storage_type_map() -> Callable[[], dict[torch.dtype, str]]:
 
 def _rebuild(name: str, nargs: int) -> Callable[[], Callable[..., torch.Tensor]]:
     def probe() -> Callable[..., torch.Tensor]:
+        import torch
+
         fn = getattr(torch._utils, name)
         if len(inspect.signature(fn).parameters) < nargs:
             raise TypeError(f"torch._utils.{name} takes fewer than {nargs} arguments")
@@ -129,9 +153,7 @@ def _rebuild(name: str, nargs: int) -> Callable[[], Callable[..., torch.Tensor]]
 
 FEATURES: dict[str, Feature] = {
     "storage_info": Feature("torch.distributed.checkpoint.filesystem._StorageInfo (with transform_descriptors)", _storage_info),
-    "mem_format_encoding": Feature(
-        "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING", lambda: dcp_metadata._MEM_FORMAT_ENCODING
-    ),
+    "mem_format_encoding": Feature("torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING", _mem_format_encoding),
     "metadata_version": Feature("torch.distributed.checkpoint.metadata.Metadata(version=...)", _metadata_version),
     "torch_save_writer": Feature(
         "torch._C.PyTorchFileWriter(stream, compute_crc32, alignment) with write_record_metadata", _torch_save_writer
@@ -143,14 +165,24 @@ FEATURES: dict[str, Feature] = {
 }
 
 
-def check_torch() -> None:
-    """Probe every feature in ``FEATURES`` (the CLI runs this before any command).
+# features only a command writing DCP's own records needs (writers/dcp.py); probing them imports
+# torch.distributed.checkpoint
+DCP_FEATURES = frozenset({"storage_info", "mem_format_encoding", "metadata_version"})
+
+
+def check_torch(*, dcp: bool = True) -> None:
+    """Probe every feature in ``FEATURES`` (the CLI runs this before any command that needs torch).
+
+    Args:
+        dcp: probe ``DCP_FEATURES`` too (they import ``torch.distributed.checkpoint``, ~0.5 s);
+            a command that writes no DCP ``.metadata`` passes False.
 
     Raises:
         TorchFeatureError: the first feature this torch lacks.
     """
-    for feature in FEATURES.values():
-        feature.get()
+    for key, feature in FEATURES.items():
+        if dcp or key not in DCP_FEATURES:
+            feature.get()
 
 
 def _or_none(key: str) -> Any:
@@ -161,10 +193,30 @@ def _or_none(key: str) -> Any:
         return None
 
 
-StorageInfo: Any = _or_none("storage_info")
-MEM_FORMAT_ENCODING: Any = _or_none("mem_format_encoding")
-REBUILD_TENSOR_V2: Any = _or_none("rebuild_tensor_v2")
-REBUILD_TENSOR_V3: Any = _or_none("rebuild_tensor_v3")
+if TYPE_CHECKING:
+    StorageInfo: Any
+    MEM_FORMAT_ENCODING: Any
+    REBUILD_TENSOR_V2: Any
+    REBUILD_TENSOR_V3: Any
+
+
+def __getattr__(name: str) -> Any:
+    """``StorageInfo``, ``MEM_FORMAT_ENCODING`` (DCP's: imports it) and the rebuild functions, probed at first use.
+
+    None where this torch lacks them (``check_torch`` then says so).
+    """
+    key = _LAZY.get(name)
+    if key is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _or_none(key)
+
+
+_LAZY = {
+    "StorageInfo": "storage_info",
+    "MEM_FORMAT_ENCODING": "mem_format_encoding",
+    "REBUILD_TENSOR_V2": "rebuild_tensor_v2",
+    "REBUILD_TENSOR_V3": "rebuild_tensor_v3",
+}
 
 
 def storage_alignment() -> int:
@@ -186,6 +238,8 @@ def open_torch_save_writer(stream: IO[bytes], *, compute_crc32: bool = True) -> 
     Raises:
         TorchFeatureError: this torch's writer takes no alignment or cannot reserve records.
     """
+    import torch
+
     FEATURES["torch_save_writer"].get()
     return torch._C.PyTorchFileWriter(stream, compute_crc32, storage_alignment())
 
@@ -213,6 +267,8 @@ def storage_type_for(dtype: torch.dtype) -> type | None:
     Raises:
         TorchFeatureError: this torch has no ``_dtype_to_storage_type_map``.
     """
+    import torch
+
     name = FEATURES["storage_type_map"].get()().get(dtype)
     return None if name is None else getattr(torch, name)
 
@@ -223,6 +279,8 @@ def torch_layout(name: str) -> torch.layout:
     Raises:
         pickle.UnpicklingError: ``name`` is not a torch layout.
     """
+    import torch
+
     value = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(value, torch.layout):
         raise pickle.UnpicklingError(f"unknown torch layout {name!r}")
@@ -280,6 +338,8 @@ def dtensor_local_box(
     Raises:
         TorchFeatureError: this torch lacks the function or ``_StridedShard``.
     """
+    import torch
+
     try:
         from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as compute
         from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard

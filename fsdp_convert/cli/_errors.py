@@ -45,15 +45,19 @@ def rank_prefix() -> str:
     return f"[rank {rank}] " if rank not in (None, "0") and "LOCAL_RANK" in os.environ else ""
 
 
-def torch_ready() -> None:
+def torch_ready(*, dcp: bool = False) -> None:
     """Import torch, once the torch-free checks (``cli._precheck``) have passed, and check its APIs.
+
+    Args:
+        dcp: check the APIs that write DCP's own ``.metadata`` too (``reshard``); they import
+            ``torch.distributed.checkpoint`` (~0.5 s), which no other command needs.
 
     Raises:
         TorchFeatureError: the installed torch lacks an API this tool uses (the message names its version).
     """
     from fsdp_convert.torch_compat import check_torch
 
-    check_torch()
+    check_torch(dcp=dcp)
 
 
 def _kept(e: BaseException) -> str:

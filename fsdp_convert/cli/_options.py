@@ -17,46 +17,12 @@ if TYPE_CHECKING:
     from fsdp_convert.transform import TransformOptions
 
 __all__ = [
-    "OUTPUT",
-    "SELECTION",
-    "CASTING",
-    "ADAPTERS",
-    "LORA",
-    "PERFORMANCE",
-    "SAFETY",
-    "MULTI_NODE",
-    "Choice",
-    "OnlyChoice",
-    "FormatChoice",
-    "OptimKeysChoice",
-    "LayoutChoice",
-    "DtypeChoice",
-    "choice_option",
-    "parse_size",
-    "CheckpointArg",
-    "OutputArg",
-    "JsonOpt",
-    "MemoryBudgetOpt",
-    "ProgressOpt",
-    "NoCrcOpt",
-    "FollowSymlinksOpt",
-    "OptimKeysOpt",
-    "LayoutOpt",
-    "KeepWrapperNamesOpt",
-    "UnstackLayersOpt",
-    "DequantizeOpt",
-    "QuantizeOpt",
-    "RenameOpt",
-    "IncludeOpt",
-    "ExcludeOpt",
-    "DtypeOpt",
-    "OptimDtypeOpt",
-    "transform_options",
-    "AdapterOpt",
-    "ModelConfigOpt",
-    "AdapterOptionOpt",
-    "with_adapter",
-]
+    "OUTPUT", "SELECTION", "CASTING", "ADAPTERS", "LORA", "PERFORMANCE", "SAFETY", "MULTI_NODE", "Choice", "OnlyChoice",
+    "FormatChoice", "OptimKeysChoice", "LayoutChoice", "DtypeChoice", "choice_option", "parse_size", "CheckpointArg",
+    "OutputArg", "JsonOpt", "MemoryBudgetOpt", "ProgressOpt", "NoCrcOpt", "FollowSymlinksOpt", "OptimKeysOpt", "LayoutOpt",
+    "KeepWrapperNamesOpt", "UnstackLayersOpt", "DequantizeOpt", "QuantizeOpt", "RenameOpt", "IncludeOpt", "ExcludeOpt",
+    "DtypeOpt", "OptimDtypeOpt", "transform_options", "AdapterOpt", "ModelConfigOpt", "AdapterOptionOpt", "with_adapter",
+]  # fmt: skip
 
 # --help's panels, in the order a command first names them (rich_help_panel); the rest is "Options"
 OUTPUT = "Output"
@@ -78,9 +44,7 @@ class Choice(str, Enum):
     the torch dtype), as before.
     """
 
-    def __str__(self) -> str:
-        # its value, as enum.StrEnum's: typer before 0.28 converts an Enum option's default
-        # through str(), and Python 3.11+ spells a (str, Enum) member 'OptimKeysChoice.names'
+    def __str__(self) -> str:  # the value, as StrEnum's: typer < 0.28 converts a default through str()
         return str(self.value)
 
     @classmethod
@@ -301,10 +265,7 @@ DequantizeOpt = Annotated[
     typer.Option(
         "--dequantize",
         metavar="",
-        help=(
-            "Dequantize block FP8 weights (float8_e4m3fn with <name>_scale_inv, DeepSeek-V3's) to float32,"
-            " then --adapter and --dtype; implied by an hf-to-torchtitan-* --adapter."
-        ),
+        help="Dequantize block FP8 weights (DeepSeek-V3's) to float32, then --adapter, --dtype; implied by hf-to-torchtitan-*.",
         rich_help_panel=SELECTION,
     ),
 ]
@@ -313,10 +274,7 @@ QuantizeOpt = Annotated[
     choice_option(
         QuantizeChoice,
         "--quantize",
-        help=(
-            "Write the weights DeepSeek-V3 quantizes (after --adapter: its outputs, each expert on its own)"
-            " as float8_e4m3fn with a weight_scale_inv per 128x128 block."
-        ),
+        help="Write the weights DeepSeek-V3 quantizes (after --adapter, per expert) as float8_e4m3fn + 128x128 block scales.",
         show_default=False,
         rich_help_panel=CASTING,
     ),

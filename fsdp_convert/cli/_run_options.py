@@ -6,12 +6,14 @@ Shared by ``consolidate`` and ``reshard`` (and ``verify``'s workers and nodes); 
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from fsdp_convert.cli._options import MULTI_NODE, PERFORMANCE, SAFETY, Choice, choice_option
 from fsdp_convert.cli._precheck import check_nodes
+from fsdp_convert.constants import WORKER_PRELOAD, quiet_workers
 from fsdp_convert.errors import InvalidOptionError
 
 # launch imports torch: it is imported where used, so --help, --version and usage errors start without it
@@ -23,6 +25,7 @@ __all__ = [
     "nproc_option",
     "NprocPerNodeOpt",
     "workers",
+    "start_workers_early",
     "OverwriteOpt",
     "ForceOpt",
     "ResumeOpt",
@@ -46,6 +49,24 @@ def nproc_option(help: str) -> Any:
 
 
 NprocPerNodeOpt = Annotated[int | None, typer.Option("--nproc-per-node", min=1, hidden=True)]
+
+
+def start_workers_early(nproc: int | None) -> None:
+    """Start the forkserver the workers are forked from now, where ``--nproc`` asks for several; returns at once.
+
+    Call after the torch-free checks, before torch is imported: the server imports torch and the
+    package (``constants.WORKER_PRELOAD``, 1-2 s of CPU) in its own process while this one imports
+    them too, reads the index and plans; ``launch.run_workers`` then forks the workers from it at
+    once. Not under the user's torchrun (no workers of ours), nor for the default ``--nproc``
+    (the plan may choose one worker).
+    """
+    if nproc is None or nproc < 2 or "LOCAL_RANK" in os.environ:
+        return
+    import multiprocessing.forkserver
+
+    os.environ["PYTHONWARNINGS"] = quiet_workers(os.environ.get("PYTHONWARNINGS", ""))  # the server keeps its start's
+    multiprocessing.set_forkserver_preload(list(WORKER_PRELOAD))
+    multiprocessing.forkserver.ensure_running()
 
 
 def workers(nproc: int | None, nproc_per_node: int | None) -> int | None:

@@ -58,6 +58,7 @@ from fsdp_convert.cli._run_options import (
     ResumeOpt,
     cluster_options,
     nproc_option,
+    start_workers_early,
     workers,
 )
 from fsdp_convert.cli._verbosity import QuietOpt, VerboseOpt, set_verbosity, show_progress
@@ -281,6 +282,7 @@ def consolidate_command(
             force=force,
             hf_assets=hf_assets,
         )
+        start_workers_early(nproc)  # its imports overlap ours from here on
         torch_ready()
         transform = transform_options(
             optim_keys=optim_keys,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from collections import Counter
 from typing import TYPE_CHECKING, Annotated
 
@@ -14,6 +16,7 @@ from fsdp_convert.cli._options import CheckpointArg, FollowSymlinksOpt, JsonOpt
 from fsdp_convert.cli._output import command_help, console, human_bytes, print_json, shorten_middle
 from fsdp_convert.cli._precheck import check_checkpoint
 from fsdp_convert.cli._verbosity import QuietOpt, VerboseOpt, set_verbosity
+from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.location import following_symlinks
 
 if TYPE_CHECKING:
@@ -44,28 +47,52 @@ def inspect_checkpoint(checkpoint_id: str) -> InspectResult:
     return operation(checkpoint_id)
 
 
-def _cut(grid: tuple[int, ...]) -> str:
-    """``2 x 2 (dim 0, dim 1)``, ``3 (dim 0)``, or ``whole``: the pieces on each dim that is cut."""
+def _local_dcp_folder(checkpoint: str) -> bool:
+    """Whether ``checkpoint`` is a local folder holding ``.metadata`` (read without torch)."""
+    return "://" not in checkpoint and os.path.isfile(os.path.join(checkpoint, METADATA_FILENAME))
+
+
+# torchtitan names a stacked expert weight by its dims' letters, the expert dim first: w1_EFD, mlp1_bias_EG
+_EXPERTS_FIRST = re.compile(r"_E[A-Z]*(?:\.|$)")
+
+
+def _experts(row: EntrySummary) -> int | None:
+    """How many experts dim 0 of ``row`` holds when it is an expert dim (torchtitan's ``w1_EFD``), else None."""
+    return row.shape[0] if row.shape and _EXPERTS_FIRST.search(row.fqn) else None
+
+
+def _cut(grid: tuple[int, ...], experts: int | None = None) -> str:
+    """``2 x 2 (dim 0, dim 1)``, ``3 (dim 0)``, or ``whole``: the pieces on each dim that is cut.
+
+    ``experts``: dim 0 is an expert dim of that many experts; its cut says how many each piece
+    holds, as expert parallelism cuts it: ``4 (dim 0: 1 of 4 experts each)``.
+    """
     cut = [d for d, pieces in enumerate(grid) if pieces > 1]
     if not cut:
         return "whole"
-    return " x ".join(str(grid[d]) for d in cut) + " (" + ", ".join(f"dim {d}" for d in cut) + ")"
+    dims = [f"dim {d}" for d in cut]
+    if experts is not None and cut[0] == 0:
+        share = f"{experts // grid[0]} of {experts} experts each" if experts % grid[0] == 0 else f"{experts} experts"
+        dims[0] = f"dim 0: {share}"
+    return " x ".join(str(grid[d]) for d in cut) + " (" + ", ".join(dims) + ")"
 
 
 def chunks_cell(row: EntrySummary) -> str:
     """The chunks column: the count, and how the chunks cut the tensor where that is not dim 0 alone.
 
     ``3`` (FSDP's cut on dim 0, or whole); ``2 (dim 1)``; ``2 x 2 (dim 0, dim 1)`` (tensor
-    parallelism under FSDP); ``5 (irregular)`` when the chunks are no grid (``chunks_per_dim`` None).
+    parallelism under FSDP); ``4 (dim 0: 1 of 4 experts each)`` (a stacked expert weight, as
+    expert parallelism cuts it); ``5 (irregular)`` when the chunks are no grid (``chunks_per_dim`` None).
     """
     grid = row.chunks_per_dim
     if row.kind != "tensor":
         return str(row.chunks)
     if grid is None:
         return f"{row.chunks} (irregular)"
-    if all(pieces == 1 for pieces in grid[1:]):
+    experts = _experts(row)
+    if all(pieces == 1 for pieces in grid[1:]) and (experts is None or grid[0] == 1):
         return str(row.chunks)
-    return _cut(grid)
+    return _cut(grid, experts)
 
 
 def cuts_lines(result: InspectResult, width: int) -> list[str]:
@@ -74,7 +101,9 @@ def cuts_lines(result: InspectResult, width: int) -> list[str]:
     e.g. ``cuts: 92 tensors 2 (dim 0), 12 tensors 4 (dim 0), 8 tensors 2 x 2 (dim 0, dim 1), 24 tensors whole``.
     """
     counts = Counter(
-        "irregular" if r.chunks_per_dim is None else _cut(r.chunks_per_dim) for r in result.entries if r.kind == "tensor"
+        "irregular" if r.chunks_per_dim is None else _cut(r.chunks_per_dim, _experts(r))
+        for r in result.entries
+        if r.kind == "tensor"
     )
     items = [f"{n} {'tensor' if n == 1 else 'tensors'} {cut}" for cut, n in counts.most_common()]
     lines = ["cuts:"]
@@ -146,7 +175,8 @@ def inspect_command(
     set_verbosity(verbose, quiet)
     with handle_errors(), following_symlinks(follow_symlinks):
         check_checkpoint(checkpoint)  # no torch yet (cli._precheck)
-        torch_ready()
+        if not _local_dcp_folder(checkpoint):  # a DCP folder's index is read without torch (formats._dcp_classes)
+            torch_ready()
         result = inspect_checkpoint(checkpoint)
     if json_output:
         print_json(result.to_json_dict())

@@ -49,6 +49,7 @@ from fsdp_convert.cli._run_options import (
     ResumeOpt,
     cluster_options,
     nproc_option,
+    start_workers_early,
     workers,
 )
 from fsdp_convert.cli._verbosity import QuietOpt, VerboseOpt, set_verbosity, show_progress
@@ -150,7 +151,8 @@ def reshard_command(
         check_nodes(nnodes, node_rank)
         nproc = workers(nproc, nproc_per_node)
         check_reshard(checkpoint, output, overwrite=overwrite, resume=resume, force=force)
-        torch_ready()
+        start_workers_early(nproc)  # its imports overlap ours from here on
+        torch_ready(dcp=True)  # writes DCP's own .metadata
         options = transform_options(
             optim_keys,
             keep_wrapper_names,

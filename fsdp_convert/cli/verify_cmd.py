@@ -29,6 +29,7 @@ from fsdp_convert.cli._run_options import (
     RdzvIdOpt,
     cluster_options,
     nproc_option,
+    start_workers_early,
     workers,
 )
 from fsdp_convert.cli._verbosity import QuietOpt, VerboseOpt, set_verbosity, show_progress
@@ -169,6 +170,7 @@ def verify_command(
         check_nodes(nnodes, node_rank)  # what needs no torch first (cli._precheck)
         nproc = workers(nproc, nproc_per_node)
         check_verify(a, b)
+        start_workers_early(nproc)  # its imports overlap ours from here on
         torch_ready()
         from fsdp_convert.ops.options import VerifyOptions
         from fsdp_convert.transform import TransformOptions

@@ -3,8 +3,9 @@
 The file is a pickled ``torch.distributed.checkpoint.metadata.Metadata`` (written by
 ``FileSystemWriter.finish``, or by another writer: ``_dcp_records``). torch reads it with plain
 ``pickle.load``, which runs whatever the file says; here ``_safe_pickle``'s interpreter admits only
-fresh DCP metadata records (``_dcp_records``), ``torch.Size``, torch dtypes and layouts, pure paths
-and plain values, never changes an object it did not create, and every field is type-checked.
+fresh DCP metadata records (``_dcp_records``), ``torch.Size``, torch dtypes and layouts (as inert
+names: ``_dcp_classes``; no torch import), pure paths and plain values, never changes an object
+it did not create, and every field is type-checked.
 """
 
 from __future__ import annotations
@@ -18,20 +19,36 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed.checkpoint.metadata as dcp_metadata
-
-from fsdp_convert.constants import METADATA_FILENAME, SUPPORTED_DTYPES
+from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.errors import NotADcpCheckpointError, UnsafeContentError
+from fsdp_convert.formats import _dcp_classes as records
+from fsdp_convert.formats._dcp_classes import MEM_FORMAT_ENCODING, torch_dtype
 from fsdp_convert.formats._dcp_payloads import BOTH_OPTIONS_HINT, ReadAt, SizeOf, is_raw_chunk, place_raw_chunks
 from fsdp_convert.formats._dcp_records import CALL_BY_ID, RECORD_BY_ID, UNCHECKED_FIELDS, record_state, unknown_global
 from fsdp_convert.formats._dcp_records import CALLS as _CALLS
 from fsdp_convert.formats._dcp_records import RECORDS as _RECORDS
-from fsdp_convert.formats._safe_pickle import TORCH_DTYPES, MalformedError, RefusedError, SafeUnpickler, described, shown
-from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Entry, Location, ObjPath, TensorEntry
-from fsdp_convert.torch_compat import MEM_FORMAT_ENCODING, StorageInfo  # noqa: F401  (MEM_FORMAT_ENCODING: tests check no load changes it)
+from fsdp_convert.formats._safe_pickle import MalformedError, RefusedError, SafeUnpickler, described, shown
+from fsdp_convert.formats.index import (
+    DTYPE_ITEMSIZES,
+    BytesEntry,
+    CheckpointIndex,
+    ChunkEntry,
+    Entry,
+    Location,
+    ObjPath,
+    TensorEntry,
+)
 
-__all__ = ["METADATA_MAX_BYTES", "check_metadata_size", "load_metadata", "metadata_from_bytes", "build_index"]
+__all__ = [
+    "METADATA_MAX_BYTES",
+    "MEM_FORMAT_ENCODING",  # the enum the unpickler admits: tests check no load changes it
+    "check_metadata_size",
+    "load_records",
+    "records_from_bytes",
+    "load_metadata",
+    "metadata_from_bytes",
+    "build_index",
+]
 
 
 # --- restricted unpickling ----------------------------------------------------------------------
@@ -46,7 +63,7 @@ class _MetadataUnpickler(SafeUnpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         key = (module, name)
-        found = _RECORDS.get(key) or _CALLS.get(key) or (TORCH_DTYPES.get(name) if module == "torch" else None)
+        found = _RECORDS.get(key) or _CALLS.get(key) or (torch_dtype(name) if module == "torch" else None)
         if found is None:
             raise RefusedError(unknown_global(module, name))
         return found
@@ -77,11 +94,11 @@ class _MetadataUnpickler(SafeUnpickler):
             object.__setattr__(obj, "__dict__", record_state(cls, state))
 
     def key_ok(self, key: Any) -> bool:
-        # storage_data's keys: hashing a MetadataIndex hashes (fqn, offset); offset is a torch.Size of ints
-        if type(key) is not dcp_metadata.MetadataIndex:
+        # storage_data's keys: hashing a MetadataIndex hashes (fqn, offset); offset is a Size of ints
+        if type(key) is not records.MetadataIndex:
             return False
         offset = getattr(key, "offset", None)
-        return type(getattr(key, "fqn", None)) is str and (offset is None or type(offset) is torch.Size)
+        return type(getattr(key, "fqn", None)) is str and (offset is None or type(offset) is records.Size)
 
 
 def check_metadata_size(size_bytes: int, path: Location | str | os.PathLike[str]) -> None:
@@ -96,8 +113,35 @@ def check_metadata_size(size_bytes: int, path: Location | str | os.PathLike[str]
         )
 
 
-def load_metadata(path: str | os.PathLike[str]) -> dcp_metadata.Metadata:
-    """Unpickle a ``.metadata`` file with the restricted unpickler (``_safe_pickle``).
+def load_metadata(path: str | os.PathLike[str]) -> Any:
+    """``load_records`` as torch's own ``Metadata``, as torch's ``pickle.load`` makes it (``_dcp_classes.as_torch``).
+
+    Imports ``torch.distributed.checkpoint``; reading a checkpoint uses ``load_records``.
+
+    Raises:
+        As ``load_records``.
+    """
+    return _as_torch(load_records(path), path)
+
+
+def metadata_from_bytes(data: bytes | mmap.mmap, path: str | os.PathLike[str]) -> Any:
+    """``records_from_bytes`` as torch's own ``Metadata`` (``load_metadata``).
+
+    Raises:
+        As ``load_records``.
+    """
+    return _as_torch(records_from_bytes(data, path), path)
+
+
+def _as_torch(metadata: records.Metadata, path: str | os.PathLike[str]) -> Any:
+    try:
+        return records.as_torch(metadata)
+    except RecursionError as e:
+        raise NotADcpCheckpointError(f"{path} nests containers too deeply for a DCP metadata file") from e
+
+
+def load_records(path: str | os.PathLike[str]) -> records.Metadata:
+    """Unpickle a ``.metadata`` file with the restricted unpickler (``_safe_pickle``), into inert records.
 
     The file (a regular file of at most ``METADATA_MAX_BYTES``) is memory-mapped, not read: a
     file that is not a pickle costs the pages parsed before it fails, not its size in memory. (One
@@ -107,7 +151,7 @@ def load_metadata(path: str | os.PathLike[str]) -> dcp_metadata.Metadata:
         path: the ``.metadata`` file.
 
     Returns:
-        The ``torch.distributed.checkpoint.metadata.Metadata`` object, type-checked at the top.
+        The ``Metadata`` record (``_dcp_classes``: torch's fields, no torch class), type-checked at the top.
 
     Raises:
         UnsafeContentError: the pickle asks for a global, call or opcode outside the allow-list.
@@ -124,17 +168,17 @@ def load_metadata(path: str | os.PathLike[str]) -> dcp_metadata.Metadata:
     except OSError as e:
         raise NotADcpCheckpointError(f"cannot read {path}: {e.strerror}") from e
     try:
-        return metadata_from_bytes(data, path)
+        return records_from_bytes(data, path)
     finally:
         if isinstance(data, mmap.mmap):
             data.close()  # nothing loaded refers to it: strings and ints are copies
 
 
-def metadata_from_bytes(data: bytes | mmap.mmap, path: str | os.PathLike[str]) -> dcp_metadata.Metadata:
-    """``load_metadata`` of bytes already read (a remote ``.metadata``); ``path`` names it in errors.
+def records_from_bytes(data: bytes | mmap.mmap, path: str | os.PathLike[str]) -> records.Metadata:
+    """``load_records`` of bytes already read (a remote ``.metadata``); ``path`` names it in errors.
 
     Raises:
-        As ``load_metadata``.
+        As ``load_records``.
     """
     check_metadata_size(len(data), path)
     unpickler = _MetadataUnpickler(data)
@@ -148,7 +192,7 @@ def metadata_from_bytes(data: bytes | mmap.mmap, path: str | os.PathLike[str]) -
         raise NotADcpCheckpointError(
             f"{path} has data after the end of its pickle (at byte {unpickler.end}); a DCP .metadata is one pickle"
         )
-    if not isinstance(obj, dcp_metadata.Metadata):
+    if not isinstance(obj, records.Metadata):
         raise NotADcpCheckpointError(f"{path} holds a {type(obj).__name__}, not DCP Metadata")
     return obj
 
@@ -174,7 +218,7 @@ def _name(value: Any, meta_path: Location, what: str) -> str:
 
 
 def _storage_fields(info: Any, meta_path: Location, fqn: str) -> tuple[str, int, int, tuple[str, ...]]:
-    if not isinstance(info, StorageInfo):
+    if not isinstance(info, records.StorageInfo):
         raise _bad(meta_path, f"storage record of {fqn} is a {type(info).__name__}")
     rel = getattr(info, "relative_path", None)
     offset = getattr(info, "offset", None)
@@ -207,7 +251,7 @@ def _obj_path(planner_data: Any, fqn: str, meta_path: Location) -> ObjPath:
 
 
 def build_index(
-    metadata: dcp_metadata.Metadata,
+    metadata: records.Metadata,
     checkpoint_id: Location,
     *,
     read_at: ReadAt | None = None,
@@ -220,7 +264,7 @@ def build_index(
     headers, read through ``read_at`` (the only data-file reads; none for other checkpoints).
 
     Args:
-        metadata: as returned by ``load_metadata``.
+        metadata: as returned by ``load_records``.
         checkpoint_id: the checkpoint folder (used for messages and as ``checkpoint_id``).
         read_at: reads a byte range of a data file (by its name relative to the folder).
         size_of: a data file's size in bytes.
@@ -257,7 +301,7 @@ def _check_disjoint_payloads(index: CheckpointIndex) -> None:
             for c in e.chunks:
                 if c.relative_path is not None:
                     ranges.setdefault(c.relative_path, []).append((c.offset_bytes, c.length_bytes, e.fqn))
-                    if c.transform_descriptors and c.length_bytes == c.numel * e.dtype.itemsize:
+                    if c.transform_descriptors and c.length_bytes == c.numel * e.itemsize:
                         both_options.add((c.relative_path, c.offset_bytes))
     for rel, spans in ranges.items():
         spans.sort()
@@ -270,7 +314,7 @@ def _check_disjoint_payloads(index: CheckpointIndex) -> None:
                 )
 
 
-def _build_index(metadata: dcp_metadata.Metadata, checkpoint_id: Location) -> CheckpointIndex:
+def _build_index(metadata: records.Metadata, checkpoint_id: Location) -> CheckpointIndex:
     meta_path = checkpoint_id / METADATA_FILENAME
     sd_meta = metadata.state_dict_metadata
     if not isinstance(sd_meta, Mapping):
@@ -280,7 +324,7 @@ def _build_index(metadata: dcp_metadata.Metadata, checkpoint_id: Location) -> Ch
     if not isinstance(storage_data, Mapping):
         raise _bad(meta_path, "storage_data is not a mapping")
     for key, info in storage_data.items():
-        if not isinstance(key, dcp_metadata.MetadataIndex) or not isinstance(key.fqn, str):
+        if not isinstance(key, records.MetadataIndex) or not isinstance(key.fqn, str):
             raise _bad(meta_path, f"a storage_data key is a {type(key).__name__}, not a MetadataIndex with an FQN")
         offset = None if key.offset is None else _int_tuple(key.offset, meta_path, f"offset of {key.fqn}")
         storage[(key.fqn, offset)] = info
@@ -295,7 +339,7 @@ def _build_index(metadata: dcp_metadata.Metadata, checkpoint_id: Location) -> Ch
         md = sd_meta[fqn]
         fqn = _name(fqn, meta_path, "the key")
         path = _obj_path(planner_data, fqn, meta_path)
-        if isinstance(md, dcp_metadata.BytesStorageMetadata):
+        if isinstance(md, records.BytesStorageMetadata):
             if (fqn, None) not in storage:
                 raise _bad(meta_path, f"bytes entry {fqn} has no storage record")
             rel, off, length, tr = _storage_fields(storage[(fqn, None)], meta_path, fqn)
@@ -304,19 +348,20 @@ def _build_index(metadata: dcp_metadata.Metadata, checkpoint_id: Location) -> Ch
                 BytesEntry(fqn=fqn, path=path, relative_path=rel, offset_bytes=off, length_bytes=length, transform_descriptors=tr)
             )
             continue
-        if not isinstance(md, dcp_metadata.TensorStorageMetadata):
+        if not isinstance(md, records.TensorStorageMetadata):
             raise _bad(meta_path, f"entry {fqn} has unknown metadata type {type(md).__name__}")
         shape = _int_tuple(md.size, meta_path, f"shape of {fqn}")
         dtype = getattr(md.properties, "dtype", None)
-        if not isinstance(dtype, torch.dtype):
+        if type(dtype) is not records.TorchDtype:
             raise _bad(meta_path, f"entry {fqn} has no torch dtype")
-        if dtype not in SUPPORTED_DTYPES:
-            raise _bad(meta_path, f"entry {fqn} has dtype {dtype}, which this tool does not handle")
+        itemsize = DTYPE_ITEMSIZES.get(dtype)
+        if itemsize is None:
+            raise _bad(meta_path, f"entry {fqn} has dtype torch.{dtype}, which this tool does not handle")
         if not isinstance(md.chunks, (list, tuple)):
             raise _bad(meta_path, f"chunks of {fqn} are not a list")
         chunks = []
         for chunk in md.chunks:
-            if not isinstance(chunk, dcp_metadata.ChunkStorageMetadata):
+            if not isinstance(chunk, records.ChunkStorageMetadata):
                 raise _bad(meta_path, f"a chunk of {fqn} is a {type(chunk).__name__}")
             offsets = _int_tuple(chunk.offsets, meta_path, f"chunk offsets of {fqn}")
             sizes = _int_tuple(chunk.sizes, meta_path, f"chunk sizes of {fqn}")
@@ -329,12 +374,12 @@ def _build_index(metadata: dcp_metadata.Metadata, checkpoint_id: Location) -> Ch
                 chunks.append(ChunkEntry(offsets=offsets, sizes=sizes, relative_path=None, offset_bytes=0, length_bytes=0))
                 continue
             rel, off, length, tr = _storage_fields(info, meta_path, fqn)
-            if math.prod(sizes) * dtype.itemsize > length and not tr:
+            if math.prod(sizes) * itemsize > length and not tr:
                 # a torch.save payload holds the raw elements; this one cannot (and a huge claimed
                 # shape must not make us allocate it)
                 raise _bad(
                     meta_path,
-                    f"chunk of {fqn} at offsets {shown(list(offsets))} claims {shown(list(sizes))} elements of {dtype}, "
+                    f"chunk of {fqn} at offsets {shown(list(offsets))} claims {shown(list(sizes))} elements of torch.{dtype}, "
                     "more than its payload holds",
                 )
             files.add(rel)
@@ -348,7 +393,7 @@ def _build_index(metadata: dcp_metadata.Metadata, checkpoint_id: Location) -> Ch
                     transform_descriptors=tr,
                 )
             )
-        entries.append(TensorEntry(fqn=fqn, path=path, shape=shape, dtype=dtype, chunks=tuple(chunks)))
+        entries.append(TensorEntry(fqn=fqn, path=path, shape=shape, dtype_name=str(dtype), chunks=tuple(chunks)))
 
     storage_meta = metadata.storage_meta
     save_id = getattr(storage_meta, "save_id", None)

@@ -24,12 +24,30 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import torch
-import torch.distributed.checkpoint.metadata as dcp_metadata
-import torch.distributed.checkpoint.planner as dcp_planner
-
+from fsdp_convert.formats._dcp_classes import (
+    MEM_FORMAT_ENCODING,
+    TORCH_TWINS,
+    BytesIOWriteData,
+    ChunkStorageMetadata,
+    MCoreMetadata,
+    MCoreSavePlan,
+    Metadata,
+    MetadataIndex,
+    SavePlan,
+    Size,
+    StorageInfo,
+    StoragePrefix,
+    TensorProperties,
+    TensorWriteData,
+    TorchDtype,
+    TorchLayout,
+    TorchMemoryFormat,
+    WriteItem,
+    WriteItemType,
+    torch_layout,
+    torch_size,
+)
 from fsdp_convert.formats._safe_pickle import VETTED_CALLS, MalformedError, shown
-from fsdp_convert.torch_compat import MEM_FORMAT_ENCODING, StorageInfo
 
 __all__ = [
     "RECORDS",
@@ -38,9 +56,6 @@ __all__ = [
     "CALLS",
     "CALL_BY_ID",
     "WRITERS",
-    "MCoreMetadata",
-    "MCoreSavePlan",
-    "StoragePrefix",
     "record_state",
     "unknown_global",
 ]
@@ -48,52 +63,14 @@ __all__ = [
 _DCP = "torch.distributed.checkpoint"
 _MCORE = "megatron.core.dist_checkpointing.strategies.torch"
 
-
-@dataclasses.dataclass
-class MCoreMetadata(dcp_metadata.Metadata):
-    """Megatron-Core 0.15's ``Metadata``: torch's fields plus ``mcore_data``.
-
-    ``mcore_data`` maps an FQN to ``{"nd_reformulated_orig_global_shape": shape}`` (or ``{}``).
-    """
-
-    mcore_data: dict[str, dict[str, Any]] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class MCoreSavePlan(dcp_planner.SavePlan):
-    """Megatron-Core 0.15's ``SavePlan``: torch's fields plus ``mcore_data`` (as ``MCoreMetadata``'s)."""
-
-    mcore_data: dict[str, dict[str, Any]] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class StoragePrefix:
-    """torch's private ``filesystem._StoragePrefix``: a plan's data file prefix (``"__0_"``), not imported."""
-
-    prefix: str
-
-
-_TORCH_RECORDS = {
-    f"{_DCP}.metadata": (
-        dcp_metadata.Metadata,
-        dcp_metadata.TensorStorageMetadata,
-        dcp_metadata.BytesStorageMetadata,
-        dcp_metadata.ChunkStorageMetadata,
-        dcp_metadata.TensorProperties,
-        dcp_metadata.MetadataIndex,
-        dcp_metadata.StorageMeta,
-    ),
-    f"{_DCP}.planner": (dcp_planner.SavePlan, dcp_planner.WriteItem, dcp_planner.TensorWriteData, dcp_planner.BytesIOWriteData),
-}
+# torch's records and scalars as inert classes: ``_dcp_classes``
 RECORDS: dict[tuple[str, str], type] = {
-    **{(module, cls.__name__): cls for module, classes in _TORCH_RECORDS.items() for cls in classes},
+    **{(module, cls.__name__): cls for cls, module in TORCH_TWINS.items()},
     (f"{_DCP}.filesystem", "_StoragePrefix"): StoragePrefix,
+    ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"): StorageInfo,
     (_MCORE, "MCoreMetadata"): MCoreMetadata,
     (_MCORE, "MCoreSavePlan"): MCoreSavePlan,
 }
-if StorageInfo is not None:  # None on a torch without it: check_torch says so, this module still imports
-    RECORDS[(f"{_DCP}.filesystem", "_StorageInfo")] = StorageInfo
-    RECORDS[("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo")] = StorageInfo
 # by id: a lookup must not hash what the pickle put on the stack (a deep tuple would crash it)
 RECORD_BY_ID = {id(cls): cls for cls in RECORDS.values()}
 _FIELDS = {cls: frozenset(f.name for f in dataclasses.fields(cls)) for cls in RECORDS.values()}
@@ -134,7 +111,7 @@ def unknown_global(module: str, name: str) -> str:
 
 Check = Callable[[Any], bool]
 _FLAT = (str, int, float, bool, type(None))
-_SEQUENCES = (tuple, list, torch.Size)
+_SEQUENCES = (tuple, list, Size)
 
 
 def _one_of(*types: type) -> Check:
@@ -168,32 +145,32 @@ def _mcore_data(value: Any) -> bool:
     )
 
 
-_PLANS = _list_of(dcp_planner.SavePlan, MCoreSavePlan)
+_PLANS = _list_of(SavePlan, MCoreSavePlan)
 _SAVE_PLAN: dict[str, Check] = {
-    "items": _list_of(dcp_planner.WriteItem),
+    "items": _list_of(WriteItem),
     "storage_data": _one_of(type(None), StoragePrefix),
     "planner_data": _key_paths,
     "usable": _one_of(bool),
 }
 _CHECKED: dict[type, dict[str, Check]] = {  # records whose fields are all checked; no other field is kept
-    dcp_planner.SavePlan: _SAVE_PLAN,
+    SavePlan: _SAVE_PLAN,
     MCoreSavePlan: {**_SAVE_PLAN, "mcore_data": _mcore_data},
-    dcp_planner.WriteItem: {
-        "index": _one_of(dcp_metadata.MetadataIndex),
-        "type": _one_of(dcp_planner.WriteItemType),
-        "bytes_io_data": _one_of(type(None), dcp_planner.BytesIOWriteData),
-        "tensor_data": _one_of(type(None), dcp_planner.TensorWriteData),
+    WriteItem: {
+        "index": _one_of(MetadataIndex),
+        "type": _one_of(WriteItemType),
+        "bytes_io_data": _one_of(type(None), BytesIOWriteData),
+        "tensor_data": _one_of(type(None), TensorWriteData),
     },
-    dcp_planner.TensorWriteData: {
-        "chunk": _one_of(dcp_metadata.ChunkStorageMetadata),
-        "properties": _one_of(dcp_metadata.TensorProperties),
-        "size": _one_of(torch.Size),
+    TensorWriteData: {
+        "chunk": _one_of(ChunkStorageMetadata),
+        "properties": _one_of(TensorProperties),
+        "size": _one_of(Size),
     },
-    dcp_planner.BytesIOWriteData: {"nbytes": _one_of(int)},
+    BytesIOWriteData: {"nbytes": _one_of(int)},
     StoragePrefix: {"prefix": _one_of(str)},
 }
 _KNOWN_EXTRAS: dict[type, dict[str, Check]] = {  # fields writers add to torch's records, checked when present
-    dcp_metadata.Metadata: {"all_local_plans": _PLANS},  # Megatron-Core's
+    Metadata: {"all_local_plans": _PLANS},  # Megatron-Core's
     MCoreMetadata: {"all_local_plans": _PLANS, "mcore_data": _mcore_data},
 }
 # records no check looks into: a state of only their fields needs no ``record_state`` (millions in a large .metadata)
@@ -210,7 +187,7 @@ def record_state(cls: type, state: Any) -> dict[str, Any]:
     Raises:
         MalformedError: ``state`` is not such a dict, or a checked field has a value of another type.
     """
-    if cls is dcp_metadata.TensorProperties and type(state) is tuple:
+    if cls is TensorProperties and type(state) is tuple:
         return _tensor_properties(state)
     if type(state) is not dict or not all(type(k) is str for k in state):
         raise MalformedError(f"state of a {cls.__name__} is not a dict of its fields")
@@ -228,9 +205,8 @@ def record_state(cls: type, state: Any) -> dict[str, Any]:
 # --- calls -------------------------------------------------------------------------------------------
 
 _MEMORY_FORMATS = {  # TensorProperties.__setstate__'s table: _MEM_FORMAT_ENCODING.TORCH_CHANNELS_LAST -> torch.channels_last
-    getattr(MEM_FORMAT_ENCODING, f"TORCH_{name.upper()}"): getattr(torch, name)
+    getattr(MEM_FORMAT_ENCODING, f"TORCH_{name.upper()}"): TorchMemoryFormat(name)
     for name in ("contiguous_format", "channels_last", "preserve_format")
-    if MEM_FORMAT_ENCODING is not None
 }
 
 
@@ -257,9 +233,11 @@ def _path(kind: type[pathlib.PurePath]) -> Callable[..., pathlib.PurePath]:
 
 
 CALLS: dict[tuple[str, str], Callable[..., Any]] = {
-    **VETTED_CALLS,
+    ("torch", "Size"): torch_size,
+    ("torch.serialization", "_get_layout"): torch_layout,  # a layout pickles as _get_layout("torch.strided")
+    ("collections", "OrderedDict"): VETTED_CALLS[("collections", "OrderedDict")],  # torch-free
     (f"{_DCP}.metadata", "_MEM_FORMAT_ENCODING"): _enum_member(MEM_FORMAT_ENCODING, "_MEM_FORMAT_ENCODING"),
-    (f"{_DCP}.planner", "WriteItemType"): _enum_member(dcp_planner.WriteItemType, "WriteItemType"),
+    (f"{_DCP}.planner", "WriteItemType"): _enum_member(WriteItemType, "WriteItemType"),
     ("pathlib", "PurePosixPath"): _path(pathlib.PurePosixPath),
     ("pathlib", "PosixPath"): _path(pathlib.PurePosixPath),
     ("pathlib", "Path"): _path(pathlib.PurePosixPath),
@@ -275,8 +253,8 @@ def _tensor_properties(state: tuple[Any, ...]) -> dict[str, Any]:
         raise MalformedError("TensorProperties state is not 5 values")
     dtype, layout, requires_grad, encoding, pin_memory = state
     if (
-        not isinstance(dtype, torch.dtype)
-        or not isinstance(layout, torch.layout)
+        type(dtype) is not TorchDtype
+        or type(layout) is not TorchLayout
         or type(requires_grad) is not bool
         or type(pin_memory) is not bool
         or type(encoding) is not MEM_FORMAT_ENCODING

@@ -26,21 +26,10 @@ import reprlib
 import struct
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-__all__ = [
-    "RefusedError",
-    "MalformedError",
-    "SafeUnpickler",
-    "shown",
-    "described",
-    "TORCH_DTYPES",
-    "TORCH_LAYOUTS",
-    "VETTED_CALLS",
-    "torch_size",
-]
+__all__ = ["RefusedError", "MalformedError", "SafeUnpickler", "shown", "described"]
+__all__ += ["TORCH_DTYPES", "TORCH_LAYOUTS", "VETTED_CALLS", "torch_size"]  # torch's, for rank files' unpickler
 
 _OPCODE_NAMES = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opcodes}
 # opcodes that call or look up code (classes, the copyreg registry, persistent_load): refused as
@@ -54,9 +43,22 @@ _shortrepr.maxstring = _shortrepr.maxother = 80
 _shortrepr.maxlong = 40
 
 
-# names are looked up in these tables, never with getattr(torch, name): torch.__getattr__ imports modules
-TORCH_DTYPES: dict[str, torch.dtype] = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
-TORCH_LAYOUTS: dict[str, torch.layout] = {f"torch.{name}": v for name, v in vars(torch).items() if isinstance(v, torch.layout)}
+if TYPE_CHECKING:  # names are looked up in these tables, never with getattr(torch, name): torch.__getattr__ imports modules
+    import torch
+
+    TORCH_DTYPES: dict[str, torch.dtype]
+    TORCH_LAYOUTS: dict[str, torch.layout]
+
+
+def __getattr__(name: str) -> Any:
+    """``TORCH_DTYPES`` and ``TORCH_LAYOUTS``, built with torch at first use (.metadata's unpickler needs no torch)."""
+    if name not in ("TORCH_DTYPES", "TORCH_LAYOUTS"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import torch
+
+    globals()["TORCH_DTYPES"] = {n: v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
+    globals()["TORCH_LAYOUTS"] = {f"torch.{n}": v for n, v in vars(torch).items() if isinstance(v, torch.layout)}
+    return globals()[name]
 
 
 class RefusedError(pickle.UnpicklingError):
@@ -80,13 +82,16 @@ def torch_size(dims: Any) -> torch.Size:
     """``torch.Size(dims)`` of a tuple or list of 64-bit ints; else MalformedError, TypeError or ValueError."""
     if type(dims) is not tuple and type(dims) is not list:
         raise MalformedError("a torch.Size of something other than a sequence")
+    import torch
+
     return torch.Size(dims)  # TypeError or ValueError unless every item is a 64-bit int
 
 
 def _layout(name: Any) -> torch.layout:
-    if type(name) is not str or name not in TORCH_LAYOUTS:
+    layouts: dict[str, torch.layout] = globals().get("TORCH_LAYOUTS") or __getattr__("TORCH_LAYOUTS")
+    if type(name) is not str or name not in layouts:
         raise MalformedError("an unknown torch layout")
-    return TORCH_LAYOUTS[name]
+    return layouts[name]
 
 
 def _ordered_dict(*args: Any) -> OrderedDict[Any, Any]:
@@ -126,9 +131,7 @@ class SafeUnpickler:
         self.end = 0  # after load(): the offset just past STOP, in bytes
         self._hashes: dict[int, Counter[int]] = {}  # id of a container -> keys per unsalted hash
 
-    # --- hooks ----------------------------------------------------------------------------------
-
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> Any:  # the hooks, then the interpreter
         """What GLOBAL / STACK_GLOBAL ``module.name`` pushes; refuses by default."""
         raise RefusedError(f"refusing global {shown(module)}.{shown(name)}")
 

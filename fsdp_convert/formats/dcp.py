@@ -40,7 +40,7 @@ from fsdp_convert.errors import (
     NotADcpCheckpointError,
     UnsafeContentError,
 )
-from fsdp_convert.formats._dcp_metadata import build_index, load_metadata, metadata_from_bytes
+from fsdp_convert.formats._dcp_metadata import build_index, load_metadata, load_records, records_from_bytes
 from fsdp_convert.formats._dcp_payloads import (
     BOTH_OPTIONS_HINT,
     DecodedPayload,
@@ -118,7 +118,7 @@ def read_dcp_index(checkpoint_id: str | os.PathLike[str]) -> CheckpointIndex:
         meta_url = location / METADATA_FILENAME
         if size_of(meta_url) is None:
             raise NotADcpCheckpointError(f"{location} has no {METADATA_FILENAME}; not a DCP checkpoint")
-        return _build(metadata_from_bytes(read_bytes(meta_url), meta_url), location)
+        return _build(records_from_bytes(read_bytes(meta_url), meta_url), location)
     root = location
     if not root.exists():
         raise CheckpointNotFoundError(f"{root} does not exist")
@@ -127,7 +127,7 @@ def read_dcp_index(checkpoint_id: str | os.PathLike[str]) -> CheckpointIndex:
     meta_path = root / METADATA_FILENAME
     if not meta_path.is_file():
         return _read_parent_folder(root)
-    index = _build(load_metadata(_metadata_path(root, root)), root)
+    index = _build(load_records(_metadata_path(root, root)), root)
     if (root / LIGHTNING_META_FILENAME).is_file():
         inside(root, root / LIGHTNING_META_FILENAME)  # read later (items.read_merged), copied by reshard
         index = dataclasses.replace(index, producer="lightning")
@@ -177,11 +177,11 @@ def _read_parent_folder(root: Path) -> CheckpointIndex:
     subs = metadata_subfolders(root)
     parts = [d for d in subs if _ACCELERATE_DIR_RE.match(d.name)]
     if parts:
-        indexes = [_build(load_metadata(_metadata_path(root, d)), d) for d in parts]
+        indexes = [_build(load_records(_metadata_path(root, d)), d) for d in parts]
         return _merge_indexes(root, indexes, "accelerate")
     if (root / OLMO_CORE_DIRNAME / METADATA_FILENAME).is_file():  # read as one checkpoint, as accelerate's
         olmo = _metadata_path(root, root / OLMO_CORE_DIRNAME).parent
-        return _merge_indexes(root, [_build(load_metadata(olmo / METADATA_FILENAME), olmo)], "olmo-core")
+        return _merge_indexes(root, [_build(load_records(olmo / METADATA_FILENAME), olmo)], "olmo-core")
     newest = _newest_torchtune_epoch(root, subs)
     if newest is not None:
         logger.info("%s: reading %s, the newest dist_epoch_<n> (the one torchtune resumes from)", root, newest.name)

@@ -11,17 +11,20 @@ the planner and the writers alike.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from fsdp_convert.errors import CoverageError
+from fsdp_convert.formats._paths import DictKey, ObjPath, dcp_key, flatten_with_paths, plain_path, unflatten
 from fsdp_convert.location import Location, Url
 
 __all__ = [
@@ -34,6 +37,7 @@ __all__ = [
     "Entry",
     "CheckpointIndex",
     "dtype_name",
+    "DTYPE_ITEMSIZES",
     "dcp_key",
     "DictKey",
     "plain_path",
@@ -53,9 +57,6 @@ MAX_ENTRIES = 1 << 22
 MAX_CHUNKS_PER_TENSOR = 1 << 20
 MAX_CORNERS = 1 << 20  # chunks x 2^(dims they split): check_coverage's work and memory
 MAX_PAIRS = 1 << 20  # box pairs compared to name two overlapping chunks (a corrupt checkpoint only)
-
-
-ObjPath = tuple[str | int, ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -90,23 +91,55 @@ class ChunkEntry:
         return math.prod(self.sizes)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True, init=False)
 class TensorEntry:
     """A tensor of the checkpoint: global shape and dtype, and its chunks.
+
+    The dtype is kept by name, so an index (``inspect``) needs no torch; ``dtype`` is the torch
+    dtype, resolved (and torch imported) at first use.
 
     Attributes:
         fqn: the flattened key as DCP stores it (e.g. ``model.layers.0.attn.wq.weight``).
         path: the key's path in the nested state dict the producer saved (from ``planner_data``).
         shape: global shape, in elements.
-        dtype: element type.
+        dtype_name: element type, as torch names it without ``torch.`` (``"bfloat16"``).
         chunks: the stored boxes, in ``.metadata`` order.
     """
 
     fqn: str
     path: ObjPath
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype_name: str
     chunks: tuple[ChunkEntry, ...]
+
+    def __init__(
+        self,
+        *,
+        fqn: str,
+        path: ObjPath,
+        shape: tuple[int, ...],
+        chunks: tuple[ChunkEntry, ...],
+        dtype: torch.dtype | None = None,
+        dtype_name: str | None = None,
+    ) -> None:
+        """Give ``dtype`` (a torch dtype) or ``dtype_name``; ``dtype`` wins (``dataclasses.replace(e, dtype=...)``)."""
+        if dtype is not None:
+            dtype_name = str(dtype).removeprefix("torch.")
+        if dtype_name is None:
+            raise TypeError("TensorEntry needs a dtype or a dtype_name")
+        for name, value in (("fqn", fqn), ("path", path), ("shape", shape), ("dtype_name", dtype_name), ("chunks", chunks)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Element type (imports torch at first use)."""
+        return _torch_dtype(self.dtype_name)
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element, without torch for the dtypes this tool handles."""
+        size = DTYPE_ITEMSIZES.get(self.dtype_name)
+        return size if size is not None else self.dtype.itemsize
 
     @property
     def numel(self) -> int:
@@ -116,7 +149,7 @@ class TensorEntry:
     @property
     def nbytes(self) -> int:
         """Size of the full tensor in memory, in bytes."""
-        return self.numel * self.dtype.itemsize
+        return self.numel * self.itemsize
 
     @property
     def stored_bytes(self) -> int:
@@ -212,132 +245,31 @@ class CheckpointIndex:
         return (e for e in self.entries if isinstance(e, TensorEntry))
 
 
+# the dtypes this tool handles (constants.SUPPORTED_DTYPES, by name) and their element sizes in
+# bytes (``torch.dtype.itemsize``): an index is sized without torch
+DTYPE_ITEMSIZES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,
+    "complex128": 16, "complex64": 8, "complex32": 4,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+    "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
+}  # fmt: skip
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``, as JSON output and tables write dtypes."""
+    """``torch.bfloat16`` -> ``"bfloat16"``, as JSON output and tables write dtypes (``TensorEntry.dtype_name``)."""
     return str(dtype).removeprefix("torch.")
 
 
-def dcp_key(path: ObjPath) -> str:
-    """DCP's flattened key of a nested path: its elements joined by dots (``optim.param_groups.0.lr``)."""
-    return ".".join(str(p) for p in path)
+@functools.cache
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
 
-
-class DictKey(int):
-    """An ``int`` path element that keys a dict rather than indexing a list (optimizer state by id).
-
-    DCP's paths cannot tell ``{"state": {0: ...}}`` from a list; the transform marks the ids it
-    makes, and ``unflatten`` returns them as plain ``int`` keys.
-    """
-
-    __slots__ = ()
-
-
-def plain_path(path: ObjPath) -> ObjPath:
-    """``path`` as DCP's ``planner_data`` records it: dict keys as strings (``DictKey(0)`` -> ``"0"``).
-
-    torch's ``unflatten_state_dict`` then rebuilds a dict, not a list, from them.
-    """
-    return tuple(str(int(p)) if isinstance(p, DictKey) else p for p in path)
-
-
-def flatten_with_paths(obj: Mapping[Any, Any]) -> dict[str, tuple[ObjPath, Any]]:
-    """Flatten a nested state dict as DCP's ``flatten_state_dict`` does: dotted key -> (path, value).
-
-    Dicts are always walked; lists only when they hold tensors or containers that do
-    (``torch/distributed/checkpoint/_traverse.py``); anything else is a value. The path is the
-    value's place in the nested dict, as DCP records it in ``planner_data``; an ``int`` dict key
-    becomes a ``DictKey`` (so ``unflatten`` gives back ``{0: ...}``, not ``{"0": ...}``).
-
-    Raises:
-        ValueError: a dict key that is neither a string nor an integer, or two paths with the same
-            dotted key (``{"a.b": x, "a": {"b": y}}``); the message names the key.
-    """
-    flat: dict[str, tuple[ObjPath, Any]] = {}
-
-    def terminal(value: Any) -> bool:
-        if isinstance(value, Mapping):
-            return False
-        if not isinstance(value, list):
-            return True
-        return not any(isinstance(v, torch.Tensor) or (isinstance(v, (Mapping, list)) and not terminal(v)) for v in value)
-
-    def element(path: ObjPath, key: Any) -> str | int:
-        if isinstance(key, str):
-            return key
-        if isinstance(key, int) and not isinstance(key, bool):
-            return DictKey(key)
-        where = dcp_key(path) or "the top level"
-        raise ValueError(f"key {key!r} under {where} is a {type(key).__name__}, not a string or integer")
-
-    def visit(path: ObjPath, value: Any) -> None:
-        if isinstance(value, Mapping):
-            for k, v in value.items():
-                visit((*path, element(path, k)), v)
-        elif terminal(value):
-            key = dcp_key(path)
-            if key in flat:
-                raise ValueError(f"two entries flatten to the key {key!r} ({flat[key][0]!r} and {path!r})")
-            flat[key] = (path, value)
-        else:
-            for i, v in enumerate(value):
-                visit((*path, i), v)
-
-    for key, value in obj.items():
-        visit((element((), key),), value)
-    return flat
-
-
-def unflatten(items: Iterable[tuple[ObjPath, Any]]) -> dict[str, Any]:
-    """Rebuild the nested state dict from (path, value) pairs, as DCP's ``unflatten_state_dict``.
-
-    A path element that is an ``int`` indexes a list (``("optim", "param_groups", 0, "lr")``);
-    a ``str`` or ``DictKey`` element keys a dict. Lists come out dense, in index order.
-
-    Raises:
-        ValueError: two paths disagree on whether a level is a list or a dict, a path is given
-            twice or runs through another's value, a list index is missing, or an int does not
-            fit in 64 bits (names the path).
-    """
-    root: dict[Any, Any] = {}
-    list_nodes: set[int] = set()  # ids of dicts that stand for lists (int keys)
-    for path, value in items:
-        node = root
-        for i, key in enumerate(path):
-            is_index = isinstance(key, int) and not isinstance(key, DictKey)
-            if isinstance(key, int) and not -(1 << 63) <= key < 1 << 63:  # past that, ints can share a hash
-                raise ValueError(f"path {dcp_key(path[:i])[:200]!r} has a key at level {i} that does not fit in 64 bits")
-            if node and is_index != (id(node) in list_nodes):
-                raise ValueError(f"path {path!r} mixes list and dict keys at level {i}")
-            if is_index:
-                list_nodes.add(id(node))
-            if i == len(path) - 1:
-                if key in node:
-                    raise ValueError(f"path {path!r} is given twice, or also holds other values")
-                node[key] = _Leaf(value)
-            else:
-                node = node.setdefault(key, {})
-                if isinstance(node, _Leaf):
-                    raise ValueError(f"path {path!r} runs through a value at level {i}")
-    nested: dict[str, Any] = _densify(root, list_nodes)
-    return nested
-
-
-class _Leaf:
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-def _densify(node: Any, list_nodes: set[int]) -> Any:
-    if isinstance(node, _Leaf):
-        return node.value
-    if id(node) in list_nodes:
-        keys = sorted(node)
-        if keys != list(range(len(keys))):
-            raise ValueError(f"list indices {_at(tuple(keys))} are not 0..{len(keys) - 1}")
-        return [_densify(node[k], list_nodes) for k in keys]
-    return {int(k) if isinstance(k, DictKey) else k: _densify(v, list_nodes) for k, v in node.items()}
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"torch {torch.__version__} has no dtype {name!r}")
+    return dtype
 
 
 def _at(values: tuple[int, ...]) -> str:

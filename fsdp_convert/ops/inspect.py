@@ -9,7 +9,7 @@ from typing import Any
 
 from fsdp_convert.formats import open_checkpoint
 from fsdp_convert.formats.dcp import payload_formats
-from fsdp_convert.formats.index import Location, TensorEntry, dtype_name
+from fsdp_convert.formats.index import Location, TensorEntry
 from fsdp_convert.producers import detect_producer
 from fsdp_convert.roles import GROUPS, Group, classify
 
@@ -137,7 +137,7 @@ def inspect_checkpoint(checkpoint_id: str | os.PathLike[str], *, follow_symlinks
                     group=slot.group_name,
                     kind="tensor",
                     shape=e.shape,
-                    dtype=dtype_name(e.dtype),
+                    dtype=e.dtype_name,
                     chunks=len(e.chunks),
                     chunks_per_dim=chunks_per_dim(e),
                     nbytes=e.nbytes,

@@ -31,21 +31,11 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
 from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.errors import InvalidOptionError
 from fsdp_convert.formats.index import ObjPath, plain_path
 from fsdp_convert.location import open_inside
-from fsdp_convert.torch_compat import StorageInfo
 
 __all__ = [
     "DcpFolder",
@@ -166,6 +156,19 @@ def write_metadata(folder: Path, entries: Sequence[MetadataEntry], stored: Seque
     Raises:
         FileExistsError: ``.metadata`` is already there.
     """
+    # DCP's own classes, for torch's pickle.load to read; imported here, not at start-up (~0.5 s)
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from fsdp_convert.torch_compat import StorageInfo
+
     state_dict_metadata: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     for e in entries:
         if e.dtype is None or e.shape is None:

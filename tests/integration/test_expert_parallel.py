@@ -81,6 +81,9 @@ def test_expert_parallel_checkpoint_consolidates_to_the_runs_full_state(ep_runs:
     assert (info.producer, info.world_size) == ("torchtitan", EP_WORLD_SIZE)
     grid = {e.fqn: e.chunks_per_dim for e in info.entries}
     assert grid[EXPERT_WEIGHTS[0]] == ((4, 1, 1) if num_experts == 4 else (2, 2, 1))
+    shown = CliRunner().invoke(app, ["inspect", str(ckpt), "--wide"])  # the table shows the expert cut
+    cut = "4 (dim 0: 1 of 4 experts each)" if num_experts == 4 else "2 x 2 (dim 0: 1 of 2 experts each, dim 1)"
+    assert shown.exit_code == 0 and cut in shown.output, shown.output
 
     out = tmp_path / "full.pt"
     fsdp_convert.consolidate(ckpt, out, nproc=1, verify_output=True)
