@@ -18,14 +18,14 @@ from __future__ import annotations
 import math
 import os
 import threading
-import zlib
 
 import torch
 
-from fsdp_convert._pagecache import PageCache
+from fsdp_convert._pagecache import PageCache, ReadMapping
 from fsdp_convert.derive import Derived, Input, Segment, concat, row_span
 from fsdp_convert.errors import CorruptChunkError, ShapeMismatchError
 from fsdp_convert.formats import Reader
+from fsdp_convert.formats.crc import crc32
 from fsdp_convert.formats.index import ChunkEntry, TensorEntry
 from fsdp_convert.formats.reader import StoredBytes
 
@@ -93,6 +93,9 @@ class ChunkReads:
         self._buffers: list[bytearray] = [bytearray(0), bytearray(0)]
         self._verified: set[tuple[int, int]] = set()  # (fd, offset) of the chunks read through for their CRC-32
         self._located: dict[tuple[str, tuple[int, ...]], StoredBytes | None] = {}
+        self._mapping: ReadMapping | None = None  # the piece ``piece`` last mapped, and where it lies
+        self._mapped = (0, 0, 0)
+        self._map_reads = True  # False once a data file could not be mapped: pieces are read into buffers
 
     def buffer(self, which: int, nbytes: int) -> memoryview:
         """The first ``nbytes`` of buffer ``which`` (0: output, 1: chunk rows); valid until its next call.
@@ -120,7 +123,7 @@ class ChunkReads:
             raise InterruptedError("stopped")
 
     def verify(self, stored: StoredBytes) -> None:
-        """Check a chunk's stored CRC-32 by reading it through (for a chunk copied only in part), in buffer 1.
+        """Check a chunk's stored CRC-32 by reading it through (for a chunk copied only in part), piece by piece.
 
         Raises:
             CorruptChunkError: the CRC-32 differs, or the file is shorter than the record.
@@ -128,14 +131,50 @@ class ChunkReads:
         if stored.crc32 is None or (stored.fd, stored.offset) in self._verified:
             return  # nothing to check, or checked already (a chunk holding several experts, each its own tensor)
         crc, done = 0, 0
-        while done < stored.nbytes:
-            self.check_stop()
-            view = self.buffer(1, min(self.piece_bytes, stored.nbytes - done))
-            self.read_exact(stored, view, done)
-            crc = zlib.crc32(view, crc)
-            done += len(view)
+        try:
+            while done < stored.nbytes:
+                self.check_stop()
+                view = self.piece(stored, done, min(self.piece_bytes, stored.nbytes - done), 1)
+                crc = crc32(view, crc)
+                done += len(view)
+        finally:
+            self.done_piece()
         check_crc(stored, crc)
         self._verified.add((stored.fd, stored.offset))
+
+    def piece(self, stored: StoredBytes, at: int, nbytes: int, which: int = 0) -> memoryview:
+        """Bytes ``[at, at + nbytes)`` (``nbytes`` > 0) of a located chunk, read-only; valid until ``done_piece``.
+
+        Mapped from the page cache in place (``_pagecache.ReadMapping``: no copy), or read into
+        buffer ``which`` where the data file cannot be mapped. Call ``done_piece`` once done with it.
+
+        Raises:
+            CorruptChunkError: the file is shorter than the record (it changed while it was read).
+        """
+        self.done_piece()
+        start = stored.offset + at
+        if self._map_reads:
+            try:
+                self._mapping = ReadMapping(stored.fd, start, nbytes)
+            except ValueError:
+                raise CorruptChunkError(
+                    f"{stored.where}: short read (the file ends before byte {start + nbytes}); the file changed while it was read"
+                ) from None
+            except OSError:
+                self._map_reads = False  # a file that cannot be mapped: read into buffers from now on
+            else:
+                self._mapped = (stored.fd, start, nbytes)
+                return self._mapping.view
+        view = self.buffer(which, nbytes)
+        self.read_exact(stored, view, at)
+        return view
+
+    def done_piece(self) -> None:
+        """Unmap the piece ``piece`` mapped last, if any (then drop it from the page cache, with ``drop_cache``)."""
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None
+            self.cache.read(*self._mapped)
 
     def read_exact(self, stored: StoredBytes, view: memoryview, at: int) -> None:
         """Fill ``view`` with the located chunk's bytes from ``at`` (bytes from the record's start).
@@ -193,7 +232,7 @@ class ChunkSource:
         view = self.mover.buffer(1, (b - a) * row_bytes)
         self.mover.read_exact(self.stored, view, a * row_bytes)
         if a <= self.done_to < b:
-            self.crc = zlib.crc32(view[(self.done_to - a) * row_bytes :], self.crc)
+            self.crc = crc32(view[(self.done_to - a) * row_bytes :], self.crc)
             self.done_to = b
             if b == c_rows and not self.checked:
                 check_crc(self.stored, self.crc)
@@ -346,7 +385,7 @@ def move_derived(
         at = offset + (r0 - begin) * row_elems * dtype.itemsize
         pwrite_all(fd, out, at)
         mover.cache.wrote(fd, at, len(out))
-        runs.append((at, len(out), zlib.crc32(out)))
+        runs.append((at, len(out), crc32(out)))
     for reader in readers:
         reader.finish()
     return runs

@@ -35,7 +35,6 @@ import importlib
 import json
 import os
 import struct
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -44,6 +43,7 @@ import torch
 
 from fsdp_convert.constants import METADATA_FILENAME, SAFETENSORS_TO_TORCH
 from fsdp_convert.errors import CheckpointError, CorruptChunkError, NotADcpCheckpointError, UnsupportedTransformError
+from fsdp_convert.formats.crc import crc32
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Entry, TensorEntry
 from fsdp_convert.signals import torch_call
 from fsdp_convert.torch_compat import stream_transform_from
@@ -388,7 +388,7 @@ class DecodedPayload(contextlib.closing["DecodedPayload"]):
             crc, at, end = 0, record.data_offset, record.data_offset + record.size
             while at < end:
                 piece = os.pread(self.fd, min(_DECODE_PIECE_BYTES, end - at), at)
-                crc, at = zlib.crc32(piece, crc), at + len(piece)
+                crc, at = crc32(piece, crc), at + len(piece)
             if crc != record.crc32:
                 raise CorruptChunkError(
                     f"{where}: CRC-32 mismatch in record {record.short_name} (stored {record.crc32:#010x}, "

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import io
 import os
-import zlib
 from typing import Any
 
+from fsdp_convert.formats.crc import crc32
 from fsdp_convert.zip_records import ZipRecord
 
 __all__ = ["ByteRangeFile", "RecordHash"]
@@ -36,7 +36,7 @@ class ByteRangeFile(io.RawIOBase):
 
     Reads use ``os.preadv`` into the caller's buffer, so several readers can share one
     descriptor and nothing outside the range is ever read. Given the zip records of the payload,
-    it also hashes each record's data as it passes (``zlib.crc32``, several GB/s), so checking
+    it also hashes each record's data as it passes (``formats.crc.crc32``, ISA-L's, 15 GB/s or more), so checking
     CRC-32s costs no extra read.
 
     Args:
@@ -102,7 +102,7 @@ class ByteRangeFile(io.RawIOBase):
             if lo >= hi:
                 continue
             if lo == h.done_to and h.in_order:
-                h.crc = zlib.crc32(view[lo - begin : hi - begin], h.crc)
+                h.crc = crc32(view[lo - begin : hi - begin], h.crc)
                 h.done_to = hi
             elif hi > h.done_to:
                 h.in_order = False  # re-read once at the end
@@ -124,7 +124,7 @@ class ByteRangeFile(io.RawIOBase):
                 data = self.pread(min(end - h.done_to, 16 << 20), h.done_to)
                 if not data:
                     break
-                h.crc = zlib.crc32(data, h.crc)
+                h.crc = crc32(data, h.crc)
                 h.done_to += len(data)
             if h.crc != h.record.crc32:
                 bad.append((h.record, h.crc))

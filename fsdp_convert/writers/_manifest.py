@@ -42,12 +42,12 @@ import os
 import re
 import shutil
 import threading
-import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_convert.errors import OutputWriteError
+from fsdp_convert.formats.crc import crc32
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex
 from fsdp_convert.location import open_inside
 from fsdp_convert.writers._nofollow import open_in, refuse_link
@@ -310,7 +310,7 @@ def _crc_of(path: Path, offset: int, nbytes: int) -> int | None:
             data = os.pread(fd, min(_READ_BYTES, offset + nbytes - at), at)
             if not data:
                 return None
-            crc = zlib.crc32(data, crc)
+            crc = crc32(data, crc)
             at += len(data)
         return crc
     finally:

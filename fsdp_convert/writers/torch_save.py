@@ -29,13 +29,13 @@ import math
 import os
 import pickle
 import sys
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from fsdp_convert.formats.crc import crc32
 from fsdp_convert.formats.index import ObjPath, unflatten
 from fsdp_convert.signals import torch_call
 from fsdp_convert.torch_compat import (
@@ -294,7 +294,7 @@ def _write_tensor_bytes(fd: int, tensor: torch.Tensor, offset: int) -> int:
     view = raw
     while view:
         view = view[os.pwrite(fd, view, offset + len(raw) - len(view)) :]
-    return zlib.crc32(raw)
+    return crc32(raw)
 
 
 @dataclass(frozen=True, slots=True)
