@@ -1,23 +1,27 @@
 """--adapter on torchtitan's own gpt-oss: to Hugging Face names and back, bit for bit as torchtitan's own adapter.
 
 The checkpoint is tests._gpt_oss's (torchtitan 0.3.0's gpt-oss model code at a tiny size: 2
-layers of biased Q/K/V/O with sinks and a 4-expert MoE with biases; FSDP2 on 2 CPU ranks,
-``dcp.save`` of ``get_model_state_dict``, untrained: no CPU backward for its attention); its truth is
-the model's full state dict, gathered. ``consolidate --adapter torchtitan-gpt-oss-to-hf`` must be
-exactly what torchtitan's ``GptOssStateDictAdapter.to_hf`` makes of it, the experts included
-(torchtitan's map spells them without the model's ``_EGD``-style suffixes, so its ``to_hf`` of the
-model's own names drops them); ``reshard --adapter hf-to-torchtitan-gpt-oss`` of that folder
-exactly its ``from_hf``, so the run's model again. transformers' ``GptOssForCausalLM`` loads every
-weight but the expert matrices from the folder: torchtitan writes those in the MXFP4 checkpoint's
-``(out, in)`` layout under its ``*_blocks`` names, transformers wants ``(in, out)`` ``gate_up_proj``.
+layers of biased Q/K/V/O with sinks and a 4-expert MoE with biases; FSDP2 on 2 CPU ranks, 2 AdamW
+steps on synthetic gradients (no CPU backward for its attention), ``dcp.save`` of the model state
+dict with the optimizer's beside it); its truth is the full model and optimizer state, gathered.
+``consolidate --adapter torchtitan-gpt-oss-to-hf`` must be exactly what torchtitan's
+``GptOssStateDictAdapter.to_hf`` makes of it, the experts included (torchtitan's map spells them
+without the model's ``_EGD``-style suffixes, so its ``to_hf`` of the model's own names drops them);
+``reshard --adapter hf-to-torchtitan-gpt-oss`` of that folder exactly its ``from_hf``, so the run's
+model again. transformers' ``GptOssForCausalLM`` loads every weight but the expert matrices from the
+folder: torchtitan writes those in the MXFP4 checkpoint's ``(out, in)`` layout under its
+``*_blocks`` names, transformers wants ``(in, out)`` ``gate_up_proj``. With those transposed,
+transformers' logits are torchtitan's forward's within float32 rounding.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -25,10 +29,12 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+import fsdp_convert
 from fsdp_convert.adapters.gpt_oss import from_hf, to_hf
 from fsdp_convert.cli.app import app
 from fsdp_convert.derive import TensorInfo
 from fsdp_convert.errors import UnsupportedTransformError
+from tests._compare import assert_same_state
 from tests._dist import run_ranks
 from tests._frameworks import preload
 from tests._gpt_oss import (
@@ -40,6 +46,9 @@ from tests._gpt_oss import (
     GO_KV_HEADS,
     GO_LAYERS,
     GO_VOCAB,
+    GO_WINDOW,
+    GO_YARN,
+    go_build,
     go_model_config,
     go_run,
 )
@@ -75,10 +84,14 @@ def _hf_config() -> dict[str, Any]:
         "head_dim": GO_HEAD_DIM,
         "num_local_experts": GO_EXPERTS,
         "num_experts_per_tok": 2,
-        "sliding_window": 128,
+        "sliding_window": GO_WINDOW,
         "layer_types": ["sliding_attention", "full_attention"],
-        "max_position_embeddings": 64,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0},
+        "max_position_embeddings": 131072,  # gpt-oss-20b's: YaRN's 32 x 4096
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, **GO_YARN},
+        "rms_norm_eps": 1e-5,  # torchtitan's RMSNorm default
+        "swiglu_alpha": 1.702,  # torchtitan's swiglu default
+        "swiglu_limit": 7.0,  # torchtitan's GptOssGroupedExperts default
+        "attention_bias": True,
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
     }
@@ -99,7 +112,7 @@ def test_torchtitan_gpt_oss_to_hf_and_back(
     from torchtitan.models.gpt_oss.state_dict_adapter import GptOssStateDictAdapter
     from transformers import GptOssForCausalLM
 
-    truth = torch.load(go_checkpoint / "truth.pt", weights_only=True)
+    truth = torch.load(go_checkpoint / "truth.pt", weights_only=True)["model"]
     assert any(k.endswith("mlp1_weight_EGD") for k in truth) and any(k.endswith("attention.sinks") for k in truth)
     config = tmp_path / "config.json"
     config.write_text(json.dumps(_hf_config()))
@@ -171,3 +184,119 @@ def test_gpt_oss_to_hf_reads_the_expert_names_torchtitans_map_spells() -> None:
         for w in ("gate_up_proj_blocks", "gate_up_proj_bias", "down_proj_blocks", "down_proj_bias")
     )
     assert all(got[k].inputs[0].fqn == t.fqn for k, t in zip(got, titan, strict=True))
+
+
+def test_gpt_oss_checkpoint_holds_the_runs_trained_model_and_optimizer_state(go_checkpoint: Path, tmp_path: Path) -> None:
+    """The adapters above run on a non-initial state: ``GO_STEPS`` AdamW steps on synthetic gradients
+    (tests._gpt_oss: no CPU backward through FlexAttention), saved beside the model as torchtitan does;
+    a plain consolidate gives the run's model and optimizer state bit for bit."""
+    truth = torch.load(go_checkpoint / "truth.pt", weights_only=True)
+    initial = dict(go_build(seed=4321).named_parameters())
+    assert len(initial) == len(truth["optim"]["state"]) and initial.keys() <= truth["model"].keys()
+    assert not any(torch.equal(truth["model"][k], v) for k, v in initial.items())  # every weight stepped
+    assert all(int(s["step"]) == 2 for s in truth["optim"]["state"].values())
+    out = tmp_path / "full.pt"
+    fsdp_convert.consolidate(go_checkpoint / "checkpoint", out, nproc=1)
+    got = torch.load(out, weights_only=True)
+    want = {"model": truth["model"], "optimizer": truth["optim"]}
+    n = assert_same_state({k: got[k] for k in want}, want)
+    assert n == len(truth["model"]) + 3 * len(truth["optim"]["state"])
+
+
+_BATCH = torch.randint(0, GO_VOCAB, (2, 128), generator=torch.Generator().manual_seed(5))
+# gpt-oss's 7.0 never binds at this size (expert pre-activations are ~0.2): the logits test sets both models' limit here
+_SWIGLU_LIMIT = 0.1
+
+
+def _titan_logits(model_state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """torchtitan's own gpt-oss forward of ``_BATCH`` (``(2, L)`` token ids) from ``model_state``:
+    logits ``(2, L, GO_VOCAB)``, float32.
+
+    Two seams are lifted, no model code replaced: its FlexAttention runs eagerly (torch's reference
+    ``flex_attention`` and ``create_block_mask``, the functions it compiles: inductor on CPU has no
+    ``return_lse``, which the sinks need; compiling the mask costs seconds), and its experts'
+    ``.bfloat16()`` casts are no-ops, so the grouped matmuls run in float32 as transformers' do
+    (kept, a float32 forward fails on CPU: the bfloat16 expert output meets the float32 combine
+    buffer in ``scatter_add``)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torchtitan.models.common import attention
+
+    model = go_build(seed=0)
+    model.load_state_dict(model_state, strict=True)
+    model.eval()
+    for layer in model.layers.values():  # GptOssGroupedExperts.Config.swiglu_limit, as built
+        layer.moe.routed_experts.inner_experts.swiglu_limit = _SWIGLU_LIMIT
+    positions = torch.arange(_BATCH.shape[1]).expand(_BATCH.shape[0], -1)
+    with ExitStack() as stack, torch.no_grad():
+        stack.enter_context(mock.patch.object(attention.FlexAttention, "_compiled_flex_attn", flex_attention))
+        stack.enter_context(mock.patch.object(attention, "_compiled_create_block_mask", create_block_mask))
+        stack.enter_context(mock.patch.object(torch.Tensor, "bfloat16", lambda self: self))
+        logits = model(_BATCH, attention_masks=model.get_attention_masks(positions))
+    assert isinstance(logits, torch.Tensor) and logits.dtype == torch.float32
+    return logits
+
+
+def _hf_logits(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``GptOssForCausalLM`` (eager attention and experts, float32) from ``folder``:
+    logits ``(2, L, GO_VOCAB)`` of ``_BATCH``, then the same with the swiglu limit at 7.0. The
+    expert matrices, which it does not read from the folder's ``*_blocks`` names, are those tensors
+    transposed."""
+    from transformers import GptOssForCausalLM
+
+    weights = load_file(folder / "model.safetensors")
+    model = GptOssForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+    )
+    with torch.no_grad():
+        for n, layer in enumerate(model.model.layers):
+            experts = layer.mlp.experts
+            experts.gate_up_proj.copy_(weights[f"model.layers.{n}.mlp.experts.gate_up_proj_blocks"].transpose(1, 2))
+            experts.down_proj.copy_(weights[f"model.layers.{n}.mlp.experts.down_proj_blocks"].transpose(1, 2))
+        logits = model(_BATCH).logits
+        for layer in model.model.layers:
+            layer.mlp.experts.limit = 7.0
+        unclamped = model(_BATCH).logits
+    assert logits.shape == (*_BATCH.shape, GO_VOCAB) and logits.dtype == torch.float32
+    return logits, unclamped
+
+
+def test_gpt_oss_hf_export_gives_torchtitans_logits(go_checkpoint: Path, tmp_path: Path, runner: CliRunner) -> None:
+    """``from_pretrained`` of the ``torchtitan-gpt-oss-to-hf`` folder (transformers' ``GptOssForCausalLM``,
+    eager attention and experts, float32) gives torchtitan's logits on a fixed batch that crosses the
+    sliding window 32 times over 128 tokens, within float32 rounding: a max difference at most 1e-5
+    of the largest logit, about 80 float32 epsilons (2^-23); about 2 are measured, and each feature
+    broken alone on one side measured 2.6e-5 (YaRN's ``beta_slow`` 1 -> 2) to 0.3 (window off by one,
+    gate/up de-interleaved). Covered: sinks, window, YaRN (factor 32, its attention factor folded
+    into torchtitan's softmax scale), the biased router (softmax then top-2 renormalised against
+    top-2 then softmax) and experts, interleaved gate/up with alpha 1.702 and a clamp
+    (``swiglu_limit``, set to ``_SWIGLU_LIMIT`` in both so that it binds), no MXFP4.
+
+    Where no config makes the two the same model, the comparison says so and bridges it:
+    - the expert matrices: torchtitan's ``to_hf`` writes them as ``gate_up_proj_blocks`` ``(E, 2F, D)``
+      and ``down_proj_blocks`` ``(E, D, F)`` (MXFP4's names and row layout, unquantized), which
+      transformers' unquantized GptOss does not read (it wants ``gate_up_proj`` ``(E, D, 2F)``,
+      ``down_proj`` ``(E, F, D)``): the test loads the folder's own ``*_blocks`` tensors, transposed;
+    - ``moe.expert_bias_E`` (load-balancing bias, used for top-k selection only) has no HF
+      counterpart and is left out of the folder: the run's nonzero bias routes tokens differently, so
+      torchtitan's forward is taken with it zeroed (and shown to differ with it);
+    - torchtitan's ``GptOssGroupedExperts.forward`` casts tokens and expert weights to bfloat16 for its
+      grouped matmuls (training runs under FSDP2's bfloat16 ``param_dtype``); transformers computes
+      them in the model's dtype: the comparison lifts that cast (``_titan_logits``). Both models in
+      bfloat16 are no stable reference: a rounding flips a top-2 choice among near-tied experts.
+    """
+    truth = torch.load(go_checkpoint / "truth.pt", weights_only=True)["model"]
+    hf = tmp_path / "hf"
+    adapter = ["--adapter", "torchtitan-gpt-oss-to-hf", "--nproc", "1"]
+    result = runner.invoke(app, ["consolidate", str(go_checkpoint / "checkpoint"), str(hf), *adapter])
+    assert result.exit_code == 0, result.output
+    (hf / "config.json").write_text(json.dumps({**_hf_config(), "swiglu_limit": _SWIGLU_LIMIT}))
+
+    unbiased = {k: torch.zeros_like(v) if k.endswith("expert_bias_E") else v for k, v in truth.items()}
+    want, unclamped = _hf_logits(hf)
+    assert (unclamped - want).abs().max() > 1e-2  # the limit binds
+    scale = want.abs().max()
+    diff = (_titan_logits(unbiased) - want).abs().max() / scale
+    biased_diff = (_titan_logits(truth) - want).abs().max() / scale
+    print(f"gpt-oss logits: max |torchtitan - HF| = {diff:.3g} x max |logit| ({scale:.3g}); {biased_diff:.3g} with the bias")
+    assert diff <= 1e-5
+    assert biased_diff > 1e-2  # the buffer the folder leaves out changes the model: it is not a no-op here
