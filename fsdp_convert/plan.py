@@ -6,6 +6,7 @@ chunks that do not tile their tensor) is caught here, before a tensor is read.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -41,7 +42,6 @@ MIN_BYTES_PER_WORKER = 2 << 30  # below this a worker's start-up (forkserver, la
 THREADS_PER_WORKER = 2  # mover threads per process: one's read overlaps the other's write
 MAX_PIECE_BYTES = 32 << 20  # larger buffers than this gain nothing per read or write
 MIN_PIECE_BYTES = 64 << 10
-STRIPE_BYTES = 64 << 20  # workers take turns at stripes of the output this long
 WAVE_BYTES = 2 << 30  # an output to object storage is written in waves of files this large (or one larger file)
 
 
@@ -96,26 +96,23 @@ class WorkPlan:
         return loads
 
 
-def assign_owners(
-    items: tuple[OutputItem, ...], nproc: int, order: list[int] | None = None, stripe_bytes: int = STRIPE_BYTES
-) -> tuple[int, ...]:
-    """Split the tensors over ``nproc`` ranks in interleaved stripes of the output.
+def assign_owners(items: tuple[OutputItem, ...], nproc: int, order: list[int] | None = None) -> tuple[int, ...]:
+    """Split the tensors over ``nproc`` ranks, each to the rank with the fewest bytes so far.
 
-    Walking the tensors in output order (``order``, default item order), the output is cut into
-    stripes and stripe ``k`` goes to rank ``k % nproc`` (a tensor to the stripe of its middle
-    byte). Stripes are ``stripe_bytes`` long, or shorter so each rank gets at least 4. So all
-    workers move through the checkpoint together, in one region of the disk at a time, as one
-    process's threads do, and each gets about ``1 / nproc`` of the bytes. Values go to rank 0,
-    which writes them. Deterministic, so every process computes the same plan.
+    Walking the tensors in output order (``order``, default item order), each goes to the rank
+    that holds the fewest tensor bytes so far (the lowest rank on a tie). So the ranks take turns
+    along the output, all moving through one region of the checkpoint at a time as one process's
+    threads do, and end within one tensor of ``1 / nproc`` of the bytes each (fixed stripes of the
+    output left 70/30 splits where a few large tensors fell into one rank's stripes). Values go to
+    rank 0, which writes them. Deterministic, so every process computes the same plan.
     """
     ids = [i for i in (order if order is not None else range(len(items))) if items[i].is_tensor]
-    total = sum(items[i].nbytes for i in ids)
-    stripe_bytes = max(1, min(stripe_bytes, -(-total // (4 * nproc))))
     owners = [0] * len(items)
-    done = 0
+    loads = [(0, rank) for rank in range(nproc)]  # a heap of (bytes so far, rank)
     for i in ids:
-        owners[i] = (done + items[i].nbytes // 2) // stripe_bytes % nproc
-        done += items[i].nbytes
+        load, rank = heapq.heappop(loads)
+        owners[i] = rank
+        heapq.heappush(loads, (load + items[i].nbytes, rank))
     return tuple(owners)
 
 
@@ -245,7 +242,7 @@ def group_waves(sizes: Sequence[int], wave_bytes: int) -> tuple[tuple[int, ...],
 def wave_plans(plan: WorkPlan, wave_bytes: int = WAVE_BYTES) -> tuple[WorkPlan, ...]:
     """The plan cut into waves of whole files (``group_waves``): an output to object storage is written and uploaded by waves.
 
-    Each wave's plan holds its files only, and its tensors are striped over all the workers anew
+    Each wave's plan holds its files only, and its tensors are shared over all the workers anew
     (``assign_owners`` in the wave's file order), so every worker moves a share of every wave.
     """
     waves = group_waves([file_bytes(plan, f) for f in plan.files], wave_bytes)
