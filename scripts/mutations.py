@@ -126,8 +126,8 @@ MUTATIONS: list[Mutation] = [
         "undeclared-import",
         "every runtime import is a declared dependency",
         "fsdp_convert/formats/dcp.py",
-        "\nimport torch\n",
-        "\nimport numpy  # noqa: F401\nimport torch\n",
+        "\nimport logging\n",
+        "\nimport logging\nimport numpy  # noqa: F401\n",
         "tests/unit/test_dependencies.py",
     ),
     Mutation(

@@ -39,9 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-import torch
-
-from fsdp_convert.constants import METADATA_FILENAME, SAFETENSORS_TO_TORCH
+from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.errors import CheckpointError, CorruptChunkError, NotADcpCheckpointError, UnsupportedTransformError
 from fsdp_convert.formats.crc import crc32
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Entry, TensorEntry
@@ -99,9 +97,7 @@ def is_raw_chunk(entry: TensorEntry, chunk: ChunkEntry) -> bool:
     can only be bare elements.
     """
     return (
-        chunk.relative_path is not None
-        and not chunk.transform_descriptors
-        and chunk.length_bytes == chunk.numel * entry.dtype.itemsize
+        chunk.relative_path is not None and not chunk.transform_descriptors and chunk.length_bytes == chunk.numel * entry.itemsize
     )
 
 
@@ -222,6 +218,8 @@ def place_raw_chunks(index: CheckpointIndex, read_at: ReadAt, size_of: SizeOf) -
 
 
 def _place(entry: TensorEntry, chunk: ChunkEntry, header: _Header, file_size: int, where: str) -> ChunkEntry:
+    from fsdp_convert.constants import SAFETENSORS_TO_TORCH  # torch's dtypes: built (importing torch) on first use
+
     found = header.tensors.get(entry.fqn)
     if found is None:
         raise NotADcpCheckpointError(f"{where}: not in the safetensors header at byte {chunk.offset_bytes}")
@@ -270,7 +268,7 @@ def check_stream_claims(index: CheckpointIndex, size_of: SizeOf) -> None:
                 continue
             stored = max(0, min(chunk.length_bytes, size_of(chunk.relative_path) - chunk.offset_bytes))
             bound = max_decoded_bytes(chunk.transform_descriptors, stored)
-            claim = chunk.numel * entry.dtype.itemsize
+            claim = chunk.numel * entry.itemsize
             if bound is not None and claim > bound:
                 raise NotADcpCheckpointError(
                     f"{index.checkpoint_id / METADATA_FILENAME}: chunk of {entry.fqn} at offsets {list(chunk.offsets)} "
@@ -281,7 +279,7 @@ def check_stream_claims(index: CheckpointIndex, size_of: SizeOf) -> None:
 
 def chunk_limit_bytes(entry: TensorEntry, chunk: ChunkEntry) -> int:
     """The most bytes a chunk's stream-transformed payload may decode to: its elements (DCP clones views), and zip records."""
-    return chunk.numel * entry.dtype.itemsize + TORCH_SAVE_RECORDS_BYTES + TORCH_SAVE_BYTES_PER_DIM * len(chunk.sizes)
+    return chunk.numel * entry.itemsize + TORCH_SAVE_RECORDS_BYTES + TORCH_SAVE_BYTES_PER_DIM * len(chunk.sizes)
 
 
 def bytes_limit_bytes(entry: BytesEntry) -> int:
@@ -402,6 +400,8 @@ class DecodedPayload(contextlib.closing["DecodedPayload"]):
             Exception: whatever ``torch.load`` raises (a refused global, a broken zip), for the caller to word.
         """
         with torch_call():
+            import torch  # a stream-transformed payload is loaded only to move its bytes: inspect needs no torch
+
             return torch.load(f"/proc/self/fd/{self.fd}", map_location="cpu", weights_only=True, mmap=True)
 
 

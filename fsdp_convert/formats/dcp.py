@@ -28,9 +28,7 @@ import pickle
 import re
 import sys
 from pathlib import Path
-from typing import IO, Any, NoReturn, cast
-
-import torch
+from typing import IO, TYPE_CHECKING, Any, NoReturn, cast
 
 from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.errors import (
@@ -51,21 +49,15 @@ from fsdp_convert.formats._dcp_payloads import (
     payload_formats,
 )
 from fsdp_convert.formats._range import ByteRangeFile, RecordHash
-from fsdp_convert.formats.index import (
-    MAX_ENTRIES,
-    BytesEntry,
-    CheckpointIndex,
-    ChunkEntry,
-    Entry,
-    Location,
-    TensorEntry,
-    Url,
-)
+from fsdp_convert.formats.index import MAX_ENTRIES, BytesEntry, CheckpointIndex, ChunkEntry, Entry, Location, TensorEntry, Url
 from fsdp_convert.formats.reader import ChunkedReader, StoredBytes, check_payload
 from fsdp_convert.location import inside, open_inside
 from fsdp_convert.remote import as_location, read_bytes, read_range, size_of
 from fsdp_convert.signals import torch_call
 from fsdp_convert.zip_records import ZipFormatError, read_records
+
+if TYPE_CHECKING:  # torch only where a payload is loaded: inspect reads .metadata alone
+    import torch
 
 __all__ = ["read_dcp_index", "load_metadata", "metadata_subfolders", "DcpReader", "payload_formats"]
 __all__ += ["LIGHTNING_META_FILENAME", "OLMO_CORE_DIRNAME"]
@@ -306,6 +298,8 @@ class DcpReader(ChunkedReader):
             self._check_crcs(payload, where)
         payload.seek(0)
         try:
+            import torch
+
             with torch_call():
                 meta = torch.load(cast(IO[bytes], payload), map_location="meta", weights_only=True)
         except Exception as e:
@@ -371,6 +365,8 @@ class DcpReader(ChunkedReader):
             except ZipFormatError as e:
                 raise CorruptChunkError(f"{where}: payload is not a torch.save zip ({e})") from e
         try:
+            import torch
+
             with torch_call():
                 value = torch.load(cast(IO[bytes], payload), map_location="cpu", weights_only=True)
         except Exception as e:
@@ -433,6 +429,8 @@ def _read_bare(fd: int, at: int, entry: TensorEntry, chunk: ChunkEntry, where: s
     Raises:
         CorruptChunkError: a short read (the file changed while it was read).
     """
+    import torch
+
     if chunk.length_bytes == 0:
         return torch.empty(chunk.sizes, dtype=entry.dtype)
     buffer = bytearray(chunk.length_bytes)

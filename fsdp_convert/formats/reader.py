@@ -16,15 +16,16 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Literal
-
-import torch
+from typing import IO, TYPE_CHECKING, Any, Literal
 
 from fsdp_convert.constants import READ_LOG_ENV
 from fsdp_convert.errors import CorruptChunkError, MissingDataFileError, ShapeMismatchError, UnsafeContentError
 from fsdp_convert.formats.index import BytesEntry, ChunkEntry, Location, TensorEntry, Url
 from fsdp_convert.location import follows_symlinks, open_inside, read_inside
 from fsdp_convert.remote import as_location, read_range, size_of
+
+if TYPE_CHECKING:  # torch is imported where bytes are turned into tensors: inspect reads no tensor
+    import torch
 
 __all__ = [
     "ChunkedReader",
@@ -191,6 +192,8 @@ def load_torch_save(path: Path, *, root: Path | None = None) -> Any:
         UnsafeContentError: a pickle that would run code, or a symbolic link out of ``root``.
         CorruptChunkError: not a readable torch.save file.
     """
+    import torch
+
     legacy = sniff_file(path, root=root) == "legacy_torch_save"  # checks where the file lies
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=not legacy)
@@ -207,6 +210,8 @@ def check_payload(entry: TensorEntry, chunk: ChunkEntry, tensor: Any, where: str
     Raises:
         ShapeMismatchError: it is not (the payload disagrees with the index), naming ``where``.
     """
+    import torch
+
     if not isinstance(tensor, torch.Tensor):
         raise ShapeMismatchError(f"{where}: payload is a {type(tensor).__name__}, not a tensor")
     if tuple(tensor.shape) != chunk.sizes or tensor.dtype != entry.dtype:
@@ -347,6 +352,8 @@ class ChunkedReader:
                 as their names say.
             ShapeMismatchError: the stored shape or dtype disagrees with the index.
         """
+        import torch
+
         if chunk.relative_path is None:
             return torch.empty(chunk.sizes, dtype=entry.dtype)
         self._log_read(entry, chunk)
@@ -383,6 +390,8 @@ class ChunkedReader:
         Raises:
             As ``read_chunk``.
         """
+        import torch
+
         box = torch.empty(sizes, dtype=entry.dtype)
         for chunk in entry.chunks:
             lo = [max(o, co) for o, co in zip(offsets, chunk.offsets, strict=True)]

@@ -53,11 +53,6 @@ def test_inspect_of_a_dcp_folder_leaves_torch_distributed_checkpoint_out(ws3_ckp
     assert not [m for m in modules if m.startswith("torch.distributed.checkpoint")], modules
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs formats/_dcp_payloads.py, formats/reader.py (or DcpReader moved out of formats/dcp.py) "
-    "and ops/inspect.py to import torch lazily: see the start-up report of issue 26",
-)
 def test_inspect_of_a_dcp_folder_imports_no_torch(ws3_ckpt: Sample) -> None:
     assert _run(["inspect", str(ws3_ckpt.checkpoint), "--json"])["modules"] == []
 
