@@ -787,6 +787,14 @@ MUTATIONS: list[Mutation] = [
         "tests/integration/test_fp8_adapter.py::test_adapter_then_quantize_equals_to_hf_then_fp8_quantize",
     ),
     Mutation(
+        "gpt-oss-experts-reshaped-not-transposed",
+        "`torchtitan-gpt-oss-to-transformers` writes each expert transposed, as transformers' GptOssExperts reads it, and `from_pretrained` loads the folder as written",
+        "fsdp_convert/adapters/gpt_oss.py",
+        "    return parts[0].transpose(1, 2)",
+        "    return parts[0].reshape(parts[0].shape[0], parts[0].shape[2], parts[0].shape[1])",
+        "tests/integration/test_gpt_oss.py::test_torchtitan_gpt_oss_to_transformers_and_back",
+    ),
+    Mutation(
         "fp8-quantize-block-without-its-head",
         "`--quantize fp8-block128`: transformers' fine-grained FP8 `Fp8Quantize`, bit for bit",
         "fsdp_convert/transform/fp8.py",

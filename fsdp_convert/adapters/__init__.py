@@ -40,6 +40,8 @@ ADAPTERS: dict[str, AdapterFunction] = {
     "hf-to-torchtitan-deepseek-v3": deepseek_v3.from_hf,
     "torchtitan-gpt-oss-to-hf": gpt_oss.to_hf,
     "hf-to-torchtitan-gpt-oss": gpt_oss.from_hf,
+    "torchtitan-gpt-oss-to-transformers": gpt_oss.to_transformers,
+    "transformers-to-torchtitan-gpt-oss": gpt_oss.from_transformers,
     "torchtune-llama-to-hf": torchtune.to_hf,
     "olmo-core-to-hf": olmo.to_hf,
     "megatron-gpt-to-hf": megatron.to_hf,

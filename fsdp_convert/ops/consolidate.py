@@ -255,8 +255,8 @@ def _items(
     computed = next((i for i in items if i.derived is not None and i.derived.combine is not None), None)
     if opts.verify_output and computed is not None:
         raise InvalidOptionError(
-            f"--verify does not recompute computed tensors ({computed.path[-1]}: computed by --merge-lora, --dequantize or "
-            "--quantize); run without it"
+            f"--verify does not recompute computed tensors ({computed.path[-1]}: computed by --merge-lora, --dequantize, "
+            "--quantize or the adapter); run without it"
         )
     if assets is None:
         return items, opts.transform

@@ -8,16 +8,23 @@ dict with the optimizer's beside it); its truth is the full model and optimizer 
 ``GptOssStateDictAdapter.to_hf`` makes of it, the experts included (torchtitan's map spells them
 without the model's ``_EGD``-style suffixes, so its ``to_hf`` of the model's own names drops them);
 ``reshard --adapter hf-to-torchtitan-gpt-oss`` of that folder exactly its ``from_hf``, so the run's
-model again. transformers' ``GptOssForCausalLM`` loads every weight but the expert matrices from the
-folder: torchtitan writes those in the MXFP4 checkpoint's ``(out, in)`` layout under its
-``*_blocks`` names, transformers wants ``(in, out)`` ``gate_up_proj``. With those transposed,
-transformers' logits are torchtitan's forward's within float32 rounding.
+model again. transformers' ``GptOssForCausalLM`` loads every weight but the expert matrices from
+that folder: torchtitan writes those in the MXFP4 checkpoint's ``(out, in)`` layout under its
+``*_blocks`` names, transformers wants ``(in, out)`` ``gate_up_proj``. ``--adapter
+torchtitan-gpt-oss-to-transformers`` writes them so, each expert transposed: transformers loads
+that folder as written, with no missing key, and its logits are torchtitan's forward's within
+float32 rounding; ``transformers-to-torchtitan-gpt-oss`` takes it (and transformers' own
+``save_pretrained`` of it) back to the run's model bit for bit, and the transpose streams an expert
+at a time within the memory budget.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -30,7 +37,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import fsdp_convert
-from fsdp_convert.adapters.gpt_oss import from_hf, to_hf
+from fsdp_convert.adapters.gpt_oss import from_hf, from_transformers, to_hf, to_transformers
 from fsdp_convert.cli.app import app
 from fsdp_convert.derive import TensorInfo
 from fsdp_convert.errors import UnsupportedTransformError
@@ -52,6 +59,7 @@ from tests._gpt_oss import (
     go_model_config,
     go_run,
 )
+from tests.integration.test_memory import HOOK, SLACK
 
 _SUFFIXES = {
     "mlp1_weight_EGD": "mlp1_weight",
@@ -160,6 +168,98 @@ def test_torchtitan_gpt_oss_to_hf_and_back(
         ), key
 
 
+def test_torchtitan_gpt_oss_to_transformers_and_back(go_checkpoint: Path, tmp_path: Path, runner: CliRunner) -> None:
+    """``consolidate --adapter torchtitan-gpt-oss-to-transformers`` at 2 ranks: ``to_hf``'s folder with the
+    experts transposed, loaded by ``GptOssForCausalLM`` as written; ``reshard --adapter
+    transformers-to-torchtitan-gpt-oss`` of it, and of transformers' own ``save_pretrained`` of the
+    loaded model, gives the run's model bit for bit."""
+    from torchtitan.models.gpt_oss.state_dict_adapter import GptOssStateDictAdapter
+    from transformers import GptOssForCausalLM
+
+    truth = torch.load(go_checkpoint / "truth.pt", weights_only=True)["model"]
+    hf = tmp_path / "hf"
+    adapter = ["--adapter", "torchtitan-gpt-oss-to-transformers", "--nproc", "2"]
+    result = runner.invoke(app, ["consolidate", str(go_checkpoint / "checkpoint"), str(hf), *adapter])
+    assert result.exit_code == 0, result.output
+
+    # torchtitan's own to_hf, the two expert weights renamed and transposed expert by expert
+    want = GptOssStateDictAdapter(go_model_config(), None).to_hf(_titan_names(truth))
+    for key in [k for k in want if k.endswith("_blocks")]:
+        want[key.removesuffix("_blocks")] = want.pop(key).transpose(1, 2)
+    got = load_file(hf / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    for key, tensor in want.items():
+        assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
+    expert = truth["layers.1.moe.routed_experts.inner_experts.mlp1_weight_EGD"]
+    assert torch.equal(got["model.layers.1.mlp.experts.gate_up_proj"][2], expert[2].T)  # (D, 2F): gate/up still interleaved
+
+    (hf / "config.json").write_text(json.dumps(_hf_config()))
+    model, info = GptOssForCausalLM.from_pretrained(hf, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    assert sorted(model.state_dict()) == sorted(got)
+    for key, tensor in model.state_dict().items():
+        assert torch.equal(tensor, got[key]), key
+    saved = tmp_path / "saved"
+    model.save_pretrained(saved)
+
+    expected = {k: v for k, v in truth.items() if not k.endswith("expert_bias_E")}
+    for source in (hf, saved):
+        titan = tmp_path / f"titan-{source.name}"
+        args = ["reshard", str(source), str(titan), "--world-size", "2", "--adapter", "transformers-to-torchtitan-gpt-oss"]
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, result.output
+        assert sorted(dcp.FileSystemReader(titan).read_metadata().state_dict_metadata) == sorted(expected)
+        loaded = {k: torch.empty_like(v) for k, v in expected.items()}
+        dcp.load(loaded, checkpoint_id=titan, no_dist=True)
+        for key, tensor in expected.items():
+            assert loaded[key].dtype == tensor.dtype and torch.equal(loaded[key], tensor), (source.name, key)
+
+
+MiB = 2**20
+BUDGET = 1 * MiB
+EXPERTS, ROWS, COLS = 32, 512, 512  # one stacked expert weight: 32 MiB of fp32, over budget + slack; one expert 1 MiB
+PROBE = """
+import sys, fsdp_convert, sitecustomize
+from fsdp_convert.adapters import load_adapter
+from fsdp_convert.transform import TransformOptions
+options = TransformOptions(adapter=load_adapter("torchtitan-gpt-oss-to-transformers"))
+fsdp_convert.consolidate(sys.argv[1], sys.argv[2], nproc=1, memory_budget_bytes=int(sys.argv[3]), options=options)
+sitecustomize.record("parent")
+"""
+
+
+@pytest.mark.slow
+def test_expert_transpose_memory_is_bounded_by_budget(tmp_path: Path) -> None:
+    """A stacked expert weight larger than budget + slack, transposed expert by expert: no process holds it whole."""
+    key = "layers.0.moe.routed_experts.inner_experts.mlp1_weight_EGD"
+    weights = {key: torch.randn(EXPERTS, ROWS, COLS), "norm.weight": torch.randn(COLS)}
+    ck = tmp_path / "checkpoint"
+    dcp.save(weights, checkpoint_id=ck, no_dist=True)
+    assert weights[key].numel() * weights[key].element_size() > BUDGET + SLACK, (
+        "the weight must not fit, or the test proves nothing"
+    )
+
+    hooks, log, out = tmp_path / "hooks", tmp_path / "memory", tmp_path / "hf"
+    hooks.mkdir()
+    log.mkdir()
+    (hooks / "sitecustomize.py").write_text(HOOK)
+    path = os.pathsep.join(filter(None, [str(hooks), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "MEMORY_TEST_LOG": str(log)}
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, str(ck), str(out), str(BUDGET)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(p.read_text()) for p in log.iterdir()]
+    assert sorted(r["role"] for r in records) == ["parent", "rank0"], records
+    for r in records:
+        growth = r["peak"] - r["base"]
+        print(f"gpt-oss expert transpose: {r['role']} grew {growth / MiB:.1f} MiB")
+        assert growth <= BUDGET + SLACK, f"{r['role']} grew {growth / MiB:.1f} MiB, over budget + slack"
+    got = load_file(out / "model.safetensors")
+    assert sorted(got) == ["model.layers.0.mlp.experts.gate_up_proj", "model.norm.weight"]
+    assert torch.equal(got["model.layers.0.mlp.experts.gate_up_proj"], weights[key].transpose(1, 2))
+
+
 def test_gpt_oss_adapters_refuse_unknown_keys() -> None:
     def info(fqn: str) -> TensorInfo:
         return TensorInfo(fqn=fqn, shape=(4,), dtype=torch.float32)
@@ -168,8 +268,36 @@ def test_gpt_oss_adapters_refuse_unknown_keys() -> None:
         to_hf([info("layers.0.moe.tokens_per_expert_E")], {})
     with pytest.raises(UnsupportedTransformError, match="gate_up_proj_scales: .*MXFP4"):
         from_hf([info("model.layers.0.mlp.experts.gate_up_proj_scales")], {})
-    with pytest.raises(UnsupportedTransformError, match="experts.down_proj: .*transposed"):
+    with pytest.raises(UnsupportedTransformError, match="experts.down_proj: .*transformers-to-torchtitan-gpt-oss"):
         from_hf([info("model.layers.0.mlp.experts.down_proj")], {})
+    with pytest.raises(UnsupportedTransformError, match="layers.0.moe.tokens_per_expert_E: .*-to-transformers"):
+        to_transformers([info("layers.0.moe.tokens_per_expert_E")], {})
+    with pytest.raises(UnsupportedTransformError, match="gate_up_proj_blocks: .*use the hf-to-torchtitan-gpt-oss adapter"):
+        from_transformers([info("model.layers.0.mlp.experts.gate_up_proj_blocks")], {})
+    mxfp4 = TensorInfo(fqn="model.layers.0.mlp.experts.down_proj_blocks", shape=(4, 16, 1, 16), dtype=torch.uint8)
+    with pytest.raises(UnsupportedTransformError, match="down_proj_blocks: .*MXFP4"):
+        from_transformers([mxfp4], {})
+    with pytest.raises(UnsupportedTransformError, match="experts.gate_up_proj: expected a stacked"):
+        from_transformers([TensorInfo(fqn="model.layers.0.mlp.experts.gate_up_proj", shape=(4, 16), dtype=torch.float32)], {})
+
+
+def test_gpt_oss_to_transformers_transposes_each_expert_block_by_block() -> None:
+    """The transformers map: only the two expert weights change, each expert transposed, from the same experts' rows."""
+    stacked = TensorInfo(fqn="layers.1.moe.routed_experts.inner_experts.mlp1_weight_EGD", shape=(4, 6, 3), dtype=torch.bfloat16)
+    bias = TensorInfo(fqn="layers.1.moe.routed_experts.inner_experts.mlp1_bias_EG", shape=(4, 6), dtype=torch.bfloat16)
+    got = to_transformers([stacked, bias], {})
+    assert sorted(got) == ["model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.gate_up_proj_bias"]
+    weight = got["model.layers.1.mlp.experts.gate_up_proj"]
+    assert weight.shape == (4, 3, 6) and weight.dtype == torch.bfloat16
+    assert list(weight.inputs[0].rows(1, 3)) == [1, 2]  # an output block of experts reads those experts' rows only
+    assert got["model.layers.1.mlp.experts.gate_up_proj_bias"].is_copy
+    w = torch.randn(4, 6, 3).bfloat16()
+    assert torch.equal(weight.compute([w]), w.transpose(1, 2))
+    back = from_transformers(
+        [TensorInfo(fqn="model.layers.1.mlp.experts.gate_up_proj", shape=(4, 3, 6), dtype=torch.bfloat16)], {}
+    )
+    derived = back["layers.1.moe.routed_experts.inner_experts.mlp1_weight_EGD"]
+    assert derived.shape == (4, 6, 3) and torch.equal(derived.compute([w.transpose(1, 2)]), w)
 
 
 def test_gpt_oss_to_hf_reads_the_expert_names_torchtitans_map_spells() -> None:
@@ -237,21 +365,16 @@ def _titan_logits(model_state: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def _hf_logits(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' ``GptOssForCausalLM`` (eager attention and experts, float32) from ``folder``:
-    logits ``(2, L, GO_VOCAB)`` of ``_BATCH``, then the same with the swiglu limit at 7.0. The
-    expert matrices, which it does not read from the folder's ``*_blocks`` names, are those tensors
-    transposed."""
+    """transformers' ``GptOssForCausalLM`` (eager attention and experts, float32) from ``folder`` as
+    written, every weight read from it: logits ``(2, L, GO_VOCAB)`` of ``_BATCH``, then the same with
+    the swiglu limit at 7.0."""
     from transformers import GptOssForCausalLM
 
-    weights = load_file(folder / "model.safetensors")
-    model = GptOssForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+    model, info = GptOssForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager", output_loading_info=True
     )
+    assert not any(info.values()), info  # no missing, unexpected or mismatched key: nothing left randomly initialised
     with torch.no_grad():
-        for n, layer in enumerate(model.model.layers):
-            experts = layer.mlp.experts
-            experts.gate_up_proj.copy_(weights[f"model.layers.{n}.mlp.experts.gate_up_proj_blocks"].transpose(1, 2))
-            experts.down_proj.copy_(weights[f"model.layers.{n}.mlp.experts.down_proj_blocks"].transpose(1, 2))
         logits = model(_BATCH).logits
         for layer in model.model.layers:
             layer.mlp.experts.limit = 7.0
@@ -261,7 +384,7 @@ def _hf_logits(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_gpt_oss_hf_export_gives_torchtitans_logits(go_checkpoint: Path, tmp_path: Path, runner: CliRunner) -> None:
-    """``from_pretrained`` of the ``torchtitan-gpt-oss-to-hf`` folder (transformers' ``GptOssForCausalLM``,
+    """``from_pretrained`` of the ``torchtitan-gpt-oss-to-transformers`` folder as written (transformers' ``GptOssForCausalLM``,
     eager attention and experts, float32) gives torchtitan's logits on a fixed batch that crosses the
     sliding window 32 times over 128 tokens, within float32 rounding: a max difference at most 1e-5
     of the largest logit, about 80 float32 epsilons (2^-23); about 2 are measured, and each feature
@@ -275,7 +398,8 @@ def test_gpt_oss_hf_export_gives_torchtitans_logits(go_checkpoint: Path, tmp_pat
     - the expert matrices: torchtitan's ``to_hf`` writes them as ``gate_up_proj_blocks`` ``(E, 2F, D)``
       and ``down_proj_blocks`` ``(E, D, F)`` (MXFP4's names and row layout, unquantized), which
       transformers' unquantized GptOss does not read (it wants ``gate_up_proj`` ``(E, D, 2F)``,
-      ``down_proj`` ``(E, F, D)``): the test loads the folder's own ``*_blocks`` tensors, transposed;
+      ``down_proj`` ``(E, F, D)``): the ``-to-transformers`` adapter writes those, each expert
+      transposed, and the folder loads with no missing key;
     - ``moe.expert_bias_E`` (load-balancing bias, used for top-k selection only) has no HF
       counterpart and is left out of the folder: the run's nonzero bias routes tokens differently, so
       torchtitan's forward is taken with it zeroed (and shown to differ with it);
@@ -286,7 +410,7 @@ def test_gpt_oss_hf_export_gives_torchtitans_logits(go_checkpoint: Path, tmp_pat
     """
     truth = torch.load(go_checkpoint / "truth.pt", weights_only=True)["model"]
     hf = tmp_path / "hf"
-    adapter = ["--adapter", "torchtitan-gpt-oss-to-hf", "--nproc", "1"]
+    adapter = ["--adapter", "torchtitan-gpt-oss-to-transformers", "--nproc", "1"]
     result = runner.invoke(app, ["consolidate", str(go_checkpoint / "checkpoint"), str(hf), *adapter])
     assert result.exit_code == 0, result.output
     (hf / "config.json").write_text(json.dumps({**_hf_config(), "swiglu_limit": _SWIGLU_LIMIT}))
