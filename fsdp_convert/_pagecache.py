@@ -18,6 +18,7 @@ from collections.abc import Callable
 __all__ = ["PageCache", "ReadMapping", "DROP_EVERY_BYTES"]
 
 DROP_EVERY_BYTES = 256 << 20  # with drop: wait for written ranges to reach the disk and drop them this often
+WRITEBACK_EVERY_BYTES = 8 << 20  # start writeback once this much is written to a file (one call, not one per tensor)
 
 
 @functools.cache
@@ -40,8 +41,9 @@ class PageCache:
 
     - Before a piece is read, the next one is hinted (``POSIX_FADV_WILLNEED``), so the disk reads
       ahead while this thread hashes and writes.
-    - A written piece's writeback starts at once (``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so
-      dirty pages do not pile up until the final fsync and throttle every writer at once.
+    - Writeback starts once every ``WRITEBACK_EVERY_BYTES`` written to a file
+      (``sync_file_range(SYNC_FILE_RANGE_WRITE)`` over the range written since), so dirty pages do
+      not pile up until the final fsync and throttle every writer at once.
     - With ``drop`` (an output larger than half the RAM), read ranges are dropped from the page
       cache once read, and written ranges once on disk (waited for ``DROP_EVERY_BYTES`` later), so
       a conversion larger than the page cache does not evict everything else the machine holds.
@@ -51,6 +53,7 @@ class PageCache:
         self.drop = drop
         self._written: list[tuple[int, int, int]] = []
         self._bytes = 0
+        self._unsynced: dict[int, tuple[int, int, int]] = {}  # fd: (first byte, end, bytes) written since its writeback started
 
     @staticmethod
     def will_read(fd: int, offset: int, nbytes: int) -> None:
@@ -63,8 +66,14 @@ class PageCache:
 
     def wrote(self, fd: int, offset: int, nbytes: int) -> None:
         sync = _sync_file_range()
-        if sync is not None:
-            sync(fd, offset, nbytes, _SYNC_WRITE)
+        if sync is not None:  # one call per WRITEBACK_EVERY_BYTES: an expert's 32 KiB each cost a call that did I/O
+            first, end, unsynced = self._unsynced.get(fd, (offset, offset + nbytes, 0))
+            first, end, unsynced = min(first, offset), max(end, offset + nbytes), unsynced + nbytes
+            if unsynced >= WRITEBACK_EVERY_BYTES:
+                sync(fd, first, end - first, _SYNC_WRITE)
+                self._unsynced.pop(fd, None)
+            else:
+                self._unsynced[fd] = (first, end, unsynced)
         if not self.drop:
             return
         self._written.append((fd, offset, nbytes))

@@ -43,6 +43,7 @@ __all__ = [
 ]
 
 COMPUTE_ITEMSIZE = 4  # a combine function's intermediates, fp32, per element
+MIN_MAPPED_BYTES = 1 << 20  # a smaller piece (an expert's rows) is read with preadv: cheaper than mmap + munmap
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -146,14 +147,15 @@ class ChunkReads:
         """Bytes ``[at, at + nbytes)`` (``nbytes`` > 0) of a located chunk, read-only; valid until ``done_piece``.
 
         Mapped from the page cache in place (``_pagecache.ReadMapping``: no copy), or read into
-        buffer ``which`` where the data file cannot be mapped. Call ``done_piece`` once done with it.
+        buffer ``which`` where the data file cannot be mapped or the piece is under
+        ``MIN_MAPPED_BYTES`` (a 32 KiB expert moved 1.7x slower mapped). Call ``done_piece`` once done.
 
         Raises:
             CorruptChunkError: the file is shorter than the record (it changed while it was read).
         """
         self.done_piece()
         start = stored.offset + at
-        if self._map_reads:
+        if self._map_reads and nbytes >= MIN_MAPPED_BYTES:
             try:
                 self._mapping = ReadMapping(stored.fd, start, nbytes)
             except ValueError:

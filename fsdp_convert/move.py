@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from fsdp_convert.blocks import (
+    MIN_MAPPED_BYTES,
     ChunkReads,
     ChunkSource,
     box,
@@ -261,12 +262,15 @@ class Mover(ChunkReads):
         The stored CRC-32 is checked when the whole chunk is copied.
         """
         crc, done = 0, begin
-        self.cache.will_read(stored.fd, stored.offset + done, min(self.piece_bytes, end - done))
+        hint = end - begin >= MIN_MAPPED_BYTES  # a few KiB (an expert) is read at once: a read-ahead hint only costs a call
+        if hint:
+            self.cache.will_read(stored.fd, stored.offset + done, min(self.piece_bytes, end - done))
         try:
             while done < end:
                 self.check_stop()
                 nbytes = min(self.piece_bytes, end - done)
-                self.cache.will_read(stored.fd, stored.offset + done + nbytes, min(self.piece_bytes, end - done - nbytes))
+                if hint:
+                    self.cache.will_read(stored.fd, stored.offset + done + nbytes, min(self.piece_bytes, end - done - nbytes))
                 view = self.piece(stored, done, nbytes)
                 crc = crc32(view, crc)
                 pwrite_all(fd, view, dst + done - begin)

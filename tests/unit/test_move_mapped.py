@@ -29,6 +29,12 @@ def ckpt(tmp_path: Path) -> _Ckpt:
     return _write_ckpt(tmp_path / "ck")
 
 
+@pytest.fixture(autouse=True)
+def map_every_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These checkpoints' pieces are bytes long: map them all, as a real run maps its MiB-sized pieces."""
+    monkeypatch.setattr(blocks, "MIN_MAPPED_BYTES", 0)
+
+
 class _Maps:
     """Counts the mappings made and closed, and checks none is open when the page cache is told a piece was read."""
 
@@ -164,3 +170,15 @@ def test_read_mapping_is_the_files_bytes(tmp_path: Path) -> None:
         held.release()
     finally:
         os.close(fd)
+
+
+def test_pieces_under_the_mapping_threshold_are_read_not_mapped(
+    ckpt: _Ckpt, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An expert's few KiB (a row segment of a stacked weight) cost more to map and unmap than to read."""
+    monkeypatch.setattr(blocks, "MIN_MAPPED_BYTES", 17)  # every 16-byte piece is under it
+    maps = _Maps(monkeypatch)
+    with open_reader(ckpt.folder) as reader:
+        pieces, data = _move(reader, ckpt.entries["dim0"], tmp_path / "out", piece_bytes=16)
+    _check(pieces, data, _expected(ckpt.tensors["dim0"], None, None))
+    assert maps.made == 0 and maps.reads, "pieces were mapped, or read without the page-cache hint"
