@@ -101,6 +101,17 @@ def run_measured(cmd: list[str]) -> Run:
     return Run(wall, peak, peak_pss, proc.returncode, err.decode(errors="replace")[-2000:])
 
 
+def remove_cgroup(path: Path) -> None:
+    """Remove a cgroup made for one run, once its last process has left (up to 5 s), else warn."""
+    for _ in range(50):  # the last process may take a moment to leave
+        try:
+            path.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
+    print(f"warning: could not remove {path}", flush=True)
+
+
 def _own_cgroup_dirs() -> tuple[Path | None, Path | None]:
     """(v2 folder, v1 memory folder) of the cgroup this process is in; None where there is none."""
     paths: dict[str, str] = {}  # "v2" or "v1-memory" -> path inside the hierarchy
@@ -204,10 +215,4 @@ class MemoryCgroup:
         else:
             self.peak_bytes = self._read_int("memory.max_usage_in_bytes")
             self.oom_kills = self._read_int("memory.oom_control", "oom_kill")
-        for _ in range(50):  # the last process may take a moment to leave
-            try:
-                self.dir.rmdir()
-                return
-            except OSError:
-                time.sleep(0.1)
-        print(f"warning: could not remove {self.dir}", flush=True)
+        remove_cgroup(self.dir)

@@ -40,6 +40,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from _bench_measure import remove_cgroup
+
 FIRST_BYTE_BYTES = 1 << 20
 POLL_S = 0.005
 STRAGGLER_GRACE_S = 10.0
@@ -152,13 +154,7 @@ class CpuCgroup:
 
     def __exit__(self, *exc: object) -> None:
         self.usage_s = self.read_usage_s()
-        for _ in range(50):  # the last process may take a moment to leave
-            try:
-                self.dir.rmdir()
-                return
-            except OSError:
-                time.sleep(0.1)
-        print(f"warning: could not remove {self.dir}", file=sys.stderr)
+        remove_cgroup(self.dir)
 
 
 def find_cpu_cgroup() -> tuple[str, Path] | str:

@@ -20,9 +20,7 @@ of expert ``e``'s rows on dim 1).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -85,108 +83,31 @@ def ep_trainer(rank: int, folder: Path, *, seed: int, num_experts: int, batches:
     """torchtitan's own ``Trainer`` for the tiny Qwen3 MoE with ``num_experts`` experts per layer on
     CPU, expert-parallel of degree ``EP_DEGREE`` (``spmd_backend="full_dtensor"``, its
     ``parallelize_qwen3``), with its ``CheckpointManager`` under ``folder/checkpoint`` (interval
-    ``EP_STEPS``, model and optimizer) and its MoE load-balancing hook. Only the data are ours: a
-    loader of ``batches(100 * batch_index + dp_rank)`` (``None``: a trainer that only loads)."""
-    from torch.distributed.fsdp import FSDPModule
-    from torchtitan.components.checkpoint import CheckpointManager
-    from torchtitan.components.dataloader import BaseDataLoader
-    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-    from torchtitan.components.metrics import MetricsProcessor
-    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+    ``EP_STEPS``, model and optimizer) and its MoE load-balancing hook
+    (``tests._frameworks.build_titan_trainer``). Only the data are ours: a loader of
+    ``batches(100 * batch_index + dp_rank)`` (``None``: a trainer that only loads)."""
     from torchtitan.components.optimizer.optimizer import register_moe_load_balancing_hook
-    from torchtitan.components.tokenizer import BaseTokenizer
-    from torchtitan.components.validate import Validator
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.config.configs import DebugConfig
     from torchtitan.models.qwen3 import parallelize_qwen3
-    from torchtitan.protocols.model_spec import ModelSpec
-    from torchtitan.trainer import Trainer
 
-    from tests._frameworks import _torchtitan_on_cpu
+    from tests._frameworks import build_titan_trainer
 
-    os.environ["LOCAL_RANK"] = str(rank)
-    _torchtitan_on_cpu()
-    # torch's DTensor sharding-propagation cache matches device meshes by equality: left as an
-    # earlier trainer in this process filled it, it hands this trainer's new parameters that
-    # trainer's meshes (equal, not identical), which fully_shard refuses ("different mesh objects")
-    torch._C._clear_DTensor_sharding_propagator_cache()
-
-    class Tokens(BaseTokenizer):
-        @dataclass(kw_only=True, slots=True)
-        class Config(BaseTokenizer.Config):
-            pass
-
-        def __init__(self, config: Any, tokenizer_path: str | None = None) -> None:
-            super().__init__()
-
-        def encode(self, *_: Any, **__: Any) -> list[int]:
-            return []
-
-        def decode(self, *_: Any, **__: Any) -> str:
-            return ""
-
-        def get_vocab_size(self) -> int:
-            return QW_VOCAB
-
-    class RandomTokens(BaseDataLoader):
-        @dataclass(kw_only=True, slots=True)
-        class Config(BaseDataLoader.Config):
-            pass
-
-        def __init__(self, config: Any, *, dp_rank: int, **_: Any) -> None:
-            self.rank, self.batches = dp_rank, 0
-
-        def __iter__(self) -> Any:
-            if batches is None:
-                raise AssertionError("this trainer only loads")
-            while True:
-                tokens = batches(100 * self.batches + self.rank)
-                self.batches += 1
-                yield {"input": tokens[:, :-1]}, tokens[:, 1:]
-
-        def state_dict(self) -> dict[str, Any]:
-            return {"batches": self.batches}
-
-        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-            self.batches = state_dict["batches"]
-
-    def parallelize(model: nn.Module, **kwargs: Any) -> nn.Module:
-        model = parallelize_qwen3(model, **kwargs)
-        for module in model.modules():  # gloo has no PREMUL_SUM: FSDP2 sums, then divides
-            if isinstance(module, FSDPModule):
-                module.set_force_sum_reduction_for_comms(True)
-        return model
-
-    spec = ModelSpec(
-        name="qwen3",
-        flavor="tiny_moe",
-        model=ep_model_config(num_experts),
-        parallelize_fn=parallelize,
-        pipelining_fn=None,
-        post_optimizer_build_fn=register_moe_load_balancing_hook,
-        state_dict_adapter=None,
+    return build_titan_trainer(
+        rank,
+        folder,
+        seed=seed,
+        batches=batches,
+        spec={
+            "name": "qwen3",
+            "flavor": "tiny_moe",
+            "model": ep_model_config(num_experts),
+            "post_optimizer_build_fn": register_moe_load_balancing_hook,
+        },
+        parallelize_fn=parallelize_qwen3,
+        vocab=QW_VOCAB,
+        seq_len=QW_SEQ,
+        steps=EP_STEPS,
+        parallelism={"expert_parallel_degree": EP_DEGREE},
     )
-    config = Trainer.Config(
-        model_spec=spec,
-        dump_folder=str(folder),
-        hf_assets_path=str(folder),
-        tokenizer=Tokens.Config(),
-        dataloader=RandomTokens.Config(),
-        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=QW_VOCAB)),
-        optimizer=default_adamw(lr=1e-2),
-        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=1, decay_ratio=0.0),
-        training=TrainingConfig(
-            local_batch_size=2, seq_len=QW_SEQ, steps=EP_STEPS, mixed_precision_param="float32", disable_cuda_graphs=True
-        ),
-        parallelism=ParallelismConfig(spmd_backend="full_dtensor", expert_parallel_degree=EP_DEGREE),
-        checkpoint=CheckpointManager.Config(enable=True, interval=EP_STEPS, last_save_model_only=False),
-        activation_checkpoint=None,
-        compile=CompileConfig(enable=False),
-        metrics=MetricsProcessor.Config(log_freq=EP_STEPS),
-        validator=Validator.Config(enable=False),
-        debug=DebugConfig(seed=seed, enable_structured_logging=False),
-    )
-    return config.build()
 
 
 def ep_full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:

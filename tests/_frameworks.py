@@ -400,6 +400,41 @@ def titan_trainer(rank: int, folder: Path, *, seed: int, batches: Callable[[int]
     a loader of ``batches(100 * batch_index + dp_rank)`` (``None``: a loader that only keeps its
     ``{"batches"}`` state, for a trainer that only loads). torchtitan reads C4 and a tokenizer
     from its repository instead."""
+    from torchtitan.models.llama3 import parallelize_llama
+
+    return build_titan_trainer(
+        rank,
+        folder,
+        seed=seed,
+        batches=batches,
+        spec={"name": "llama3", "flavor": "tiny", "model": titan_model_config(), "post_optimizer_build_fn": None},
+        parallelize_fn=parallelize_llama,
+        vocab=TITAN_VOCAB,
+        seq_len=TITAN_SEQ,
+        steps=CFG.steps,
+    )
+
+
+def build_titan_trainer(
+    rank: int,
+    folder: Path,
+    *,
+    seed: int,
+    batches: Callable[[int], torch.Tensor] | None,
+    spec: dict[str, Any],
+    parallelize_fn: Callable[..., nn.Module],
+    vocab: int,
+    seq_len: int,
+    steps: int,
+    parallelism: dict[str, Any] | None = None,
+) -> Any:
+    """torchtitan 0.3.0's own ``Trainer`` on CPU for a tiny model: ``spec`` (``ModelSpec``'s
+    ``name``, ``flavor``, ``model`` and ``post_optimizer_build_fn``), ``parallelize_fn`` with FSDP2's
+    reduction summed (gloo has no PREMUL_SUM), ``spmd_backend="full_dtensor"`` plus ``parallelism``,
+    AdamW (lr 1e-2, constant after one warmup step), and ``CheckpointManager`` under
+    ``folder/checkpoint`` every ``steps`` steps, model and optimizer. Only the data are ours: a
+    tokenizer stand-in of ``vocab`` tokens and a loader of ``batches(100 * batch_index + dp_rank)``,
+    ``seq_len`` tokens a row (``None``: a loader that only keeps its ``{"batches"}`` state)."""
     from dataclasses import dataclass
 
     from torch.distributed.fsdp import FSDPModule
@@ -412,12 +447,15 @@ def titan_trainer(rank: int, folder: Path, *, seed: int, batches: Callable[[int]
     from torchtitan.components.validate import Validator
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.config.configs import DebugConfig
-    from torchtitan.models.llama3 import parallelize_llama
     from torchtitan.protocols.model_spec import ModelSpec
     from torchtitan.trainer import Trainer
 
     os.environ["LOCAL_RANK"] = str(rank)
     _torchtitan_on_cpu()
+    # torch's DTensor sharding-propagation cache matches device meshes by equality: left as an
+    # earlier trainer in this process filled it, it hands this trainer's new parameters that
+    # trainer's meshes (equal, not identical), which fully_shard refuses ("different mesh objects")
+    torch._C._clear_DTensor_sharding_propagator_cache()
 
     class Tokens(BaseTokenizer):
         @dataclass(kw_only=True, slots=True)
@@ -434,7 +472,7 @@ def titan_trainer(rank: int, folder: Path, *, seed: int, batches: Callable[[int]
             return ""
 
         def get_vocab_size(self) -> int:
-            return TITAN_VOCAB
+            return vocab
 
     class RandomTokens(BaseDataLoader):
         @dataclass(kw_only=True, slots=True)
@@ -459,38 +497,29 @@ def titan_trainer(rank: int, folder: Path, *, seed: int, batches: Callable[[int]
             self.batches = state_dict["batches"]
 
     def parallelize(model: nn.Module, **kwargs: Any) -> nn.Module:
-        model = parallelize_llama(model, **kwargs)
+        model = parallelize_fn(model, **kwargs)
         for module in model.modules():  # gloo has no PREMUL_SUM: FSDP2 sums, then divides
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
         return model
 
-    spec = ModelSpec(
-        name="llama3",
-        flavor="tiny",
-        model=titan_model_config(),
-        parallelize_fn=parallelize,
-        pipelining_fn=None,
-        post_optimizer_build_fn=None,
-        state_dict_adapter=None,
-    )
     config = Trainer.Config(
-        model_spec=spec,
+        model_spec=ModelSpec(**spec, parallelize_fn=parallelize, pipelining_fn=None, state_dict_adapter=None),
         dump_folder=str(folder),
         hf_assets_path=str(folder),
         tokenizer=Tokens.Config(),
         dataloader=RandomTokens.Config(),
-        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=TITAN_VOCAB)),
+        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=vocab)),
         optimizer=default_adamw(lr=1e-2),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=1, decay_ratio=0.0),  # constant after warmup
         training=TrainingConfig(
-            local_batch_size=2, seq_len=TITAN_SEQ, steps=CFG.steps, mixed_precision_param="float32", disable_cuda_graphs=True
+            local_batch_size=2, seq_len=seq_len, steps=steps, mixed_precision_param="float32", disable_cuda_graphs=True
         ),
-        parallelism=ParallelismConfig(spmd_backend="full_dtensor"),
-        checkpoint=CheckpointManager.Config(enable=True, interval=CFG.steps, last_save_model_only=False),
+        parallelism=ParallelismConfig(spmd_backend="full_dtensor", **(parallelism or {})),
+        checkpoint=CheckpointManager.Config(enable=True, interval=steps, last_save_model_only=False),
         activation_checkpoint=None,
         compile=CompileConfig(enable=False),
-        metrics=MetricsProcessor.Config(log_freq=CFG.steps),
+        metrics=MetricsProcessor.Config(log_freq=steps),
         validator=Validator.Config(enable=False),
         debug=DebugConfig(seed=seed, enable_structured_logging=False),
     )

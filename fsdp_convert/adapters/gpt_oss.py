@@ -101,9 +101,11 @@ def _refused(fqn: str, adapter: str, dtype: torch.dtype) -> UnsupportedTransform
 
 
 def _adapt(
-    tensors: Sequence[TensorInfo], names: Mapping[str, str], adapter: str, *, transpose: bool = False
+    tensors: Sequence[TensorInfo], names: Mapping[str, str], adapter: str, *, from_titan: bool, transpose: bool = False
 ) -> dict[str, Derived]:
-    """Every tensor under its ``names`` key (``transpose``: the ``_TRANSPOSED`` ones transposed); ``_LEFT_OUT`` left out.
+    """Every tensor under its ``names`` key (``transpose``: the ``_TRANSPOSED`` ones transposed).
+
+    From torchtitan (``from_titan``), ``_LEFT_OUT`` is left out with a warning, as its ``to_hf`` leaves it.
 
     Raises:
         UnsupportedTransformError: a key ``names`` does not know, or a transposed weight that is not 3-d.
@@ -115,7 +117,7 @@ def _adapt(
         target = names.get(abstract)
         if target is not None:
             out[target.format(*numbers)] = _transposed(info) if transpose and abstract in _TRANSPOSED else moved(info)
-        elif abstract == _LEFT_OUT and adapter.startswith("torchtitan-"):
+        elif abstract == _LEFT_OUT and from_titan:
             left_out.append(info.fqn)
         else:
             raise _refused(info.fqn, adapter, info.dtype)
@@ -138,7 +140,7 @@ def to_hf(tensors: Sequence[TensorInfo], config: Mapping[str, Any]) -> dict[str,
     Raises:
         UnsupportedTransformError: a tensor torchtitan's map does not know, naming it.
     """
-    return _adapt(tensors, TO_HF, "torchtitan-gpt-oss-to-hf")
+    return _adapt(tensors, TO_HF, "torchtitan-gpt-oss-to-hf", from_titan=True)
 
 
 def from_hf(tensors: Sequence[TensorInfo], config: Mapping[str, Any]) -> dict[str, Derived]:
@@ -155,7 +157,7 @@ def from_hf(tensors: Sequence[TensorInfo], config: Mapping[str, Any]) -> dict[st
         UnsupportedTransformError: a key torchtitan's map does not know, naming it (MXFP4
             ``*_scales``, or transformers' own transposed ``experts.gate_up_proj``, among them).
     """
-    return _adapt(tensors, FROM_HF, "hf-to-torchtitan-gpt-oss")
+    return _adapt(tensors, FROM_HF, "hf-to-torchtitan-gpt-oss", from_titan=False)
 
 
 def to_transformers(tensors: Sequence[TensorInfo], config: Mapping[str, Any]) -> dict[str, Derived]:
@@ -174,7 +176,7 @@ def to_transformers(tensors: Sequence[TensorInfo], config: Mapping[str, Any]) ->
     Raises:
         UnsupportedTransformError: a tensor the map does not know, or an expert weight that is not 3-d, naming it.
     """
-    return _adapt(tensors, TO_TRANSFORMERS, "torchtitan-gpt-oss-to-transformers", transpose=True)
+    return _adapt(tensors, TO_TRANSFORMERS, "torchtitan-gpt-oss-to-transformers", from_titan=True, transpose=True)
 
 
 def from_transformers(tensors: Sequence[TensorInfo], config: Mapping[str, Any]) -> dict[str, Derived]:
@@ -192,4 +194,4 @@ def from_transformers(tensors: Sequence[TensorInfo], config: Mapping[str, Any]) 
         UnsupportedTransformError: a key the map does not know, naming it (MXFP4 ``*_blocks`` /
             ``*_scales``, or torchtitan's own ``*_blocks`` layout, among them), or an expert weight that is not 3-d.
     """
-    return _adapt(tensors, FROM_TRANSFORMERS, "transformers-to-torchtitan-gpt-oss", transpose=True)
+    return _adapt(tensors, FROM_TRANSFORMERS, "transformers-to-torchtitan-gpt-oss", from_titan=False, transpose=True)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +14,7 @@ from fsdp_convert.cli._options import DtypeChoice
 from fsdp_convert.cli._precheck import check_argv, check_consolidate, check_rename, check_reshard, check_verify, dtype_name
 from fsdp_convert.errors import CheckpointError, InvalidOptionError, OutputExistsError
 from fsdp_convert.transform.options import dtype_names
+from tests._cli_probe import cli_probe
 from tests._samples import Sample
 
 # Each case runs main() in a fresh interpreter; the probe reports the exit code and whether torch
@@ -36,19 +34,6 @@ USAGE_ERRORS = {
     "-v 2": (["-v", "2", "consolidate", "{d}/ck", "{d}/out.pt"], 2, "-v takes no number"),
 }
 
-_PROBE = """
-import json, sys
-from fsdp_convert.cli import main
-sys.modules['fsdp_convert.cli.app'].exit_process = sys.exit  # the report below needs the interpreter to go on
-sys.argv = ['fsdp-convert', *json.loads(sys.argv[1])]
-try:
-    main()
-    code = 0
-except SystemExit as e:
-    code = e.code
-print(json.dumps({'code': code, 'torch': 'torch' in sys.modules}))
-"""
-
 
 @pytest.mark.parametrize("case", sorted(USAGE_ERRORS))
 def test_usage_errors_come_before_torch(case: str, tmp_path: Path) -> None:
@@ -56,12 +41,11 @@ def test_usage_errors_come_before_torch(case: str, tmp_path: Path) -> None:
     (tmp_path / "exists.pt").write_bytes(b"precious")
     argv, code, needle = USAGE_ERRORS[case]
     argv = [a.format(d=tmp_path) for a in argv]
-    proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(argv)], capture_output=True, text=True, timeout=120)
-    report = json.loads(proc.stdout.splitlines()[-1])
-    assert report == {"code": code, "torch": False}, (report, proc.stderr)
-    assert needle.format(d=tmp_path) in proc.stderr, proc.stderr
+    report, stderr = cli_probe(argv, timeout=120)
+    assert report == {"code": code, "modules": []}, (report, stderr)
+    assert needle.format(d=tmp_path) in stderr, stderr
     if case != "typo'd subcommand":  # typer's usage box, as before
-        assert proc.stderr.startswith("error: ") and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert stderr.startswith("error: ") and len(stderr.strip().splitlines()) == 1, stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "exists.pt"]
     assert (tmp_path / "exists.pt").read_bytes() == b"precious"
 

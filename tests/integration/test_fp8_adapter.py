@@ -40,6 +40,7 @@ from tests._deepseek import DS_SEQ, DS_VOCAB, HF_ROUTING, ds_build, ds_fp32_expe
 from tests._dist import run_ranks
 from tests._frameworks import preload
 from tests.integration.test_deepseek_v3 import _hf_config
+from tests.integration.test_fp8_dequantize import _bits, _folder
 from tests.integration.test_fp8_quantize import _reference
 
 _KEPT = ("embed", "norm", "lm_head")
@@ -51,17 +52,6 @@ FP8's rounding of every quantized weight (3 mantissa bits); measured 1.4e-3."""
 def _quantized(fqn: str, t: torch.Tensor) -> bool:
     """What DeepSeek-V3's Hub weights hold in FP8: 2-D ``.weight`` s but embeddings, norms, ``lm_head`` and the router."""
     return t.dim() == 2 and fqn.endswith(".weight") and not fqn.endswith("mlp.gate.weight") and not any(k in fqn for k in _KEPT)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
-
-
-def _folder(out: Path) -> dict[str, torch.Tensor]:
-    got: dict[str, torch.Tensor] = {}
-    for file in sorted(out.glob("*.safetensors")):
-        got |= load_file(str(file))
-    return got
 
 
 def _titan_adapter() -> Any:

@@ -9,8 +9,6 @@ Unstacked, layer ``i`` of each, model and optimizer moments alike, must be ``tru
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +23,8 @@ from fsdp_convert.cli.app import app
 from fsdp_convert.errors import InvalidOptionError
 from fsdp_convert.transform import TransformOptions
 from tests import _megatron
+from tests._cli_probe import cli_probe
 from tests._compare import assert_same_state
-from tests.cli.test_precheck import _PROBE
 
 LAYERS = "decoder.layers."
 
@@ -134,6 +132,6 @@ def test_unstack_layers_precheck_is_the_librarys_rule_before_torch() -> None:
     with pytest.raises(InvalidOptionError, match="expected True or False"):
         TransformOptions(unstack_layers="yes")  # type: ignore[arg-type]
     argv = ["reshard", "nowhere", "out", "--world-size", "2", "--unstack-layers", "--optim-keys", "ids"]
-    proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(argv)], capture_output=True, text=True, timeout=120)
-    assert json.loads(proc.stdout.splitlines()[-1]) == {"code": 2, "torch": False}, proc.stderr
-    assert proc.stderr.startswith("error: --unstack-layers names each layer's optimizer state"), proc.stderr
+    report, stderr = cli_probe(argv, timeout=120)
+    assert report == {"code": 2, "modules": []}, stderr
+    assert stderr.startswith("error: --unstack-layers names each layer's optimizer state"), stderr

@@ -8,7 +8,6 @@ tables mirror torch's own: checked here against torch.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pickle
 import subprocess
 import sys
@@ -24,26 +23,13 @@ from fsdp_convert import constants
 from fsdp_convert.formats import _dcp_classes
 from fsdp_convert.formats._dcp_metadata import load_metadata, load_records
 from fsdp_convert.formats.index import DTYPE_ITEMSIZES, TensorEntry
+from tests._cli_probe import cli_probe
 from tests._samples import Sample
-
-_PROBE = """
-import json, sys
-from fsdp_convert.cli import main
-sys.modules['fsdp_convert.cli.app'].exit_process = sys.exit  # the report below needs the interpreter to go on
-sys.argv = ['fsdp-convert', *json.loads(sys.argv[1])]
-try:
-    main()
-    code = 0
-except SystemExit as e:
-    code = e.code
-print(json.dumps({'code': code, 'modules': sorted(m for m in sys.modules if m.split('.')[0] == 'torch')}))
-"""
 
 
 def _run(argv: list[str]) -> dict[str, object]:
-    proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(argv)], capture_output=True, text=True, timeout=300)
-    report: dict[str, object] = json.loads(proc.stdout.splitlines()[-1])
-    assert report["code"] == 0, proc.stderr
+    report, stderr = cli_probe(argv)
+    assert report["code"] == 0, stderr
     return report
 
 
