@@ -31,6 +31,7 @@ __all__ = [
     "UNCASTABLE_DTYPES",
     "SUPPORTED_DTYPES",
     "TORCH_DTYPE_NAMES",
+    "STORAGE_DTYPE_NAMES",
     "DTYPE_NAMES",
     "READ_LOG_ENV",
     "WORKER_PRELOAD",
@@ -58,6 +59,17 @@ TORCH_DTYPE_NAMES: dict[str, str] = {
     )},
     "bit": "uint1", "cdouble": "complex128", "cfloat": "complex64", "chalf": "complex32", "double": "float64",
     "float": "float32", "half": "float16", "int": "int32", "long": "int64", "short": "int16",
+}  # fmt: skip
+
+# torch's legacy typed-storage classes (``torch.FloatStorage``), which torch.save pickles for a tensor's
+# storage, to the dtype each holds (``torch.storage._dtype_to_storage_type_map``); other dtypes pickle
+# an ``UntypedStorage`` and name the dtype. tests/unit/test_payload_pickle.py checks it against torch
+STORAGE_DTYPE_NAMES: dict[str, str] = {
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "LongStorage": "int64",
+    "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
+    "BFloat16Storage": "bfloat16", "ComplexDoubleStorage": "complex128", "ComplexFloatStorage": "complex64",
+    "QInt8Storage": "qint8", "QInt32Storage": "qint32", "QUInt8Storage": "quint8", "QUInt4x2Storage": "quint4x2",
+    "QUInt2x4Storage": "quint2x4",
 }  # fmt: skip
 
 if TYPE_CHECKING:

@@ -67,7 +67,7 @@ def _exact(pread: Pread, length: int, offset: int) -> bytes:
 
 
 def _central_directory(pread: Pread, size: int) -> tuple[int, int]:
-    tail_len = min(size, 65536 + 22)
+    tail_len = min(size, 22 + 20)  # the end record and the zip64 locator before it: no comment is searched for
     if tail_len < 22:
         raise ZipFormatError(f"{size} bytes is too short for a zip")
     tail = _exact(pread, tail_len, size - tail_len)

@@ -4,7 +4,9 @@ A DCP payload is a torch.save zip at ``[offset, offset + length)`` of a ``.distc
 (``torch/distributed/checkpoint/filesystem.py`` ``_write_item``). ``torch.load`` reads it through
 ``ByteRangeFile``, which uses ``os.preadv`` into the buffers torch allocates (no intermediate
 ``bytes``, never outside the range) and hashes each zip record's data as it passes, so the CRC-32s
-torch never checks cost no extra read.
+torch never checks cost no extra read. ``PayloadEdges`` is the other way in, without torch: a
+payload's head (local headers, ``data.pkl``) and tail (last records, central directory) read
+with one ``pread`` each, which is all ``DcpReader.locate`` needs to find the storage's bytes.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from typing import Any
 from fsdp_convert.formats.crc import crc32
 from fsdp_convert.zip_records import ZipRecord
 
-__all__ = ["ByteRangeFile", "RecordHash"]
+__all__ = ["ByteRangeFile", "RecordHash", "PayloadEdges", "EDGE_BYTES"]
+
+EDGE_BYTES = 4096  # read at each end of a payload: its headers, pickle and directory (~1.5 KiB for one tensor)
 
 
 class RecordHash:
@@ -128,4 +132,53 @@ class ByteRangeFile(io.RawIOBase):
                 h.done_to += len(data)
             if h.crc != h.record.crc32:
                 bad.append((h.record, h.crc))
+        return bad
+
+
+class PayloadEdges:
+    """The first and last ``EDGE_BYTES`` of a payload read once; other reads go to the file.
+
+    A one-tensor torch.save zip keeps everything but the storage's data at its two ends, so
+    parsing its zip records and pickle and checking their CRC-32s takes two ``pread`` calls
+    instead of one per structure.
+
+    Args:
+        fd: an open descriptor of the data file.
+        offset_bytes: start of the payload in the file, in bytes.
+        length_bytes: length of the payload, in bytes.
+    """
+
+    __slots__ = ("_fd", "_start", "_length", "_head", "_tail", "_tail_at")
+
+    def __init__(self, fd: int, offset_bytes: int, length_bytes: int) -> None:
+        self._fd, self._start, self._length = fd, offset_bytes, length_bytes
+        if length_bytes <= 2 * EDGE_BYTES:
+            self._head = self._tail = os.pread(fd, length_bytes, offset_bytes)
+            self._tail_at = 0
+        else:
+            self._head = os.pread(fd, EDGE_BYTES, offset_bytes)
+            self._tail_at = length_bytes - EDGE_BYTES
+            self._tail = os.pread(fd, EDGE_BYTES, offset_bytes + self._tail_at)
+
+    def pread(self, length: int, offset: int) -> bytes:
+        """Up to ``length`` bytes at ``offset`` within the payload (fewer at its end)."""
+        length = max(0, min(length, self._length - offset))
+        if offset + length <= len(self._head):
+            return self._head[offset : offset + length]
+        if offset >= self._tail_at and offset + length <= self._tail_at + len(self._tail):
+            return self._tail[offset - self._tail_at : offset - self._tail_at + length]
+        return os.pread(self._fd, length, self._start + offset)
+
+    def crc_mismatches(self, records: list[ZipRecord]) -> list[tuple[ZipRecord, int]]:
+        """``(record, computed CRC-32)`` for each of ``records`` whose data does not match its stored CRC-32."""
+        bad = []
+        for record in records:
+            crc, done, end = 0, record.data_offset, record.data_offset + record.size
+            while done < end:
+                data = self.pread(min(end - done, 16 << 20), done)
+                if not data:
+                    break
+                crc, done = crc32(data, crc), done + len(data)
+            if crc != record.crc32:
+                bad.append((record, crc))
         return bad

@@ -48,13 +48,14 @@ from fsdp_convert.formats._dcp_payloads import (
     is_raw_chunk,
     payload_formats,
 )
-from fsdp_convert.formats._range import ByteRangeFile, RecordHash
+from fsdp_convert.formats._payload_pickle import read_payload_tensor, whole_storage
+from fsdp_convert.formats._range import ByteRangeFile, PayloadEdges, RecordHash
 from fsdp_convert.formats.index import MAX_ENTRIES, BytesEntry, CheckpointIndex, ChunkEntry, Entry, Location, TensorEntry, Url
 from fsdp_convert.formats.reader import ChunkedReader, StoredBytes, check_payload
 from fsdp_convert.location import inside, open_inside
 from fsdp_convert.remote import as_location, read_bytes, read_range, size_of
 from fsdp_convert.signals import torch_call
-from fsdp_convert.zip_records import ZipFormatError, read_records
+from fsdp_convert.zip_records import ZipFormatError, ZipRecord, read_records
 
 if TYPE_CHECKING:  # torch only where a payload is loaded: inspect reads .metadata alone
     import torch
@@ -257,11 +258,10 @@ class DcpReader(ChunkedReader):
     def locate(self, entry: TensorEntry, chunk: ChunkEntry) -> StoredBytes | None:
         """The storage record of a chunk's payload, found without decoding its data.
 
-        The payload's zip records are parsed from its central directory; its ``data.pkl`` is
-        loaded with ``torch.load(weights_only=True, map_location="meta")``, which reads the
-        pickle alone and makes no storage, and checked against ``.metadata`` (dtype, shape);
-        with CRC checking on, every other record's CRC-32 is checked here and the storage's is
-        returned to check as its bytes pass. A payload whose tensor is not its one storage whole and in C
+        The payload's zip records are parsed from its two ends (``PayloadEdges``); its ``data.pkl``
+        is read as an inert record (``_payload_pickle``, no torch) and checked against ``.metadata``
+        (dtype, shape); with CRC checking on, every other record's CRC-32 is checked here and the
+        storage's is returned to check as its bytes pass. A payload whose tensor is not its one storage whole and in C
         order (a view torch.save kept with its base) is left to ``read_chunk``.
 
         A chunk ``FileSystemWriter(serialization_format=SAFETENSORS)`` stored (``_dcp_payloads``)
@@ -281,9 +281,9 @@ class DcpReader(ChunkedReader):
         if is_raw_chunk(entry, chunk):
             self._log_read(entry, chunk)
             return StoredBytes(fd=fd, offset=at, nbytes=chunk.length_bytes, crc32=None, where=where)
-        payload = ByteRangeFile(fd, at, chunk.length_bytes)
+        edges = PayloadEdges(fd, at, chunk.length_bytes)
         try:
-            records = read_records(payload.pread, chunk.length_bytes)
+            records = read_records(edges.pread, chunk.length_bytes)
         except ZipFormatError as e:
             raise CorruptChunkError(f"{where}: payload is not a torch.save zip ({e})") from e
         storages = [r for r in records if r.short_name.startswith("data/")]
@@ -291,28 +291,17 @@ class DcpReader(ChunkedReader):
         if len(storages) != 1 or len(pickles) != 1 or any(r.compression for r in records):
             return None
         order = [r for r in records if r.short_name == "byteorder"]
-        if order and payload.pread(order[0].size, order[0].data_offset) != sys.byteorder.encode():
+        if order and edges.pread(order[0].size, order[0].data_offset) != sys.byteorder.encode():
             return None  # torch.load byte-swaps these; read_chunk does
-        if self.check_crc:  # every record but the storage, whose CRC-32 the mover checks as its bytes pass
-            payload.hashes = [RecordHash(r) for r in records if r is not storages[0]]
-            self._check_crcs(payload, where)
-        payload.seek(0)
-        try:
-            import torch
-
-            with torch_call():
-                meta = torch.load(cast(IO[bytes], payload), map_location="meta", weights_only=True)
-        except Exception as e:
-            if payload.error is not None:
-                raise payload.error from None
-            self._raise_decode_error(e, where)
-        if payload.error is not None:
-            raise payload.error
-        check_payload(entry, chunk, meta, where)
         storage = storages[0]
-        if not meta.is_contiguous() or meta.storage_offset() != 0 or meta.untyped_storage().nbytes() != storage.size:
-            return None
-        if storage.size != chunk.numel * entry.dtype.itemsize:
+        if self.check_crc:  # every record but the storage, whose CRC-32 the mover checks as its bytes pass
+            self._check_crcs(edges.crc_mismatches([r for r in records if r is not storage]), where)
+        tensor = read_payload_tensor(edges.pread(pickles[0].size, pickles[0].data_offset))
+        if tensor is not None and (tensor.dtype_name, tensor.sizes) == (entry.dtype_name, chunk.sizes):
+            plain = whole_storage(tensor, storage)
+        else:  # a pickle of another shape: torch's loader reads it and names the fault
+            plain = self._whole_meta(ByteRangeFile(fd, at, chunk.length_bytes), entry, chunk, storage, where)
+        if not plain or storage.size != chunk.numel * entry.itemsize:
             return None
         self._log_read(entry, chunk)
         crc = storage.crc32 if self.check_crc else None
@@ -372,15 +361,32 @@ class DcpReader(ChunkedReader):
         except Exception as e:
             if payload.error is not None:
                 raise payload.error from None  # the read failed or was interrupted: that is the cause
-            self._check_crcs(payload, where)  # a corrupt record explains a decode failure best
+            self._check_crcs(payload.finish_crcs(), where)  # a corrupt record explains a decode failure best
             self._raise_decode_error(e, where)
         if payload.error is not None:
             raise payload.error
-        self._check_crcs(payload, where)
+        self._check_crcs(payload.finish_crcs(), where)
         return value
 
-    def _check_crcs(self, payload: ByteRangeFile, where: str) -> None:
-        for record, computed in payload.finish_crcs():
+    def _whole_meta(self, payload: ByteRangeFile, entry: TensorEntry, chunk: ChunkEntry, storage: ZipRecord, where: str) -> bool:
+        """``whole_storage`` by torch's loader (on the meta device: the pickle alone), checked against ``.metadata``."""
+        try:
+            import torch
+
+            with torch_call():
+                meta = torch.load(cast(IO[bytes], payload), map_location="meta", weights_only=True)
+        except Exception as e:
+            if payload.error is not None:
+                raise payload.error from None
+            self._raise_decode_error(e, where)
+        if payload.error is not None:
+            raise payload.error
+        check_payload(entry, chunk, meta, where)
+        return bool(meta.is_contiguous() and meta.storage_offset() == 0 and meta.untyped_storage().nbytes() == storage.size)
+
+    @staticmethod
+    def _check_crcs(mismatches: list[tuple[ZipRecord, int]], where: str) -> None:
+        for record, computed in mismatches:
             raise CorruptChunkError(
                 f"{where}: CRC-32 mismatch in record {record.short_name} (stored {record.crc32:#010x}, "
                 f"computed {computed:#010x}); the data file is corrupt"
