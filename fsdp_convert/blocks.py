@@ -18,16 +18,19 @@ from __future__ import annotations
 import math
 import os
 import threading
-
-import torch
+from typing import TYPE_CHECKING
 
 from fsdp_convert._pagecache import PageCache, ReadMapping
 from fsdp_convert.derive import Derived, Input, Segment, concat, row_span
+from fsdp_convert.dtypes import DType
 from fsdp_convert.errors import CorruptChunkError, ShapeMismatchError
 from fsdp_convert.formats import Reader
 from fsdp_convert.formats.crc import crc32
 from fsdp_convert.formats.index import ChunkEntry, TensorEntry
 from fsdp_convert.formats.reader import StoredBytes
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "ChunkReads",
@@ -222,6 +225,8 @@ class ChunkSource:
 
         Called in row order (a later call may overlap an earlier one); valid until the next call.
         """
+        import torch
+
         _, (c_rows, *rest) = box(self.chunk)
         if self.stored is None:
             if self.decoded is None:
@@ -239,7 +244,7 @@ class ChunkSource:
             if b == c_rows and not self.checked:
                 check_crc(self.stored, self.crc)
                 self.checked = True
-        return torch.frombuffer(view, dtype=self.entry.dtype).view(b - a, *rest)
+        return torch.frombuffer(view, dtype=self.entry.dtype.torch).view(b - a, *rest)
 
     def finish(self) -> None:
         """Check the stored CRC-32 if the rows asked for left it unchecked (a selection with gaps)."""
@@ -261,9 +266,11 @@ def read_rows(
             every row that will be asked for).
         into: a flat tensor of ``entry``'s dtype to build them in (at least that long); None: a new one.
     """
+    import torch
+
     shape = entry.shape or (1,)
     size = (hi - lo, *shape[1:])
-    out = torch.empty(size, dtype=entry.dtype) if into is None else into[: math.prod(size)].view(size)
+    out = torch.empty(size, dtype=entry.dtype.torch) if into is None else into[: math.prod(size)].view(size)
     for chunk in entry.chunks:
         (c0, *rest_offsets), (c_rows, *rest_sizes) = box(chunk)
         a, b = max(lo, c0), min(hi, c0 + c_rows)
@@ -280,6 +287,8 @@ class _InputReader:
     """One input of a derived tensor: its rows for each block, read over the span they cover."""
 
     def __init__(self, mover: ChunkReads, inp: Input, entry: TensorEntry, begin: int, end: int) -> None:
+        import torch
+
         self.inp, self.entry = inp, entry
         self.view = inp.view or entry.shape or (1,)
         self.per_row = self.view[0] // max(rows_of(entry.shape)[0], 1)  # view rows per tensor row
@@ -292,37 +301,41 @@ class _InputReader:
             if c.numel > 0 and box(c)[0][0] < t_hi and t_lo < box(c)[0][0] + box(c)[1][0]
         }
         self.whole: torch.Tensor | None = None
-        self._spans = torch.empty(0, dtype=entry.dtype)  # reused block after block: fewer, larger allocations
-        self._picked = torch.empty(0, dtype=entry.dtype)
+        self._spans = torch.empty(0, dtype=entry.dtype.torch)  # reused block after block: fewer, larger allocations
+        self._picked = torch.empty(0, dtype=entry.dtype.torch)
 
     def part(self, r0: int, r1: int) -> torch.Tensor:
         """The input's part for output rows ``[r0, r1)``: its rows there, or all of it."""
+        import torch
+
         if self.inp.rows is None:
             if self.whole is None:
                 self.whole = self._span(0, self.view[0])
             return self.whole
         rows = self.inp.rows(r0, r1)
         if not rows:
-            return torch.empty((0, *self.view[1:]), dtype=self.entry.dtype)
+            return torch.empty((0, *self.view[1:]), dtype=self.entry.dtype.torch)
         lo, hi = min(rows), max(rows) + 1
         span = self._span(lo, hi)
         if isinstance(rows, range) and rows.step == 1:
             return span
         numel = len(rows) * math.prod(self.view[1:])
         if self._picked.numel() < numel:
-            self._picked = torch.empty(numel, dtype=self.entry.dtype)
+            self._picked = torch.empty(numel, dtype=self.entry.dtype.torch)
         picked = self._picked[:numel].view(len(rows), *self.view[1:])
         return torch.index_select(span, 0, torch.tensor(rows, dtype=torch.long) - lo, out=picked)
 
     def _span(self, lo: int, hi: int) -> torch.Tensor:
         """View rows ``[lo, hi)``: the tensor rows holding them, read and cut."""
+        import torch
+
         t_lo, t_hi = lo // self.per_row, -(-hi // self.per_row)
         numel = (t_hi - t_lo) * rows_of(self.entry.shape)[1]
         if self.inp.rows is None:  # whole: held for the tensor, its own
             data = read_rows(self.entry, t_lo, t_hi, self.sources)
         else:
             if self._spans.numel() < numel:
-                self._spans = torch.empty(numel, dtype=self.entry.dtype)
+                self._spans = torch.empty(numel, dtype=self.entry.dtype.torch)
             data = read_rows(self.entry, t_lo, t_hi, self.sources, into=self._spans)
         data = data.reshape(-1, *self.view[1:])
         return data[lo - t_lo * self.per_row : hi - t_lo * self.per_row]
@@ -336,7 +349,7 @@ def move_derived(
     mover: ChunkReads,
     derived: Derived,
     entries: tuple[TensorEntry, ...],
-    dtype: torch.dtype,
+    dtype: DType,
     fd: int,
     offset: int,
     row_range: tuple[int, int],
@@ -359,6 +372,8 @@ def move_derived(
         ShapeMismatchError: ``combine`` returned another shape than the block's (names the inputs).
         As ``Mover.move`` for bad chunks.
     """
+    import torch
+
     view = derived.out_view
     per_row = view[0] // max(rows_of(derived.shape)[0], 1)
     begin, end = row_range[0] * per_row, row_range[1] * per_row
@@ -383,7 +398,7 @@ def move_derived(
             names = ", ".join(e.fqn for e in entries)
             raise ShapeMismatchError(f"derived from {names}: rows [{r0}, {r1}) came out {tuple(result.shape)}, not {want}")
         out = mover.buffer(0, (r1 - r0) * row_elems * dtype.itemsize)
-        torch.frombuffer(out, dtype=dtype).view(want).copy_(result)
+        torch.frombuffer(out, dtype=dtype.torch).view(want).copy_(result)
         at = offset + (r0 - begin) * row_elems * dtype.itemsize
         pwrite_all(fd, out, at)
         mover.cache.wrote(fd, at, len(out))
@@ -398,7 +413,7 @@ SegmentRun = tuple[TensorEntry, ChunkEntry, int, int, int]
 
 
 def segment_runs(
-    derived: Derived, entries: tuple[TensorEntry, ...], dtype: torch.dtype, row_range: tuple[int, int]
+    derived: Derived, entries: tuple[TensorEntry, ...], dtype: DType, row_range: tuple[int, int]
 ) -> list[SegmentRun] | None:
     """Rows ``row_range`` of a derived tensor as byte ranges of its inputs' chunks, when it is only that.
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from fsdp_convert.dtypes import CAST_NAMES, SAFETENSORS_NAMES, UNCASTABLE, VALUES_PER_ELEMENT, DType
 from fsdp_convert.suffixes import SAFETENSORS_SUFFIXES, TORCH_SAVE_SUFFIXES
 
 __all__ = [
@@ -108,42 +109,21 @@ def _torch_tables() -> dict[str, Any]:
 
     _FLOAT4 = getattr(torch, "float4_e2m1fn_x2", None)  # torch >= 2.8
 
-    # torch dtype -> safetensors dtype name (the header's "dtype"): the one table, inverted below and
-    # used by the writer (writers/safetensors.py) and both readers (formats/hf_storage.py,
-    # formats/full_file.py). The names are the ones safetensors 0.8 writes for each torch dtype
-    # (``safetensors.torch.save``; its Rust ``Dtype``); tests/unit/test_constants.py checks each.
-    # safetensors has no complex128 or complex32 (ComplexHalf).
+    # torch dtype -> safetensors dtype name (the header's "dtype"): dtypes.SAFETENSORS_NAMES keyed by torch dtypes
     SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-        torch.float64: "F64",
-        torch.float32: "F32",
-        torch.float16: "F16",
-        torch.bfloat16: "BF16",
-        torch.int64: "I64",
-        torch.int32: "I32",
-        torch.int16: "I16",
-        torch.int8: "I8",
-        torch.uint8: "U8",
-        torch.uint16: "U16",
-        torch.uint32: "U32",
-        torch.uint64: "U64",
-        torch.bool: "BOOL",
-        torch.float8_e4m3fn: "F8_E4M3",
-        torch.float8_e5m2: "F8_E5M2",
-        torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
-        torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
-        torch.float8_e8m0fnu: "F8_E8M0",
-        torch.complex64: "C64",
-        **({_FLOAT4: "F4"} if _FLOAT4 is not None else {}),
+        getattr(torch, name): code for name, code in SAFETENSORS_NAMES.items() if hasattr(torch, name)
     }
     # safetensors dtype name -> torch dtype (the inverse of SAFETENSORS_DTYPES)
     SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
     # torch dtypes packing several safetensors values into one element: safetensors' header shape
     # counts the values (F4: two 4-bit floats per byte), so its last dim is this many times torch's
-    SAFETENSORS_VALUES_PER_ELEMENT: dict[torch.dtype, int] = {_FLOAT4: 2} if _FLOAT4 is not None else {}
+    SAFETENSORS_VALUES_PER_ELEMENT: dict[torch.dtype, int] = {
+        getattr(torch, name): n for name, n in VALUES_PER_ELEMENT.items() if hasattr(torch, name)
+    }
 
     # floating dtypes torch has no cast for (float4_e2m1fn_x2 packs two 4-bit values per element):
     # --dtype/--optim-dtype keep them as they are, and verify compares them by bytes only
-    UNCASTABLE_DTYPES: frozenset[torch.dtype] = frozenset({_FLOAT4} if _FLOAT4 is not None else ())
+    UNCASTABLE_DTYPES: frozenset[torch.dtype] = frozenset(getattr(torch, name) for name in UNCASTABLE if hasattr(torch, name))
 
     # dtypes a full tensor can be allocated, written by torch.save and read back for (no quantized types)
     SUPPORTED_DTYPES = frozenset(
@@ -157,14 +137,8 @@ def _torch_tables() -> dict[str, Any]:
         }
     )  # fmt: skip
 
-    # the one table of dtype names (torchtitan's TORCH_DTYPE_MAP): --dtype / --optim-dtype, and the strings
-    # TransformOptions.dtype / optim_dtype take, to torch dtypes. Each dtype's first name is the one the
-    # CLI lists (cli._options.DtypeChoice); the others are aliases, matched without regard to case.
-    DTYPE_NAMES: dict[str, torch.dtype] = {
-        "fp32": torch.float32, "float32": torch.float32,
-        "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-        "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    }  # fmt: skip
+    # dtypes.CAST_NAMES with torch dtypes: --dtype / --optim-dtype's names
+    DTYPE_NAMES: dict[str, torch.dtype] = {name: getattr(torch, dtype) for name, dtype in CAST_NAMES.items()}
 
     tables = {
         "SAFETENSORS_DTYPES": SAFETENSORS_DTYPES,
@@ -178,14 +152,11 @@ def _torch_tables() -> dict[str, Any]:
     return tables
 
 
-def _values_per_element(dtype: torch.dtype) -> int:
-    # a module's own functions see its globals, not its __getattr__: build the tables first
-    table = globals().get("SAFETENSORS_VALUES_PER_ELEMENT")
-    per_element: dict[torch.dtype, int] = table if table is not None else _torch_tables()["SAFETENSORS_VALUES_PER_ELEMENT"]
-    return per_element.get(dtype, 1)
+def _values_per_element(dtype: torch.dtype | DType) -> int:
+    return VALUES_PER_ELEMENT.get(str(dtype).removeprefix("torch."), 1)
 
 
-def safetensors_shape(dtype: torch.dtype, shape: tuple[int, ...]) -> list[int]:
+def safetensors_shape(dtype: torch.dtype | DType, shape: tuple[int, ...]) -> list[int]:
     """The header ``shape`` safetensors writes for a torch tensor of ``dtype`` and ``shape`` (elements).
 
     The torch shape, except for packed dtypes (``SAFETENSORS_VALUES_PER_ELEMENT``), whose last dim
@@ -203,7 +174,7 @@ def safetensors_shape(dtype: torch.dtype, shape: tuple[int, ...]) -> list[int]:
     return [*shape[:-1], shape[-1] * per_element]
 
 
-def torch_shape(dtype: torch.dtype, header_shape: list[int] | tuple[int, ...]) -> tuple[int, ...]:
+def torch_shape(dtype: torch.dtype | DType, header_shape: list[int] | tuple[int, ...]) -> tuple[int, ...]:
     """The torch shape (elements) of a safetensors tensor whose header says ``dtype`` and ``header_shape``.
 
     The inverse of ``safetensors_shape``.

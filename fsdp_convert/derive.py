@@ -35,12 +35,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
-
+from fsdp_convert.dtypes import DType, as_dtype
 from fsdp_convert.errors import UnsupportedTransformError
 from fsdp_convert.formats.index import Entry, TensorEntry
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "RowMap",
@@ -194,6 +196,8 @@ class Input:
 
 def concat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """The parts stacked on dim 0, in input order (one part: itself): the default ``combine``."""
+    import torch
+
     return parts[0] if len(parts) == 1 else torch.cat(list(parts), dim=0)
 
 
@@ -222,9 +226,12 @@ class Derived:
 
     inputs: tuple[Input, ...]
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: DType
     combine: Callable[[Sequence[torch.Tensor]], torch.Tensor] | None = None
     view: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", as_dtype(self.dtype))  # a torch.dtype is taken too
 
     @property
     def out_view(self) -> tuple[int, ...]:
@@ -245,12 +252,14 @@ class Derived:
         Warning:
             Holds every input and the output in memory.
         """
+        import torch
+
         n = self.out_view[0]
         parts = []
         for inp, tensor in zip(self.inputs, tensors, strict=True):
             t = tensor.reshape(inp.view or tensor.shape or (1,))
             parts.append(t if inp.rows is None else t[torch.tensor(list(inp.rows(0, n)), dtype=torch.long)])
-        return (self.combine or concat)(parts).to(self.dtype).reshape(self.shape)
+        return (self.combine or concat)(parts).to(self.dtype.torch).reshape(self.shape)
 
     def check(self, fqn: str, tensors: Mapping[str, TensorInfo]) -> None:
         """Check the inputs exist and the shapes, views and row maps fit, before any data is read.
@@ -307,8 +316,11 @@ class TensorInfo:
     """
 
     fqn: str
-    dtype: torch.dtype
+    dtype: DType
     shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", as_dtype(self.dtype))  # a torch.dtype is taken too
 
 
 Adapter = Callable[[Sequence[TensorInfo]], Mapping[str, Derived]]

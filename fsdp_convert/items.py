@@ -17,11 +17,9 @@ import pickle
 import re
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from fsdp_convert.constants import SUPPORTED_DTYPES
+from fsdp_convert.dtypes import ITEMSIZES, as_dtype, is_tensor
 from fsdp_convert.errors import CorruptChunkError, InvalidOptionError, UnsafeContentError, UnsupportedTransformError
 from fsdp_convert.formats import Reader, Source, open_reader
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ObjPath, Url, flatten_with_paths
@@ -30,6 +28,9 @@ from fsdp_convert.remote import read_bytes, size_of
 from fsdp_convert.roles import MEGATRON_OPTIM_PREFIX, Group, classify, dcp_key, group_of_top
 from fsdp_convert.transform import OutputItem, TransformOptions, build_items, clean_fqn, needs_group_values
 from fsdp_convert.writers.safetensors import safetensors_name
+
+if TYPE_CHECKING:
+    pass
 
 __all__ = ["MERGED_TENSOR_MAX_BYTES", "prepare_items", "read_merged", "leave_out_model_keys"]
 
@@ -173,6 +174,8 @@ def read_merged(index: CheckpointIndex) -> dict[str, Any] | None:
 
 def _load_merged(where: Path | Url) -> dict[str, Any]:
     """``read_merged``'s load and checks of the file at ``where`` (same Raises)."""
+    import torch
+
     try:
         raw = read_bytes(where) if isinstance(where, Url) else where.read_bytes()
         meta = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
@@ -196,9 +199,11 @@ def _load_merged(where: Path | Url) -> dict[str, Any]:
 
 def _unmergeable(value: Any) -> str | None:
     """Why ``value`` cannot be written as the output's items (its tensors each an item of their own), or None."""
-    if isinstance(value, torch.Tensor):
+    if is_tensor(value):
+        import torch
+
         nbytes = value.numel() * value.element_size()
-        if value.layout != torch.strided or value.is_quantized or value.dtype not in SUPPORTED_DTYPES:
+        if value.layout != torch.strided or value.is_quantized or as_dtype(value.dtype).name not in ITEMSIZES:
             return f"a {value.dtype} {value.layout} tensor"
         return f"a tensor of {nbytes} bytes (at most {MERGED_TENSOR_MAX_BYTES})" if nbytes > MERGED_TENSOR_MAX_BYTES else None
     if isinstance(value, dict):
@@ -211,7 +216,7 @@ def _unmergeable(value: Any) -> str | None:
 
 
 def _holds_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
+    if is_tensor(value):
         return True
     if isinstance(value, dict):
         return any(_holds_tensor(v) for v in value.values())
@@ -222,7 +227,7 @@ def _holds_tensor(value: Any) -> bool:
 
 def _own_tensor(value: Any) -> Any:
     """A merged tensor as its own dense, contiguous copy (what torch.save of it stores); any other value as it is."""
-    if not isinstance(value, torch.Tensor):
+    if not is_tensor(value):
         return value
     return value.detach().resolve_conj().resolve_neg().contiguous().clone()
 

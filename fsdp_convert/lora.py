@@ -22,9 +22,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from fsdp_convert.constants import ADAPTER_CONFIG_FILENAME
 from fsdp_convert.derive import Derived, Input, TensorInfo, copy_of
@@ -32,6 +30,9 @@ from fsdp_convert.errors import InvalidOptionError, UnsupportedTransformError
 from fsdp_convert.formats.index import CheckpointIndex
 from fsdp_convert.roles import classify
 from fsdp_convert.transform import OutputItem, TransformOptions, clean_fqn
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "LoraMode",
@@ -352,6 +353,8 @@ class LoraMerge:
 
     def __call__(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """The block's merged rows, float32, shape ``(rows, in)``."""
+        import torch
+
         w, b, a = parts
         return merge_rows(w, b, a, self.scale, torch.float32)
 

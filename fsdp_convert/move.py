@@ -34,9 +34,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from fsdp_convert.blocks import (
     MIN_MAPPED_BYTES,
@@ -50,11 +48,15 @@ from fsdp_convert.blocks import (
     segment_runs,
 )
 from fsdp_convert.derive import Derived
+from fsdp_convert.dtypes import DType, as_dtype
 from fsdp_convert.formats import Reader
 from fsdp_convert.formats.crc import combine, crc32
 from fsdp_convert.formats.index import ChunkEntry, TensorEntry
 from fsdp_convert.formats.reader import StoredBytes
 from fsdp_convert.writers.buffer import byte_view, dense
+
+if TYPE_CHECKING:
+    pass
 
 __all__ = ["Piece", "MoveJob", "Mover", "move_all", "pwrite_all", "pieces_crc", "range_crc", "JOIN_POLL_S"]
 
@@ -94,13 +96,16 @@ class MoveJob:
     """
 
     entry: TensorEntry
-    dtype: torch.dtype
+    dtype: DType
     file: int
     fd: int
     offset: int
     rows: tuple[int, int] | None = None
     derived: Derived | None = None
     sources: tuple[TensorEntry, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", as_dtype(self.dtype))  # a torch.dtype is taken too
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -285,6 +290,8 @@ class Mover(ChunkReads):
         return crc
 
     def _move_row_blocks(self, job: MoveJob, chunks: list[ChunkEntry]) -> list[Piece]:
+        import torch
+
         entry = job.entry
         _, row_elems = _rows(entry.shape)
         begin, end = job.row_range
@@ -297,7 +304,7 @@ class Mover(ChunkReads):
             self.check_stop()
             r1 = min(end, r0 + block_rows)
             out = self.buffer(0, (r1 - r0) * row_elems * job.dtype.itemsize)
-            block = torch.frombuffer(out, dtype=job.dtype).view(r1 - r0, *shape[1:])
+            block = torch.frombuffer(out, dtype=job.dtype.torch).view(r1 - r0, *shape[1:])
             for chunk in chunks:
                 (c0, *rest_offsets), (c_rows, *rest_sizes) = _box(chunk)
                 a, b = max(r0, c0), min(r1, c0 + c_rows)

@@ -189,9 +189,9 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "safetensors-bf16-as-f16",
         "OUT ending in .safetensors: the model weights, read by safetensors.torch.load_file",
-        "fsdp_convert/constants.py",
-        'torch.bfloat16: "BF16",',
-        'torch.bfloat16: "F16",',
+        "fsdp_convert/dtypes.py",
+        '"bfloat16": "BF16",',
+        '"bfloat16": "F16",',
         "tests/integration/test_consolidate.py::test_consolidate_safetensors_holds_model_weights",
     ),
     Mutation(

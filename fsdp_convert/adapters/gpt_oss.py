@@ -25,13 +25,15 @@ expert at a time.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from fsdp_convert.adapters._common import abstract_key, moved, warn_left_out
 from fsdp_convert.derive import Derived, Input, TensorInfo
+from fsdp_convert.dtypes import DType
 from fsdp_convert.errors import UnsupportedTransformError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["FROM_HF", "to_hf", "from_hf", "to_transformers", "from_transformers", "transpose_experts"]
 
@@ -88,10 +90,10 @@ def _transposed(info: TensorInfo) -> Derived:
     return Derived(inputs=(Input(fqn=info.fqn),), shape=(n, cols, rows), dtype=info.dtype, combine=transpose_experts)
 
 
-def _refused(fqn: str, adapter: str, dtype: torch.dtype) -> UnsupportedTransformError:
+def _refused(fqn: str, adapter: str, dtype: DType) -> UnsupportedTransformError:
     """The one-line refusal of a key ``adapter``'s map does not know, with the adapter to use when another fits."""
     hint = ""
-    if fqn.endswith("_scales") or (fqn.endswith("_blocks") and dtype == torch.uint8):
+    if fqn.endswith("_scales") or (fqn.endswith("_blocks") and dtype == DType("uint8")):
         hint = " (MXFP4-quantized experts: dequantize the checkpoint first)"
     elif fqn.endswith(("experts.gate_up_proj", "experts.down_proj")):
         hint = " (transformers' transposed expert layout: use the transformers-to-torchtitan-gpt-oss adapter)"

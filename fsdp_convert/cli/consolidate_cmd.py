@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from fsdp_convert.cli._errors import handle_errors, rank_prefix, torch_ready
+from fsdp_convert.cli._errors import handle_errors, rank_prefix
 from fsdp_convert.cli._options import (
     LORA,
     OUTPUT,
@@ -283,7 +283,7 @@ def consolidate_command(
             hf_assets=hf_assets,
         )
         start_workers_early(nproc)  # its imports overlap ours from here on
-        torch_ready()
+        # no torch_ready(): a plain conversion never imports torch; what does probes its features at first use
         transform = transform_options(
             optim_keys=optim_keys,
             keep_wrapper_names=keep_wrapper_names,

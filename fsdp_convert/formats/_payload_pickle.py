@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from fsdp_convert.constants import STORAGE_DTYPE_NAMES, TORCH_DTYPE_NAMES
+from fsdp_convert.formats._range import PayloadEdges
 from fsdp_convert.formats._safe_pickle import MalformedError, RefusedError, SafeUnpickler
 from fsdp_convert.formats.index import DTYPE_ITEMSIZES
-from fsdp_convert.zip_records import ZipRecord
+from fsdp_convert.zip_records import ZipFormatError, ZipRecord, read_records
 
-__all__ = ["PayloadTensor", "read_payload_tensor", "contiguous", "whole_storage"]
+__all__ = ["PayloadTensor", "read_payload_tensor", "contiguous", "whole_storage", "plain_value"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,3 +161,43 @@ def whole_storage(tensor: PayloadTensor, storage: ZipRecord) -> bool:
         and tensor.storage_nbytes == storage.size
         and contiguous(tensor.sizes, tensor.stride)
     )
+
+
+class _PlainUnpickler(SafeUnpickler):
+    """Plain data and ``OrderedDict`` only: a DCP bytes entry (a param group's ``lr``, its ``params``)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "collections" and name == "OrderedDict":
+            return _ORDERED_DICT
+        return super().find_class(module, name)
+
+    def call(self, func: Any, args: tuple[Any, ...]) -> Any:
+        if func is _ORDERED_DICT and not args:
+            return OrderedDict()
+        return super().call(func, args)
+
+
+def plain_value(edges: PayloadEdges, length: int, check_crc: bool) -> tuple[Any, list[tuple[ZipRecord, int]]] | None:
+    """A torch.save payload of plain data (no tensor, no class but ``OrderedDict``), read without torch.
+
+    Args:
+        edges: the payload's ends (``formats._range.PayloadEdges``).
+        length: the payload's length, in bytes.
+        check_crc: also compare every record's CRC-32 with its data.
+
+    Returns:
+        ``(value, CRC-32 mismatches)``, or None for any other payload (torch's loader then reads
+        it and names the fault).
+    """
+    try:
+        records = read_records(edges.pread, length)
+    except ZipFormatError:
+        return None
+    pickles = [r for r in records if r.short_name == "data.pkl"]
+    if len(pickles) != 1 or any(r.compression or r.short_name.startswith("data/") for r in records):
+        return None
+    try:
+        value = _PlainUnpickler(edges.pread(pickles[0].size, pickles[0].data_offset)).load()
+    except (RefusedError, MalformedError, RecursionError, MemoryError):
+        return None
+    return value, edges.crc_mismatches(records) if check_crc else []

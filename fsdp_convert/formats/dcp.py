@@ -48,17 +48,17 @@ from fsdp_convert.formats._dcp_payloads import (
     is_raw_chunk,
     payload_formats,
 )
-from fsdp_convert.formats._payload_pickle import read_payload_tensor, whole_storage
+from fsdp_convert.formats._payload_pickle import plain_value, read_payload_tensor, whole_storage
 from fsdp_convert.formats._range import ByteRangeFile, PayloadEdges, RecordHash
 from fsdp_convert.formats.index import MAX_ENTRIES, BytesEntry, CheckpointIndex, ChunkEntry, Entry, Location, TensorEntry, Url
-from fsdp_convert.formats.reader import ChunkedReader, StoredBytes, check_payload
+from fsdp_convert.formats.reader import ChunkedReader, StoredBytes, check_payload, read_bare_chunk
 from fsdp_convert.location import inside, open_inside
 from fsdp_convert.remote import as_location, read_bytes, read_range, size_of
 from fsdp_convert.signals import torch_call
 from fsdp_convert.zip_records import ZipFormatError, ZipRecord, read_records
 
 if TYPE_CHECKING:  # torch only where a payload is loaded: inspect reads .metadata alone
-    import torch
+    pass
 
 __all__ = ["read_dcp_index", "load_metadata", "metadata_subfolders", "DcpReader", "payload_formats"]
 __all__ += ["LIGHTNING_META_FILENAME", "OLMO_CORE_DIRNAME"]
@@ -311,7 +311,7 @@ class DcpReader(ChunkedReader):
         assert chunk.relative_path is not None
         if is_raw_chunk(entry, chunk):  # bare elements (serialization_format=SAFETENSORS)
             where = self._where(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, entry.fqn)
-            return _read_bare(
+            return read_bare_chunk(
                 *self._range(chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, where), entry, chunk, where
             )
         args = (chunk.relative_path, chunk.offset_bytes, chunk.length_bytes, chunk.transform_descriptors)
@@ -347,6 +347,9 @@ class DcpReader(ChunkedReader):
                 except Exception as e:
                     self._raise_decode_error(e, where)
         fd, at = self._range(relative_path, offset, length, where)
+        if (plain := plain_value(PayloadEdges(fd, at, length), length, self.check_crc)) is not None:
+            self._check_crcs(plain[1], where)
+            return plain[0]  # no tensor in it: read without torch
         payload = ByteRangeFile(fd, at, length)
         if self.check_crc:
             try:
@@ -427,22 +430,6 @@ class DcpReader(ChunkedReader):
         """
         args = (entry.relative_path, entry.offset_bytes, entry.length_bytes, entry.transform_descriptors)
         return self._load(*args, entry.fqn, bytes_limit_bytes(entry))
-
-
-def _read_bare(fd: int, at: int, entry: TensorEntry, chunk: ChunkEntry, where: str) -> torch.Tensor:
-    """A chunk stored as its bare elements at byte ``at`` of ``fd``, read into a new tensor.
-
-    Raises:
-        CorruptChunkError: a short read (the file changed while it was read).
-    """
-    import torch
-
-    if chunk.length_bytes == 0:
-        return torch.empty(chunk.sizes, dtype=entry.dtype)
-    buffer = bytearray(chunk.length_bytes)
-    if os.preadv(fd, [buffer], at) != chunk.length_bytes:
-        raise CorruptChunkError(f"{where}: short read; the file changed while it was read")
-    return torch.frombuffer(buffer, dtype=entry.dtype).reshape(chunk.sizes)
 
 
 def _first_line(e: BaseException) -> str:

@@ -15,9 +15,8 @@ import io
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import safe_open
 
 from fsdp_convert.constants import (
@@ -28,11 +27,10 @@ from fsdp_convert.constants import (
     METADATA_FILENAME,
     OPTIMIZER_FILENAME,
     SAFETENSORS_SUFFIXES,
-    SAFETENSORS_TO_TORCH,
-    SUPPORTED_DTYPES,
     TORCH_SAVE_SUFFIXES,
     torch_shape,
 )
+from fsdp_convert.dtypes import ITEMSIZES, DType, as_dtype, safetensors_dtype
 from fsdp_convert.errors import CheckpointNotFoundError, CorruptChunkError, NotADcpCheckpointError
 from fsdp_convert.formats.index import (
     BytesEntry,
@@ -45,6 +43,9 @@ from fsdp_convert.formats.index import (
     flatten_with_paths,
 )
 from fsdp_convert.formats.reader import library_problem, load_torch_save, read_json_file, read_safetensors_header, sniff_file
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "MODEL_PREFIX",
@@ -68,6 +69,8 @@ _MAX_INDEX_BYTES = 64 << 20  # model.safetensors.index.json: a weight_map of a f
 
 
 def _holds_tensor(value: Any) -> bool:
+    import torch
+
     if isinstance(value, Mapping):
         value = list(value.values())
     inside = isinstance(value, (list, tuple, set, frozenset)) and any(map(_holds_tensor, value))
@@ -76,8 +79,10 @@ def _holds_tensor(value: Any) -> bool:
 
 def _unreadable(value: Any) -> str | None:
     """Why a loaded value cannot be indexed, or None."""
+    import torch
+
     if isinstance(value, torch.Tensor):
-        if value.layout == torch.strided and value.device.type == "cpu" and value.dtype in SUPPORTED_DTYPES:
+        if value.layout == torch.strided and value.device.type == "cpu" and as_dtype(value.dtype).name in ITEMSIZES:
             return None
         return f"is a {value.dtype} {value.layout} tensor on {value.device}"
     # a plain value is written back by pickle, and weights_only cannot load a tensor pickled inside it
@@ -157,7 +162,7 @@ class SafetensorsFiles:
 
     model_only = True
 
-    def __init__(self, path: Path, tensors: dict[str, tuple[Path, torch.dtype, tuple[int, ...]]], kind: str) -> None:
+    def __init__(self, path: Path, tensors: dict[str, tuple[Path, DType, tuple[int, ...]]], kind: str) -> None:
         self.path, self.kind = path, kind
         self._tensors = tensors
         self._open: dict[Path, Any] = {}
@@ -178,7 +183,7 @@ class SafetensorsFiles:
                 fill whole bytes, or a name two files hold.
             UnsafeContentError: a file of a folder is a symbolic link out of it (``location.inside``).
         """
-        tensors: dict[str, tuple[Path, torch.dtype, tuple[int, ...]]] = {}
+        tensors: dict[str, tuple[Path, DType, tuple[int, ...]]] = {}
         for file in files:
             header, _ = read_safetensors_header(file, root=path)  # first: where the file lies, its header's size
             try:
@@ -194,7 +199,7 @@ class SafetensorsFiles:
             for name, desc in named:
                 if weight_map is not None and weight_map.get(name) != file:
                     continue
-                dtype = SAFETENSORS_TO_TORCH.get(str(desc.get("dtype")))
+                dtype = safetensors_dtype(str(desc.get("dtype")))
                 try:
                     if dtype is None:
                         raise ValueError(f"safetensors dtype {desc.get('dtype')!r}, which this tool does not read")
@@ -243,7 +248,7 @@ class SafetensorsFiles:
             self._open[file] = safe_open(file, "pt")
         return self._open[file]
 
-    def tensors(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    def tensors(self) -> list[tuple[str, DType, tuple[int, ...]]]:
         """``(name, dtype, shape)`` of every tensor, in file order, from the headers alone (shapes in torch elements).
 
         The dtype comes from ``constants.SAFETENSORS_TO_TORCH``, the shape through
@@ -392,6 +397,8 @@ class FileBoxReader:
         Raises:
             CorruptChunkError: the stored value is not the tensor the index describes (the file changed).
         """
+        import torch
+
         tensor = self._source.get(self._key(entry.fqn))
         if not isinstance(tensor, torch.Tensor) or tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
             raise CorruptChunkError(f"{entry.fqn}: the stored value is not a {entry.dtype} {list(entry.shape)}; did it change?")
@@ -409,6 +416,8 @@ class FileBoxReader:
 
     def read_raw(self, entry: BytesEntry) -> bytes:
         """The value as DCP stores a bytes entry: its torch.save payload."""
+        import torch
+
         buf = io.BytesIO()
         torch.save(self.read_value(entry), buf)
         return buf.getvalue()
@@ -426,6 +435,8 @@ def file_index(path: str | os.PathLike[str]) -> CheckpointIndex:
     Raises:
         As ``open_full_file``.
     """
+    import torch
+
     p = Path(path)
     source = open_full_file(p)
     entries: list[Entry] = []
@@ -445,6 +456,6 @@ def file_index(path: str | os.PathLike[str]) -> CheckpointIndex:
     return CheckpointIndex(checkpoint_id=p, entries=tuple(entries), data_files=())
 
 
-def _whole_tensor(fqn: str, path: ObjPath, dtype: torch.dtype, shape: tuple[int, ...]) -> TensorEntry:
+def _whole_tensor(fqn: str, path: ObjPath, dtype: torch.dtype | DType, shape: tuple[int, ...]) -> TensorEntry:
     whole = ChunkEntry(offsets=(0,) * len(shape), sizes=shape, relative_path=None, offset_bytes=0, length_bytes=0)
     return TensorEntry(fqn=fqn, path=path, shape=shape, dtype=dtype, chunks=(whole,))

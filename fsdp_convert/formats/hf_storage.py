@@ -200,9 +200,9 @@ class HfStorageReader(ChunkedReader):
         if chunk.length_bytes and os.preadv(fd, [buffer], at) != chunk.length_bytes:
             raise CorruptChunkError(f"{where}: short read; the file changed while it was read")
         return (
-            torch.frombuffer(buffer, dtype=entry.dtype).reshape(chunk.sizes)
+            torch.frombuffer(buffer, dtype=entry.dtype.torch).reshape(chunk.sizes)
             if chunk.length_bytes
-            else torch.empty(chunk.sizes, dtype=entry.dtype)
+            else torch.empty(chunk.sizes, dtype=entry.dtype.torch)
         )
 
     def read_value(self, entry: BytesEntry) -> Any:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+from fsdp_convert.dtypes import DType
 from fsdp_convert.errors import CoverageError
 from fsdp_convert.formats._paths import DictKey, ObjPath, dcp_key, flatten_with_paths, plain_path, unflatten
 from fsdp_convert.location import Location, Url
@@ -119,7 +120,7 @@ class TensorEntry:
         path: ObjPath,
         shape: tuple[int, ...],
         chunks: tuple[ChunkEntry, ...],
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | DType | None = None,
         dtype_name: str | None = None,
     ) -> None:
         """Give ``dtype`` (a torch dtype) or ``dtype_name``; ``dtype`` wins (``dataclasses.replace(e, dtype=...)``)."""
@@ -131,9 +132,9 @@ class TensorEntry:
             object.__setattr__(self, name, value)
 
     @property
-    def dtype(self) -> torch.dtype:
-        """Element type (imports torch at first use)."""
-        return _torch_dtype(self.dtype_name)
+    def dtype(self) -> DType:
+        """Element type (``dtypes.DType``: no torch; ``.torch`` is the torch dtype)."""
+        return DType(self.dtype_name)
 
     @property
     def itemsize(self) -> int:
@@ -257,7 +258,7 @@ DTYPE_ITEMSIZES: dict[str, int] = {
 }  # fmt: skip
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype | DType) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``, as JSON output and tables write dtypes (``TensorEntry.dtype_name``)."""
     return str(dtype).removeprefix("torch.")
 

@@ -31,6 +31,7 @@ __all__ = [
     "ChunkedReader",
     "StoredBytes",
     "check_payload",
+    "read_bare_chunk",
     "json_problem",
     "library_problem",
     "read_json_file",
@@ -355,7 +356,7 @@ class ChunkedReader:
         import torch
 
         if chunk.relative_path is None:
-            return torch.empty(chunk.sizes, dtype=entry.dtype)
+            return torch.empty(chunk.sizes, dtype=entry.dtype.torch)
         self._log_read(entry, chunk)
         tensor = self._load_chunk(entry, chunk)
         return check_payload(
@@ -392,7 +393,7 @@ class ChunkedReader:
         """
         import torch
 
-        box = torch.empty(sizes, dtype=entry.dtype)
+        box = torch.empty(sizes, dtype=entry.dtype.torch)
         for chunk in entry.chunks:
             lo = [max(o, co) for o, co in zip(offsets, chunk.offsets, strict=True)]
             hi = [min(o + s, co + cs) for o, s, co, cs in zip(offsets, sizes, chunk.offsets, chunk.sizes, strict=True)]
@@ -405,3 +406,21 @@ class ChunkedReader:
                 src = src.narrow(dim, a - chunk.offsets[dim], b - a)
             dst.copy_(src)
         return box
+
+
+def read_bare_chunk(fd: int, at: int, entry: TensorEntry, chunk: ChunkEntry, where: str) -> torch.Tensor:
+    """A chunk stored as its bare elements at byte ``at`` of ``fd``, read into a new tensor.
+
+    As ``FileSystemWriter(serialization_format=SAFETENSORS)`` stores a chunk (``_dcp_payloads``).
+
+    Raises:
+        CorruptChunkError: a short read (the file changed while it was read).
+    """
+    import torch
+
+    if chunk.length_bytes == 0:
+        return torch.empty(chunk.sizes, dtype=entry.dtype.torch)
+    buffer = bytearray(chunk.length_bytes)
+    if os.preadv(fd, [buffer], at) != chunk.length_bytes:
+        raise CorruptChunkError(f"{where}: short read; the file changed while it was read")
+    return torch.frombuffer(buffer, dtype=entry.dtype.torch).reshape(chunk.sizes)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from fsdp_convert.dtypes import as_dtype
 from fsdp_convert.errors import CheckpointNotFoundError
 from fsdp_convert.formats import Source, source_format
 from fsdp_convert.formats.full_file import open_full_file
@@ -148,11 +149,11 @@ class ItemsView:
         else:
             check_coverage(entry)
             tensor = self._reader.read_tensor(entry)
-        if item.dtype in (None, tensor.dtype):
+        if item.dtype is None or item.dtype == as_dtype(tensor.dtype):
             return tensor
         # cast as consolidate's writers do, element by element (a 0-dim tensor would take torch's
         # scalar path); NaN bits still vary by torch's code path, so a cast key compares NaNs as NaNs
-        return tensor.reshape(-1).to(item.dtype).reshape(tensor.shape)
+        return tensor.reshape(-1).to(item.dtype.torch).reshape(tensor.shape)
 
     def item(self, key: str) -> OutputItem:
         """``key``'s item: its group as classified (torchtitan's top-level weights are ``model``), its bytes as read."""

@@ -26,7 +26,6 @@ from fsdp_convert.lora import lora_only
 from fsdp_convert.ops._consolidate_rank import ConsolidateJob, consolidate_rank
 from fsdp_convert.ops._waves import consolidate_in_waves, consolidate_staging_bytes
 from fsdp_convert.ops.options import ConsolidateOptions
-from fsdp_convert.ops.verify import verify
 from fsdp_convert.outputs import OutputKind, last_files, output_kind
 from fsdp_convert.plan import WorkPlan, output_bytes, plan_consolidate
 from fsdp_convert.resume import consolidate_fingerprint
@@ -279,6 +278,8 @@ def _verify(source: Source, tmp: Path, output: Path, opts: ConsolidateOptions, t
     Raises:
         VerificationError: naming the first difference; nothing is moved into place.
     """
+    from fsdp_convert.ops.verify import verify  # torch: only when asked
+
     check = verify(
         source.checkpoint_id,
         tmp,

@@ -19,9 +19,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, TypeVar, get_args
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, get_args
 
 from fsdp_convert.errors import InvalidOptionError
 from fsdp_convert.launch import Cluster
@@ -30,6 +28,9 @@ from fsdp_convert.ops._arguments import byte_count, choice, count, tolerance, tr
 from fsdp_convert.plan import DEFAULT_MAX_SHARD_BYTES, DEFAULT_MEMORY_BUDGET_BYTES, Only, RequestedFormat
 from fsdp_convert.transform import TransformOptions, parse_dtype
 from fsdp_convert.writers.dcp import require_zstd
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ConsolidateOptions", "ReshardOptions", "VerifyOptions"]
 
@@ -222,10 +223,12 @@ def _dtype(keyword: str, value: object) -> torch.dtype | None:
     Raises:
         InvalidOptionError: an unknown name (``parse_dtype``'s message), or another type.
     """
+    import torch
+
     if value is None or isinstance(value, torch.dtype):
         return value
     if isinstance(value, str):
-        return parse_dtype(value)
+        return parse_dtype(value).torch
     raise InvalidOptionError(f"{keyword} {value!r}: expected None, a torch.dtype or a dtype name (fp32, bf16, fp16)")
 
 

@@ -268,7 +268,7 @@ def _job(
         atol=opts.atol,
         rtol=opts.rtol,
         transform=transform,
-        casts=tuple(parse_dtype(d) if isinstance(d, str) else d for d in (opts.dtype, opts.optim_dtype)),
+        casts=tuple(parse_dtype(d).torch if isinstance(d, str) else d for d in (opts.dtype, opts.optim_dtype)),
         progress=opts.progress,
         sizes=_tensor_sizes(view_a, keys) if opts.progress else (),
     )

@@ -5,14 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import torch
-
+from fsdp_convert.dtypes import is_tensor
 from fsdp_convert.formats.index import CheckpointIndex
 from fsdp_convert.roles import Group
 from fsdp_convert.transform import OutputItem, TransformOptions
 from fsdp_convert.writers.hf_assets import HfAssets
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Only", "RequestedFormat", "CrcOf", "ValueOf", "FilePlan", "FileKind", "OutputKind", "value_tensor", "stored_bytes"]
 
@@ -28,7 +30,7 @@ def value_tensor(item: OutputItem) -> torch.Tensor | None:
     Rank 0 writes its bytes itself, as a storage record of its own, when it finishes the file
     (``FileKind.finish_file``); the workers move only the checkpoint's tensors.
     """
-    return item.value if item.constant and isinstance(item.value, torch.Tensor) else None
+    return item.value if item.constant and is_tensor(item.value) else None
 
 
 def stored_bytes(item: OutputItem) -> int:

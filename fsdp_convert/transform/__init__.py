@@ -17,18 +17,19 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from fsdp_convert.constants import UNCASTABLE_DTYPES
 from fsdp_convert.derive import Derived, Sourced, TensorInfo, apply_adapter
+from fsdp_convert.dtypes import UNCASTABLE, DType, as_dtype
 from fsdp_convert.errors import InvalidOptionError, UnsupportedTransformError
 from fsdp_convert.formats.index import CheckpointIndex, DictKey, Entry, ObjPath, TensorEntry, dcp_key
 from fsdp_convert.roles import EntryRole, Group
 from fsdp_convert.transform import fp8
 from fsdp_convert.transform.options import Layout, OptimKeys, TransformOptions, parse_dtype, parse_rename
 from fsdp_convert.transform.unstack import LayerSplit
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "WRAPPER_NAMES",
@@ -70,7 +71,7 @@ class OutputItem:
     entry: Entry
     path: ObjPath
     group: Group
-    dtype: torch.dtype | None = None
+    dtype: DType | None = None
     constant: bool = False
     value: Any = None
     derived: Derived | None = None
@@ -148,13 +149,13 @@ def _selected(fqn: str, options: TransformOptions) -> bool:
     return not any(fnmatch.fnmatchcase(fqn, g) for g in options.exclude)
 
 
-def _cast(entry: Entry, dtype: torch.dtype | None, keep: bool = False, src: torch.dtype | None = None) -> torch.dtype | None:
+def _cast(entry: Entry, dtype: torch.dtype | DType | None, keep: bool = False, src: DType | None = None) -> DType | None:
     if not isinstance(entry, TensorEntry):
         return None
-    src = src or entry.dtype  # a derived tensor's own dtype
-    if dtype is None or keep or not src.is_floating_point or src in UNCASTABLE_DTYPES:
-        return src  # complex, integer, bool and float4 (torch has no cast for it) are kept
-    return dtype
+    source = as_dtype(src) if src is not None else entry.dtype  # a derived tensor's own dtype
+    if dtype is None or keep or not source.is_floating_point or source.name in UNCASTABLE:
+        return source  # complex, integer, bool and float4 (torch has no cast for it) are kept
+    return as_dtype(dtype)
 
 
 @dataclass
@@ -321,7 +322,7 @@ def _info(entry: Entry, fqn: str) -> TensorInfo:
     """``entry`` as a ``derive.TensorInfo`` under ``fqn`` (a non-tensor as a 0-dim ``uint8``, never quantized)."""
     if isinstance(entry, TensorEntry):
         return TensorInfo(fqn, entry.dtype, entry.shape)
-    return TensorInfo(fqn, torch.uint8, ())
+    return TensorInfo(fqn, DType("uint8"), ())
 
 
 def _optim_top(entry: Entry, options: TransformOptions) -> str | int:

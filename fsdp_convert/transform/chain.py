@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from fsdp_convert.derive import (
     Adapter,
@@ -34,11 +33,15 @@ from fsdp_convert.derive import (
     concat,
     row_span,
 )
+from fsdp_convert.dtypes import DType
 from fsdp_convert.errors import UnsupportedTransformError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Chain", "ThenRows", "Fixed", "Widened", "Stage", "Staged", "compose"]
 
-Combine = Callable[[Sequence[torch.Tensor]], torch.Tensor]
+Combine = Callable[[Sequence["torch.Tensor"]], "torch.Tensor"]
 
 
 def _contiguous(rows: RowMap) -> bool:
@@ -133,7 +136,7 @@ class Stage:
 
     count: int
     combine: Combine | None
-    dtype: torch.dtype
+    dtype: DType
     row_shape: tuple[int, ...]
     whole: bool = False  # some part is read whole: the stage's rows cannot be told from its parts
 
@@ -156,6 +159,8 @@ class Staged:
 
     def __call__(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """The outer rule's block from the inner inputs' parts (each stage cast as the mover casts)."""
+        import torch
+
         made: list[torch.Tensor] = []
         i = 0
         for stage in self.stages:
@@ -166,9 +171,9 @@ class Staged:
             mine = parts[i : i + stage.count]
             i += stage.count
             if stage.empty(mine):  # skip the combine: a stacked tensor's block holds one or two of its experts
-                made.append(torch.empty((0, *stage.row_shape), dtype=stage.dtype))
+                made.append(torch.empty((0, *stage.row_shape), dtype=stage.dtype.torch))
                 continue
-            made.append((stage.combine or concat)(mine).to(stage.dtype).reshape(-1, *stage.row_shape))
+            made.append((stage.combine or concat)(mine).to(stage.dtype.torch).reshape(-1, *stage.row_shape))
         if self.outer is None:  # concat: rows of the parts that have some
             made = [part for part in made if part.shape[0]] or made[:1]
         return (self.outer or concat)(made)

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
-
-import torch
+from typing import TYPE_CHECKING, ClassVar
 
 from fsdp_convert.derive import Adapter, Derived, Input, TensorInfo, copy_of
+from fsdp_convert.dtypes import DType, as_dtype
 from fsdp_convert.errors import UnsupportedTransformError
 from fsdp_convert.transform.chain import Chain, Staged
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "BLOCK",
@@ -50,7 +52,7 @@ BLOCK = 128
 SCALE_SUFFIX = "_scale_inv"
 """A quantized tensor ``<fqn>``'s scales are ``<fqn>_scale_inv``."""
 
-_FP8 = torch.float8_e4m3fn
+_FP8 = DType("float8_e4m3fn")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +82,8 @@ class BlockDequant:
 
     def __call__(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """The dequantized rows, float32."""
+        import torch
+
         weight, scale = parts
         out = weight.to(torch.float32)
         scale = scale.to(torch.float32)
@@ -99,7 +103,7 @@ def _scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
 def quantized_fqns(tensors: Sequence[TensorInfo]) -> list[str]:
     """The ``float8_e4m3fn`` tensors that have a ``<fqn>_scale_inv`` beside them, in order."""
     fqns = {t.fqn for t in tensors}
-    return [t.fqn for t in tensors if t.dtype == _FP8 and t.fqn + SCALE_SUFFIX in fqns]
+    return [t.fqn for t in tensors if as_dtype(t.dtype) == _FP8 and t.fqn + SCALE_SUFFIX in fqns]
 
 
 def dequantize_rules(tensors: Sequence[TensorInfo]) -> Mapping[str, Derived]:
@@ -134,13 +138,13 @@ def dequantize_rules(tensors: Sequence[TensorInfo]) -> Mapping[str, Derived]:
                 f"(blocks of {BLOCK}x{BLOCK}); got {info.shape} and {scale.shape}"
             )
         inputs = (Input(fqn=info.fqn), Input(fqn=scale.fqn, rows=ScaleRows()))
-        rules[info.fqn] = Derived(inputs=inputs, shape=info.shape, dtype=torch.float32, combine=BlockDequant())
+        rules[info.fqn] = Derived(inputs=inputs, shape=info.shape, dtype=DType("float32"), combine=BlockDequant())
     return rules
 
 
 # --- quantizing: transformers' ``Fp8Quantize`` (integrations/finegrained_fp8.py), block by block
 
-_FP8_MAX = torch.finfo(_FP8).max  # 448.0
+_FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max (tests/unit/test_dtypes.py)
 _KEPT = ("embed", "norm", "lm_head")  # DeepSeek-V3 keeps embeddings, norms and the head high precision
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
 """The ``quantization_config`` of ``config.json`` for a ``--quantize fp8-block128`` output (DeepSeek-V3's)."""
@@ -202,6 +206,8 @@ def _scales(rows: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]
 
     As transformers' ``Fp8Quantize._quantize_one``: an all-zero block has scale 1.
     """
+    import torch
+
     n, cols = rows.shape
     padded = torch.nn.functional.pad(rows.to(torch.float32).abs(), (0, -cols % block, 0, -n % block))  # zeros: amax as is
     amax = padded.view(padded.shape[0] // block, block, padded.shape[1] // block, block).amax(dim=(1, 3))
@@ -229,13 +235,15 @@ class BlockQuantize:
 
     def __call__(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """The output rows, ``float8_e4m3fn``."""
+        import torch
+
         head, rows, tail = parts
         whole = torch.cat([head, rows, tail]).to(torch.float32)
         scales = _scales(whole, self.block)[0]
         per_row = scales.repeat_interleave(self.block, dim=0)[: whole.shape[0]]
         per_elem = per_row.repeat_interleave(self.block, dim=1)[:, : whole.shape[1]]
         mine = slice(head.shape[0], head.shape[0] + rows.shape[0])
-        return torch.clamp(whole[mine] * per_elem[mine], min=-_FP8_MAX, max=_FP8_MAX).to(_FP8)
+        return torch.clamp(whole[mine] * per_elem[mine], min=-_FP8_MAX, max=_FP8_MAX).to(_FP8.torch)
 
 
 def quantized_by_deepseek(info: TensorInfo) -> bool:
@@ -268,7 +276,7 @@ def quantize_rules(tensors: Sequence[TensorInfo]) -> Mapping[str, Derived]:
         rules[info.fqn] = Derived(inputs=inputs, shape=info.shape, dtype=_FP8, combine=BlockQuantize())
         scale = Input(fqn=info.fqn, rows=BlockRowsOf(rows))
         rules[info.fqn + SCALE_SUFFIX] = Derived(
-            inputs=(scale,), shape=_scale_shape(info.shape), dtype=torch.float32, combine=BlockScaleInv()
+            inputs=(scale,), shape=_scale_shape(info.shape), dtype=DType("float32"), combine=BlockScaleInv()
         )
     return rules
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal, TypeVar, get_args
+from typing import TYPE_CHECKING, Literal, TypeVar, get_args
 
-import torch
-
-from fsdp_convert.constants import DTYPE_NAMES
 from fsdp_convert.derive import Adapter
+from fsdp_convert.dtypes import CAST_NAMES, DType, as_dtype
 from fsdp_convert.errors import InvalidOptionError
+
+if TYPE_CHECKING:
+    pass
 
 __all__ = ["OptimKeys", "Layout", "Quantize", "TransformOptions", "choice", "dtype_names", "parse_dtype", "parse_rename"]
 
@@ -34,23 +35,23 @@ def _listed(names: Iterable[str]) -> str:
 
 
 def dtype_names() -> tuple[str, ...]:
-    """The dtype names the CLI lists (``fp32``, ``bf16``, ``fp16``): each dtype's first in ``constants.DTYPE_NAMES``."""
-    first: dict[torch.dtype, str] = {}
-    for name, dtype in DTYPE_NAMES.items():
+    """The dtype names the CLI lists (``fp32``, ``bf16``, ``fp16``): each dtype's first in ``dtypes.CAST_NAMES``."""
+    first: dict[str, str] = {}
+    for name, dtype in CAST_NAMES.items():
         first.setdefault(dtype, name)
     return tuple(first.values())
 
 
-def parse_dtype(text: str) -> torch.dtype:
-    """``fp32``/``bf16``/``fp16`` (or ``float32``, ``bfloat16``, ``float16``, ``half``; any case) to a torch dtype.
+def parse_dtype(text: str) -> DType:
+    """``fp32``/``bf16``/``fp16`` (or ``float32``, ``bfloat16``, ``float16``, ``half``; any case) to its dtype.
 
     Raises:
         InvalidOptionError: any other name.
     """
-    dtype = DTYPE_NAMES.get(text.strip().lower())
-    if dtype is None:
+    name = CAST_NAMES.get(text.strip().lower())
+    if name is None:
         raise InvalidOptionError(f"{text!r} is not a dtype; use {_listed(dtype_names())}")
-    return dtype
+    return DType(name)
 
 
 def parse_rename(text: str) -> tuple[str, str]:
@@ -80,7 +81,7 @@ class TransformOptions:
     """How checkpoint keys and dtypes become the output's (``consolidate`` and ``reshard``).
 
     Each field also takes the command line's spelling, normalized when the options are built:
-    ``dtype`` / ``optim_dtype`` a name (``"bf16"``, ``"float32"``, ``"half"``: ``constants.DTYPE_NAMES``),
+    ``dtype`` / ``optim_dtype`` a name (``"bf16"``, ``"float32"``, ``"half"``: ``dtypes.CAST_NAMES``),
     ``renames`` ``"REGEX=REPLACEMENT"`` strings, ``(regex, replacement)`` pairs or a dict of them,
     ``include`` / ``exclude`` one glob or a list. A value a field does not take raises
     ``InvalidOptionError`` naming the field (``options.dtype='fp8' is not a dtype; use fp32, bf16
@@ -131,8 +132,8 @@ class TransformOptions:
     renames: tuple[tuple[str, str], ...] = ()
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
-    dtype: torch.dtype | None = None
-    optim_dtype: torch.dtype | None = None
+    dtype: DType | None = None
+    optim_dtype: DType | None = None
     layout: Layout = "producer"
     adapter: Adapter | None = None
     unstack_layers: bool = False
@@ -226,13 +227,19 @@ def _globs(flag: str, value: object) -> tuple[str, ...]:
     return globs
 
 
-def _cast_dtype(flag: str, value: object) -> torch.dtype | None:
-    """A dtype name (``constants.DTYPE_NAMES``) or a floating-point torch dtype, as a torch dtype; None stays None."""
-    if value is None or (isinstance(value, torch.dtype) and value.is_floating_point):
-        return value
+def _cast_dtype(flag: str, value: object) -> DType | None:
+    """A dtype name (``dtypes.CAST_NAMES``), a floating-point ``DType`` or torch dtype, as a ``DType``; None stays None."""
+    if value is None:
+        return None
     if isinstance(value, str):
         try:
             return parse_dtype(value)
         except InvalidOptionError as e:
             raise InvalidOptionError(f"{flag} {e.cli_text()}") from None
+    try:
+        dtype = as_dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is not None and dtype.is_floating_point:
+        return dtype
     raise InvalidOptionError(f"{flag} {value!r}: use {_listed(dtype_names())}, or a floating-point torch.dtype")

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 __all__ = ["dense", "byte_view"]
 

@@ -28,14 +28,15 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.errors import InvalidOptionError
 from fsdp_convert.formats.index import ObjPath, plain_path
 from fsdp_convert.location import open_inside
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DcpFolder",
@@ -156,6 +157,8 @@ def write_metadata(folder: Path, entries: Sequence[MetadataEntry], stored: Seque
     Raises:
         FileExistsError: ``.metadata`` is already there.
     """
+    import torch
+
     # DCP's own classes, for torch's pickle.load to read; imported here, not at start-up (~0.5 s)
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,

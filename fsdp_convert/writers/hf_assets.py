@@ -25,14 +25,16 @@ import stat
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from fsdp_convert.dtypes import DType, as_dtype
 from fsdp_convert.errors import CheckpointNotFoundError, InvalidOptionError, OutputWriteError
 from fsdp_convert.location import follows_symlinks, inside, open_inside, read_inside
 from fsdp_convert.remote import Url, as_location, filesystem, read_bytes, size_of
 from fsdp_convert.writers._space import free_bytes, human_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "ASSET_FILENAMES",
@@ -258,7 +260,7 @@ def open_hf_assets(
         nbytes = sum(size_of(location / n) or 0 for n in files)
     else:
         nbytes = sum(_local_bytes(location, n, follow) for n in files)
-    nbytes += len(rewrite_config(raw, torch.bfloat16)) + 64  # config.json as written: maybe re-serialized, a dtype name
+    nbytes += len(rewrite_config(raw, DType("bfloat16"))) + 64  # config.json as written: maybe re-serialized, a dtype name
     return HfAssets(source=location, config=config, config_bytes=raw, files=files, nbytes=nbytes, follow_symlinks=follow)
 
 
@@ -328,7 +330,7 @@ def tied_output_keys(assets: HfAssets, model_keys: Collection[str]) -> tuple[str
     return (TIED_OUTPUT_KEY,) if tie and present else ()
 
 
-def config_dtype_name(dtype: torch.dtype) -> str:
+def config_dtype_name(dtype: torch.dtype | DType) -> str:
     """A dtype as transformers writes it in ``config.json`` (``torch.bfloat16`` -> ``"bfloat16"``)."""
     return str(dtype).removeprefix("torch.")
 
@@ -340,7 +342,7 @@ def _version(text: object) -> tuple[int, ...]:
 
 def rewrite_config(
     config_bytes: bytes,
-    dtype: torch.dtype | None,
+    dtype: torch.dtype | DType | None,
     *,
     quantization: Mapping[str, Any] | None = None,
     dequantized: bool = False,
@@ -379,7 +381,7 @@ def write_hf_assets(
     assets: HfAssets,
     folder: Path,
     *,
-    dtype: torch.dtype | None,
+    dtype: torch.dtype | DType | None,
     quantization: Mapping[str, Any] | None = None,
     dequantized: bool = False,
 ) -> list[Path]:
@@ -434,7 +436,7 @@ def write_hf_assets(
     return written
 
 
-def weights_dtype(requested: torch.dtype | None, dtypes: Iterable[torch.dtype | None]) -> torch.dtype | None:
+def weights_dtype(requested: torch.dtype | DType | None, dtypes: Iterable[DType | None]) -> DType | None:
     """The dtype ``config.json`` should name: ``--dtype``, else the floating-point weights' one when uniform.
 
     Args:
@@ -445,6 +447,6 @@ def weights_dtype(requested: torch.dtype | None, dtypes: Iterable[torch.dtype | 
         ``requested``; otherwise the one floating-point dtype among ``dtypes``, or None (mixed, or none).
     """
     if requested is not None:
-        return requested
+        return as_dtype(requested)
     floating = {d for d in dtypes if d is not None and d.is_floating_point}
     return floating.pop() if len(floating) == 1 else None

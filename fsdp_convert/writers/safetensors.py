@@ -16,19 +16,19 @@ import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from fsdp_convert.constants import SAFETENSORS_DTYPES, SAFETENSORS_TO_TORCH, safetensors_shape
+from fsdp_convert.constants import safetensors_shape
+from fsdp_convert.dtypes import SAFETENSORS_NAMES, DType
 from fsdp_convert.formats.index import ObjPath, dcp_key, dtype_name
 
 __all__ = [
     "SafetensorsPlacement",
     "safetensors_placement",
     "write_safetensors_header",
-    "SAFETENSORS_DTYPES",
-    "SAFETENSORS_TO_TORCH",
     "safetensors_name",
     "ShardFile",
     "write_hf_index",
@@ -56,13 +56,13 @@ class SafetensorsPlacement:
 
 
 def safetensors_placement(
-    tensors: Sequence[tuple[ObjPath, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None
+    tensors: Sequence[tuple[ObjPath, torch.dtype | DType, tuple[int, ...]]], metadata: dict[str, str] | None = None
 ) -> SafetensorsPlacement:
     """The header and every tensor's byte range of a safetensors file of these tensors, in this order.
 
-    Each tensor's header entry is ``{"dtype": SAFETENSORS_DTYPES[dtype], "shape": ..., "data_offsets":
+    Each tensor's header entry is ``{"dtype": code, "shape": ..., "data_offsets":
     [begin, end]}`` (offsets in bytes from the end of the header), as safetensors 0.8 writes it:
-    the dtype names are ``constants.SAFETENSORS_DTYPES``, and the shape is the torch shape except
+    the dtype names are ``dtypes.SAFETENSORS_NAMES``, and the shape is the torch shape except
     for ``float4_e2m1fn_x2``, whose last dim counts 4-bit values (``constants.safetensors_shape``).
 
     Args:
@@ -78,7 +78,8 @@ def safetensors_placement(
     begin = 0
     for obj_path, dtype, shape in tensors:
         name = safetensors_name(obj_path)
-        if dtype not in SAFETENSORS_DTYPES:
+        code = SAFETENSORS_NAMES.get(str(dtype).removeprefix("torch."))
+        if code is None:
             raise ValueError(
                 f"{name}: safetensors has no dtype for {dtype_name(dtype)}; write a .pt file, or leave it out with --exclude"
             )
@@ -89,7 +90,7 @@ def safetensors_placement(
         if name in header:
             raise ValueError(f"two tensors are both named {name}")
         nbytes = dtype.itemsize * math.prod(shape)
-        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": header_shape, "data_offsets": [begin, begin + nbytes]}
+        header[name] = {"dtype": code, "shape": header_shape, "data_offsets": [begin, begin + nbytes]}
         begins.append(begin)
         begin += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()

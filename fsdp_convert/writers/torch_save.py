@@ -7,48 +7,44 @@ torch.save's container (``torch/serialization.py``, ``_save``) is a zip of one r
 matter to ``torch.load``, so here the storage records come first, in item order, and ``data.pkl``
 after them: every storage's byte range then depends only on the storages' sizes.
 
-The zip is built by torch's own writer (``torch._C.PyTorchFileWriter``,
-``caffe2/serialize/inline_container.cc``), driven over ``_HeaderImage``, a file object that keeps
-what it is given in memory and remembers seeks over the data: ``write_record_metadata`` (what
-``torch.serialization.skip_data`` uses) writes a storage record's local header, 64-byte aligned,
-and its data descriptor, and skips its data. So the headers, ``data.pkl``, the central directory
-and zip64 records where needed are exactly torch's, and every storage's data offset is known
-(``torch_save_offsets``). Workers ``pwrite`` the storages there; rank 0 writes the headers last
-(``write_torch_save_headers``), with the CRC-32s the workers computed patched in (``_zipcrc``),
-so ``torch.load(weights_only=True, mmap=True)``, ``zipfile.testzip()`` and ``unzip -t`` all pass.
+The zip is torch's own writer's (``torch._C.PyTorchFileWriter``, ``caffe2/serialize/inline_container.cc``),
+byte for byte, as ``writers._torch_zip`` rewrites it in Python, driven over ``_HeaderImage``, a
+file object that keeps what it is given in memory and remembers seeks over the data: reserving a
+record (what ``torch.serialization.skip_data`` does through ``write_record_metadata``) writes its
+local header, 64-byte aligned, and its data descriptor, and skips its data. So the headers,
+``data.pkl``, the central directory and zip64 records where needed are exactly torch's, and every
+storage's data offset is known (``torch_save_offsets``). Workers ``pwrite`` the storages there;
+rank 0 writes the headers last (``write_torch_save_headers``), with the CRC-32s the workers
+computed patched in (``_zipcrc``), so ``torch.load(weights_only=True, mmap=True)``,
+``zipfile.testzip()`` and ``unzip -t`` all pass. ``data.pkl`` is pickled by
+``writers._torch_pickle``, which names torch's classes and functions without importing them.
 A small tensor rank 0 holds itself (a merged file's 0-dim step) gets a storage record of its own
 too, placed as the others, its bytes written by rank 0 with the headers.
+
+Nothing here imports torch unless a value is a ``torch.Tensor`` (then torch is loaded already):
+``TensorSlot.dtype`` is any dtype whose ``str`` is ``torch.<name>`` and that has ``itemsize``.
 """
 
 from __future__ import annotations
 
 import bisect
-import collections
 import io
 import math
 import os
-import pickle
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from fsdp_convert.formats.crc import crc32
 from fsdp_convert.formats.index import ObjPath, unflatten
-from fsdp_convert.signals import torch_call
-from fsdp_convert.torch_compat import (
-    REBUILD_TENSOR_V2,
-    REBUILD_TENSOR_V3,
-    open_torch_save_writer,
-    reserve_record,
-    storage_alignment,
-    storage_type_for,
-)
+from fsdp_convert.writers._torch_pickle import PICKLE_PROTOCOL, DtypeLike, StorageRef, TensorRef, dumps
+from fsdp_convert.writers._torch_zip import STORAGE_ALIGNMENT, TorchZipWriter
 from fsdp_convert.writers._zipcrc import patch_crcs
-from fsdp_convert.writers.buffer import byte_view, dense
 from fsdp_convert.zip_records import read_records
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "TensorSlot",
@@ -60,14 +56,15 @@ __all__ = [
     "PICKLE_PROTOCOL",
 ]
 
-PICKLE_PROTOCOL = 2  # torch.serialization.DEFAULT_PROTOCOL
-
 
 @dataclass(frozen=True, slots=True)
 class TensorSlot:
-    """A tensor of the output whose bytes the workers write: its dtype and shape (elements)."""
+    """A tensor of the output whose bytes the workers write: its dtype and shape (elements).
 
-    dtype: torch.dtype
+    ``dtype`` is a ``torch.dtype`` or any record with its ``itemsize`` whose ``str`` is ``torch.<name>``.
+    """
+
+    dtype: DtypeLike
     shape: tuple[int, ...]
 
     @property
@@ -76,61 +73,11 @@ class TensorSlot:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-class _StorageRef:
-    """Stands for the storage of record ``data/<key>``."""
-
-    __slots__ = ("key", "dtype", "numel")
-
-    def __init__(self, key: str, dtype: torch.dtype, numel: int) -> None:
-        self.key, self.dtype, self.numel = key, dtype, numel
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
-
-
-class _TensorRef:
-    """Pickles exactly as torch.save pickles a contiguous CPU tensor over its own storage."""
-
-    __slots__ = ("storage", "shape")
-
-    def __init__(self, storage: _StorageRef, shape: tuple[int, ...]) -> None:
-        self.storage, self.shape = storage, shape
-
-    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        args: tuple[Any, ...] = (
-            self.storage,
-            0,
-            tuple(self.shape),  # as Tensor.__reduce_ex__ pickles it (a tuple, not a torch.Size)
-            _contiguous_stride(self.shape),
-            False,
-            collections.OrderedDict(),
-        )
-        if storage_type_for(self.storage.dtype) is None:
-            # dtypes without a legacy storage class: untyped storage, dtype passed explicitly
-            return (REBUILD_TENSOR_V3, (*args, self.storage.dtype))
-        return (REBUILD_TENSOR_V2, args)
-
-
-class _Pickler(pickle.Pickler):
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, _StorageRef):
-            storage_type = storage_type_for(obj.dtype)
-            if storage_type is None:
-                return ("storage", torch.storage.UntypedStorage, obj.key, "cpu", obj.numel * obj.dtype.itemsize)
-            return ("storage", storage_type, obj.key, "cpu", obj.numel)
-        return None
-
-
 class _HeaderImage:
     """A write-only, seekable file that keeps what is written in memory and skips what is seeked over.
 
-    torch's zip writer writes through it (``write``/``seek``/``tell``); afterwards it is the zip
-    with its storage data missing (read as zeros), a ``ZipImage`` for ``patch_crcs``.
+    The zip writer (``TorchZipWriter``, or torch's own) writes through it (``write``/``seek``/``tell``);
+    afterwards it is the zip with its storage data missing (read as zeros), a ``ZipImage`` for ``patch_crcs``.
     """
 
     def __init__(self) -> None:
@@ -190,17 +137,15 @@ class _HeaderImage:
 def _container(entries: Sequence[TensorSlot | None], pickled: bytes) -> _HeaderImage:
     """The zip torch's writer makes of these storages (position ``j`` is record ``data/<j>``) and ``data.pkl``."""
     image = _HeaderImage()
-    with torch_call():
-        writer = open_torch_save_writer(image, compute_crc32=False)  # type: ignore[arg-type]
-        for j, slot in enumerate(entries):
-            if slot is not None:
-                reserve_record(writer, f"data/{j}", slot.nbytes)
-        records = [("data.pkl", pickled), (".format_version", b"1"), (".storage_alignment", str(storage_alignment()).encode())]
-        records.append(("byteorder", sys.byteorder.encode()))
-        for name, raw in records:
-            writer.write_record(name, raw, len(raw))
-        writer.write_end_of_file()
-        del writer
+    writer = TorchZipWriter(image)
+    for j, slot in enumerate(entries):
+        if slot is not None:
+            writer.reserve_record(f"data/{j}", slot.nbytes)
+    records = [("data.pkl", pickled), (".format_version", b"1"), (".storage_alignment", str(STORAGE_ALIGNMENT).encode())]
+    records.append(("byteorder", sys.byteorder.encode()))
+    for name, raw in records:
+        writer.write_record(name, raw)
+    writer.write_end_of_file()
     return image
 
 
@@ -261,7 +206,7 @@ def write_torch_save_headers(
     slots: list[TensorSlot | None] = []
     tree: list[tuple[ObjPath, Any]] = []
     for j, (path, value) in enumerate(items):
-        if isinstance(value, torch.Tensor):  # rank 0's own: its bytes written now, then referenced as the others
+        if _is_tensor(value):  # rank 0's own: its bytes written now, then referenced as the others
             offset = data_offsets[j]
             if offset is None:
                 raise ValueError(f"no storage placed for the tensor of item {j}")
@@ -269,13 +214,11 @@ def write_torch_save_headers(
             value = TensorSlot(value.dtype, tuple(value.shape))
         if isinstance(value, TensorSlot):
             slots.append(value)
-            tree.append((path, _TensorRef(_StorageRef(str(j), value.dtype, math.prod(value.shape)), value.shape)))
+            tree.append((path, TensorRef(StorageRef(str(j), value.dtype, math.prod(value.shape)), value.shape)))
         else:
             slots.append(None)
             tree.append((path, value))
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=PICKLE_PROTOCOL).dump(unflatten(tree))
-    image = _container(slots, buf.getvalue())
+    image = _container(slots, dumps(unflatten(tree)))
     if _data_offsets(image, len(items)) != list(data_offsets):
         raise ValueError("torch.save storage offsets changed between planning and writing")
     patch_crcs(image, {f"data/{j}": crc for j, crc in crcs.items()})
@@ -284,11 +227,19 @@ def write_torch_save_headers(
     return image.size
 
 
+def _is_tensor(value: object) -> TypeGuard[torch.Tensor]:
+    """Whether ``value`` is a ``torch.Tensor``, without importing torch (where torch is not loaded, no value is one)."""
+    torch_module = sys.modules.get("torch")
+    return torch_module is not None and isinstance(value, torch_module.Tensor)
+
+
 def _write_tensor_bytes(fd: int, tensor: torch.Tensor, offset: int) -> int:
     """Write ``tensor``'s bytes (contiguous, element order) at ``offset`` (bytes) in ``fd``; their CRC-32.
 
     Read through a byte view of the tensor (``writers.buffer``), without NumPy.
     """
+    from fsdp_convert.writers.buffer import byte_view, dense  # imports torch, loaded already: a tensor exists
+
     flat = dense(tensor.resolve_conj().resolve_neg())
     raw = byte_view(flat)
     view = raw
@@ -311,9 +262,7 @@ class PayloadPlacement:
 
 
 def _payload_image(slot: TensorSlot) -> _HeaderImage:
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=PICKLE_PROTOCOL).dump(_TensorRef(_StorageRef("0", slot.dtype, math.prod(slot.shape)), slot.shape))
-    return _container([slot], buf.getvalue())
+    return _container([slot], dumps(TensorRef(StorageRef("0", slot.dtype, math.prod(slot.shape)), slot.shape)))
 
 
 def tensor_payload_placement(slot: TensorSlot) -> PayloadPlacement:

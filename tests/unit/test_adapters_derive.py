@@ -93,7 +93,7 @@ def _move(
         os.close(fd)
     assert sum(p.nbytes for p in pieces) == job.nbytes
     shape = derived.shape if rows is None else (rows[1] - rows[0], *derived.shape[1:])
-    return torch.frombuffer(bytearray(out.read_bytes()[3:]), dtype=dtype).view(shape)
+    return torch.frombuffer(bytearray(out.read_bytes()[3:]), dtype=dtype.torch).view(shape)
 
 
 def _titan_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 import torch.distributed.checkpoint.planner as dcp_planner
 
 from fsdp_convert import constants
+from fsdp_convert.dtypes import DType
 from fsdp_convert.formats import _dcp_classes
 from fsdp_convert.formats._dcp_metadata import load_metadata, load_records
 from fsdp_convert.formats.index import DTYPE_ITEMSIZES, TensorEntry
@@ -93,10 +94,11 @@ def test_records_read_as_torchs_objects_and_index_as_before(ws3_ckpt: Sample) ->
 
 def test_a_tensor_entry_keeps_its_dtype_by_name() -> None:
     entry = TensorEntry(fqn="w", path=("w",), shape=(2, 3), dtype=torch.bfloat16, chunks=())
-    assert entry.dtype_name == "bfloat16" and entry.dtype is torch.bfloat16 and entry.itemsize == 2 and entry.nbytes == 12
+    assert entry.dtype_name == "bfloat16" and entry.dtype is DType("bfloat16") and entry.dtype.torch is torch.bfloat16
+    assert entry.itemsize == 2 and entry.nbytes == 12
     assert entry == TensorEntry(fqn="w", path=("w",), shape=(2, 3), dtype_name="bfloat16", chunks=())
     cast = dataclasses.replace(entry, dtype=torch.float32)
-    assert cast.dtype is torch.float32 and cast.nbytes == 24 and cast.fqn == "w"
+    assert cast.dtype == torch.float32 and cast.nbytes == 24 and cast.fqn == "w"
     assert pickle.loads(pickle.dumps(entry)) == entry
     with pytest.raises(TypeError, match="needs a dtype"):
         TensorEntry(fqn="w", path=("w",), shape=(), chunks=())
