@@ -190,7 +190,7 @@ def torch_shape(dtype: torch.dtype | DType, header_shape: list[int] | tuple[int,
     return (*header_shape[:-1], header_shape[-1] // per_element)
 
 
-# what the forkserver that forks every worker imports once (launch.run_workers), torch included
+# what the forkserver of torch's elastic launcher imports once (launch.run_workers across nodes or under torchrun)
 WORKER_PRELOAD = ("torch.distributed", "fsdp_convert.ops.consolidate", "fsdp_convert.ops.reshard")
 # a run stopped by a signal leaves the launcher's semaphore to multiprocessing's resource tracker,
 # whose warning about it would be the only other line on stderr; and torch warns in every worker

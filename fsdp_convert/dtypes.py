@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeGuard
 
 if TYPE_CHECKING:
     import torch
@@ -158,7 +158,7 @@ def as_dtype(dtype: Any) -> DType:
     raise TypeError(f"not a dtype: {dtype!r}")
 
 
-def is_tensor(value: object) -> bool:
+def is_tensor(value: object) -> TypeGuard[torch.Tensor]:
     """``isinstance(value, torch.Tensor)`` without importing torch: no object is a tensor before torch is imported."""
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(value, torch.Tensor)

@@ -1,9 +1,12 @@
 """Launch stage: the only module that starts workers or touches a process group.
 
-``run_workers`` starts N workers with torch's elastic launcher (``torch.distributed.launcher.api``,
-the machinery behind ``torchrun --standalone``), each joining a gloo process group on CPU.
-``WorkerGroup`` carries the small records rank 0 gathers (CRC-32s and sizes); every worker
-writes its own bytes into the output, so no tensor crosses the group.
+``run_workers`` starts N workers. On one node they are forked from a torch-free forkserver and
+joined by pipes (``_local_workers``: a worker that needs no torch starts in milliseconds); across
+nodes they are started by torch's elastic launcher (``torch.distributed.launcher.api``, the
+machinery behind ``torchrun``), each joining a gloo process group on CPU (``GlooGroup``), as are
+the user's own torchrun workers (``run_in_place``). A ``WorkerGroup`` carries the small records
+rank 0 gathers (CRC-32s and sizes); every worker writes its own bytes into the output, so no
+tensor crosses the group. torch is imported only where the gloo path runs.
 """
 
 from __future__ import annotations
@@ -18,24 +21,35 @@ import signal
 import sys
 import tempfile
 import threading
-import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from types import ModuleType
 from typing import Any, TypeVar
 
-import torch
-import torch.distributed as dist
-
-from fsdp_convert import errors
+from fsdp_convert._local_workers import (
+    LIGHT_WORKER_PRELOAD,
+    MAX_LOCAL_WORKERS,
+    PEER_LOST,
+    WorkerGroup,
+    error_record,
+    failure,
+    first_line,
+    prefix_worker_logs,
+    run_local,
+    take_callers_environ,
+)
 from fsdp_convert.constants import WORKER_PRELOAD, quiet_workers
-from fsdp_convert.errors import CheckpointError, InvalidOptionError, TerminatedError, WorkerFailedError
+from fsdp_convert.errors import InvalidOptionError, TerminatedError, WorkerFailedError
 from fsdp_convert.progress import Bars
 
 __all__ = [
     "WorkerGroup",
+    "GlooGroup",
+    "start_worker_server",
+    "prefix_worker_logs",
     "Cluster",
     "run_workers",
     "launched_by_torchrun",
@@ -52,19 +66,48 @@ logger = logging.getLogger(__name__)
 Job = TypeVar("Job")
 
 
-class WorkerGroup:
-    """The job's gloo process group, for small records only: CRC-32s, sizes, errors. Bulk data never crosses it.
+_PEER_LOST, _failure = PEER_LOST, failure  # their names here before they moved to _local_workers
 
-    Every worker writes its own tensors straight into the output files, so what rank 0 needs from
-    the others is a list of ``(offset, length, CRC-32)`` per worker.
+
+def start_worker_server(*modules: str) -> None:
+    """Start the forkserver local workers are forked from, importing what they need once there; returns at once.
+
+    Its preload: ``_local_workers.LIGHT_WORKER_PRELOAD`` (no torch), the modules the main script
+    imports (each worker runs the main script again, and Python 3.11's forkserver cannot preload
+    ``__main__``: it looks for a ``main_path`` key its preparation data never has), and ``modules``
+    (the job function's). The server keeps the environment of its start, so ``PYTHONWARNINGS``
+    gets the workers' filters first. A server already running is kept, with its preload.
     """
+    import multiprocessing.forkserver
+
+    os.environ["PYTHONWARNINGS"] = quiet_workers(os.environ.get("PYTHONWARNINGS", ""))
+    multiprocessing.set_forkserver_preload(list(dict.fromkeys([*LIGHT_WORKER_PRELOAD, *_main_script_imports(), *modules])))
+    multiprocessing.forkserver.ensure_running()
+
+
+def _main_script_imports() -> list[str]:
+    """The modules (already imported here) that the main script's names come from, if each worker runs it again.
+
+    A worker runs a script again (``fsdp-convert``'s console script, a user's ``train.py``), not
+    ``python -m pkg``'s ``pkg.__main__`` nor ``python -c``. Only modules imported here are named:
+    an import that failed otherwise than with ImportError would stop the server.
+    """
+    main = sys.modules.get("__main__")
+    spec_name = str(getattr(getattr(main, "__spec__", None), "name", ""))
+    if main is None or not getattr(main, "__file__", None) or spec_name.endswith("__main__"):
+        return []
+    names = [getattr(v, "__name__" if isinstance(v, ModuleType) else "__module__", None) for v in vars(main).values()]
+    return [n for n in names if isinstance(n, str) and n in sys.modules and n not in ("__main__", "__mp_main__", "builtins")]
+
+
+class GlooGroup(WorkerGroup):
+    """The job's gloo process group (many nodes, the user's torchrun): a ``WorkerGroup`` over torch.distributed."""
 
     def gather(self, obj: Any) -> list[Any] | None:
-        """Send ``obj`` to rank 0: the list of every rank's, by rank, on rank 0; None elsewhere.
+        """As ``WorkerGroup.gather``: the JSON goes in a uint8 tensor, its length first."""
+        import torch
+        import torch.distributed as dist
 
-        ``obj`` travels as JSON (lists, dicts, strings, numbers) in a uint8 tensor, its length
-        first: never as a pickle, so a peer cannot make rank 0 run anything.
-        """
         data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
         if dist.get_rank() != 0:
             dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst=0)
@@ -81,7 +124,9 @@ class WorkerGroup:
         return out
 
     def barrier(self) -> None:
-        """Wait until every rank gets here."""
+        """As ``WorkerGroup.barrier``."""
+        import torch.distributed as dist
+
         dist.barrier()
 
 
@@ -93,6 +138,8 @@ class JobCounter:
     """
 
     def __init__(self, host: str, port: int, rank: int) -> None:
+        import torch.distributed as dist
+
         # torch.distributed.TCPStore is public (documented), but torch does not mark the re-export for mypy
         self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
         self._lock = threading.Lock()  # called from mover threads and the bar's
@@ -107,9 +154,12 @@ class JobCounter:
 def worker_bars(enabled: bool, rank: int, group: WorkerGroup | None) -> Bars:
     """A worker's progress bars, shown by rank 0 and counting every worker's bytes through a ``JobCounter``.
 
-    Called on every worker of a job, or on none. Off, it reaches no store. A group joined without
-    ``MASTER_ADDR``/``MASTER_PORT`` (a script's own ``init_process_group``) counts each worker's share.
+    Called on every worker of a job, or on none. Off, it reaches no store. A group that carries its
+    counters (local workers) counts there; a group joined without ``MASTER_ADDR``/``MASTER_PORT``
+    (a script's own ``init_process_group``) counts each worker's share.
     """
+    if enabled and group is not None and group.counter is not None:
+        return Bars(enabled=True, show=rank == 0, shared=group.counter)
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not enabled or group is None or not host or not port:
         return Bars(enabled=enabled, show=rank == 0, whole_job=group is None)
@@ -158,6 +208,8 @@ def run_in_place(fn: Callable[[Job, int, int, WorkerGroup], Any], job: Job) -> t
         WorkerFailedError: the connection to a peer was lost (that worker died), so the job failed
             as a launch of ours whose worker died does (a resumable output's temporary is kept).
     """
+    import torch.distributed as dist
+
     if dist.is_initialized():  # called from a training script that already joined its group
         return dist.get_rank(), _peers_lost_fail(fn, job, dist.get_rank(), dist.get_world_size())
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -170,11 +222,13 @@ def run_in_place(fn: Callable[[Job, int, int, WorkerGroup], Any], job: Job) -> t
 
 def _peers_lost_fail(fn: Callable[[Job, int, int, WorkerGroup], Any], job: Job, rank: int, world_size: int) -> Any:
     """``fn(job, rank, world_size, group)``; a lost peer or group (``torch.distributed.DistError``) is a WorkerFailedError."""
+    import torch.distributed as dist
+
     try:
-        return fn(job, rank, world_size, WorkerGroup())
+        return fn(job, rank, world_size, GlooGroup())
     except RuntimeError as e:  # gloo's errors (torch.distributed.DistError is one)
         described = _describe(e)
-        if described.startswith(_PEER_LOST):
+        if described.startswith(PEER_LOST):
             raise WorkerFailedError(f"worker rank {rank} {described}") from e
         if isinstance(e, dist.DistError):  # any other failure of the group (a timeout, a store gone)
             raise WorkerFailedError(f"worker rank {rank} lost its process group: {described}") from e
@@ -189,67 +243,28 @@ class _WorkerCall:
     environ: dict[str, str]  # the caller's environment when it launched
 
 
-# what torch's elastic agent sets for each worker (local_elastic_agent.py ``worker_env``)
-_LAUNCHER_VARS = re.compile(
-    r"^(LOCAL_RANK|RANK|GROUP_RANK|ROLE_RANK|ROLE_NAME|(LOCAL_|GROUP_|ROLE_)?WORLD_SIZE|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_.*|TORCH_.*)$"
-)
-
-
-def _take_callers_environ(environ: dict[str, str]) -> None:
-    """Make this worker's environment the caller's at launch, plus what the launcher set for the worker.
-
-    A forkserver child starts with the server's environment, taken when the server started (at
-    this process's first launch); a caller may have changed its own since.
-    """
-    for name in [n for n in os.environ if n not in environ and not _LAUNCHER_VARS.match(n)]:
-        del os.environ[name]
-    os.environ.update({n: v for n, v in environ.items() if not _LAUNCHER_VARS.match(n)})
-
-
-def prefix_worker_logs(rank: int) -> None:
-    """Send this worker's log records and Python warnings to stderr as ``[rank N] ...`` lines.
-
-    Rank 0's stay as they are; many workers' output stays readable.
-    """
-    if rank == 0:
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(name)s: %(message)s"))
-    for name in ("fsdp_convert", "py.warnings"):
-        logger_ = logging.getLogger(name)
-        logger_.handlers[:] = [handler]
-        logger_.propagate = False
-    logging.captureWarnings(True)
-
-
 def _worker_main(call: _WorkerCall) -> Any:
     """Entry point of one worker process: join the gloo group, run the job, report errors."""
     # the launcher turns SIGINT/SIGTERM into exceptions in its process: a worker takes them as
     # a fresh interpreter does (SIGTERM ends it; the launcher reports the exit)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _take_callers_environ(call.environ)
+    take_callers_environ(call.environ)
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
+    import torch
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
     prefix_worker_logs(rank)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        result = call.fn(call.job, rank, world_size, WorkerGroup())
+        result = call.fn(call.job, rank, world_size, GlooGroup())
         # only on success: after a failure a peer may be gone and teardown could wait on it
         dist.destroy_process_group()
         return result
     except BaseException as e:  # report, then exit quietly: the parent prints the one line
-        record = {
-            "rank": rank,
-            "type": type(e).__name__ if isinstance(e, CheckpointError) else None,
-            "message": str(e) if isinstance(e, CheckpointError) else _describe(e),
-            "cli_message": e.cli_text() if isinstance(e, CheckpointError) else None,  # the CLI's wording (flags)
-            "traceback": traceback.format_exc(),
-        }
-        Path(call.error_dir, f"rank{rank}.json").write_text(json.dumps(record))
-        code = e.exit_code if isinstance(e, CheckpointError) else 1
-        raise SystemExit(code) from None
+        raise SystemExit(error_record(call.error_dir, rank, e, _describe(e))) from None
 
 
 def _describe(e: BaseException) -> str:
@@ -258,55 +273,8 @@ def _describe(e: BaseException) -> str:
     if "gloo" in text and any(s in text for s in ("Connection reset", "Connection closed", "Broken pipe", "Read error")):
         m = re.search(r"\[([0-9a-fA-F.:]+)\]:(\d+)", text)
         peer = f" at {m.group(1)}:{m.group(2)}" if m else ""
-        return f"{_PEER_LOST}{peer} (that worker, or its node, died)"
-    return f"{type(e).__name__}: {_first_line(text)}"
-
-
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else ""
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-_PEER_LOST = "lost its connection to a peer worker"
-
-
-def _failure(error_dir: Path, exit_codes: dict[int, int], ranks: range | None = None) -> CheckpointError:
-    """The root cause of a failed launch, from the workers' error records and exit codes.
-
-    ``ranks``: every rank of the job when this node holds them all (one node), so a worker that
-    died without a word is named even when the launcher reported only the peers it broke.
-    """
-    records = sorted((json.loads(p.read_text()) for p in error_dir.glob("rank*.json")), key=lambda r: r["rank"])
-    # a CheckpointError is the root cause; the others are peers torn down after it
-    for record in records:
-        cls = getattr(errors, record["type"] or "", None)
-        if isinstance(cls, type) and issubclass(cls, CheckpointError):
-            err = cls(record["message"], cli_message=record.get("cli_message"))
-            err.__notes__ = [f"worker rank {record['rank']}:\n{record['traceback']}"]
-            return err
-    # a worker that died without a word (SIGKILL, out of memory) broke the others' connections
-    reported = {r["rank"] for r in records}
-    for rank, code in sorted(exit_codes.items()):
-        if rank not in reported:
-            return WorkerFailedError(f"worker rank {rank} died without a report ({_describe_exit(code)}; out of memory?)")
-    silent = [rank for rank in ranks or () if rank not in reported]
-    if records and len(silent) == 1 and all(r["message"].startswith(_PEER_LOST) for r in records):
-        # the launcher saw the peers fail first; the one worker that said nothing is the one that died
-        return WorkerFailedError(f"worker rank {silent[0]} died without a report (its peers lost their connections to it)")
-    if records:
-        first = records[0]
-        err = WorkerFailedError(f"worker rank {first['rank']} failed: {first['message']}")
-        err.__notes__ = [first["traceback"]]
-        return err
-    return WorkerFailedError("the workers failed without a report")
+        return f"{PEER_LOST}{peer} (that worker, or its node, died)"
+    return f"{type(e).__name__}: {first_line(text)}"
 
 
 def run_workers(
@@ -318,10 +286,13 @@ def run_workers(
 ) -> dict[int, Any]:
     """Run ``fn(job, rank, world_size, group)`` in ``nproc`` new worker processes on this node.
 
-    Workers are started by torch's elastic launcher (forkserver, no restarts) and join a gloo process
-    group. Alone, the rendezvous is c10d on a free loopback port; with a multi-node ``cluster``
-    every node's call meets at its endpoint and the group spans ``cluster.nnodes x nproc``
-    workers. ``fn`` and ``job`` must be picklable. Blocks until every worker exits.
+    On one node the workers are forked from a torch-free forkserver and meet in a
+    ``_local_workers.PipeGroup`` (``_local_workers.run_local``): no torch is imported for them
+    unless ``fn``'s module imports it. With a multi-node ``cluster``, or under the user's
+    torchrun, they are started by torch's elastic launcher (forkserver, no restarts) and join a
+    gloo process group; every node's call meets at the cluster's endpoint and the group spans
+    ``cluster.nnodes x nproc`` workers. ``fn`` and ``job`` must be picklable. Blocks until every
+    worker exits.
 
     Returns:
         The return values of this node's workers, by global rank (rank 0's only on the node
@@ -330,7 +301,19 @@ def run_workers(
     Raises:
         CheckpointError: re-raised in the parent, same class and message, if a worker raised one.
         WorkerFailedError: a worker failed otherwise or died (the message names its rank).
+        KeyboardInterrupt: SIGINT stopped the workers.
+        TerminatedError: SIGTERM (SIGHUP, SIGQUIT) stopped the workers.
     """
+    if (cluster is None or not cluster.multi_node) and not launched_by_torchrun() and nproc <= MAX_LOCAL_WORKERS:
+        start_worker_server(*[m for m in [getattr(fn, "__module__", None)] if m and m != "__main__"])
+        return run_local(fn, job, nproc)
+    return _run_elastic(fn, job, nproc, cluster)
+
+
+def _run_elastic(
+    fn: Callable[[Job, int, int, WorkerGroup], Any], job: Job, nproc: int, cluster: Cluster | None
+) -> dict[int, Any]:
+    """``run_workers`` through torch's elastic launcher and gloo. Alone, the rendezvous is c10d on a free loopback port."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -371,7 +354,7 @@ def run_workers(
         results = elastic_launch(config, _worker_main)(_WorkerCall(fn, job, str(error_dir), dict(os.environ)))
     except ChildFailedError as e:
         ranks = range(nproc) if cluster.nnodes == 1 else None
-        raise _failure(error_dir, {rank: f.exitcode for rank, f in e.failures.items()}, ranks) from None
+        raise failure(error_dir, {rank: f.exitcode for rank, f in e.failures.items()}, ranks) from None
     except RendezvousError as e:  # the store's host (a node) is gone, or nodes never all came
         raise WorkerFailedError(
             f"lost the rendezvous at {config.rdzv_endpoint} ({type(e).__name__}): a node left the job or never joined"

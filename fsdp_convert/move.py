@@ -19,7 +19,7 @@ range in its output file, and whichever worker owns the tensor writes it there w
   place (casting if asked); the block is then written with one ``pwrite``. Memory: two buffers,
   or one row of the tensor if a row is larger.
 - A derived tensor that is row segments of its inputs, no combine, no cast (an expert split,
-  ``blocks.segment_runs``): each input chunk's byte range copied as a dim-0 chunk's is.
+  ``derive.segment_runs``): each input chunk's byte range copied as a dim-0 chunk's is.
 - A chunk that cannot be located (a remote source, a stream-transformed payload, a view) is
   decoded with ``Reader.read_chunk`` and held until its last row is written: memory then also
   holds that chunk.
@@ -194,7 +194,7 @@ class Mover(ChunkReads):
         return self._move_row_blocks(job, chunks)
 
     def _move_segments(self, job: MoveJob) -> list[Piece] | None:
-        """A derived tensor that is row segments of its inputs (``blocks.segment_runs``), copied as byte ranges.
+        """A derived tensor that is row segments of its inputs (``derive.segment_runs``), copied as byte ranges.
 
         Located chunks are streamed as ``_move_dim0`` streams them (each located once per thread,
         ``ChunkReads.locate``); others (a safetensors file's tensor) are decoded a buffer's worth

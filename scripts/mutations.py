@@ -117,9 +117,9 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "gather-through-numpy",
         "a plain pip install of the wheel (no extras) runs the main job with several workers: numpy is not a dependency",
-        "fsdp_convert/launch.py",
-        "            raw = bytearray(int(length.item()))\n            dist.recv(torch.frombuffer(raw, dtype=torch.uint8), src=src)\n            out.append(json.loads(raw))",
-        "            raw = torch.empty(int(length.item()), dtype=torch.uint8)\n            dist.recv(raw, src=src)\n            out.append(json.loads(bytes(raw.numpy())))",
+        "fsdp_convert/_local_workers.py",
+        "            out.append(json.loads(self._recv(src)))",
+        '            out.append(json.loads(bytes(__import__("numpy").frombuffer(self._recv(src), dtype="uint8"))))',
         "tests/integration/test_without_numpy.py",
     ),
     Mutation(
@@ -276,10 +276,10 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "gather-takes-rank-1s-pieces-for-every-rank",
-        "every worker writes its own tensors there (`pwrite`) ...; only offsets and CRC-32s go to rank 0 (as JSON over gloo), which writes the headers, the pickle and the central directory last. The output is byte-identical for any `--nproc` and `--nnodes`.",
-        "fsdp_convert/launch.py",
-        "            out.append(json.loads(raw))",
-        "            out.append(out[1] if len(out) > 1 else json.loads(raw))",
+        "every worker writes its own tensors there (`pwrite`) ...; only offsets and CRC-32s go to rank 0 (as JSON), which writes the headers, the pickle and the central directory last. The output is byte-identical for any `--nproc` and `--nnodes`.",
+        "fsdp_convert/_local_workers.py",
+        "            out.append(json.loads(self._recv(src)))",
+        "            out.append(out[1] if len(out) > 1 else json.loads(self._recv(src)))",
         "tests/integration/test_consolidate.py::test_consolidate_nproc3_is_byte_identical_to_nproc1",
     ),
     Mutation(
@@ -637,17 +637,17 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "dead-worker-unnoticed",
         "A worker that dies fails the job within seconds, naming its rank.",
-        "fsdp_convert/launch.py",
-        "monitor_interval=0.1,",
-        "monitor_interval=600,",
+        "fsdp_convert/_local_workers.py",
+        "        ready = multiprocessing.connection.wait([*running, *pending.values()])",
+        "        ready = multiprocessing.connection.wait([*pending.values()])",
         "tests/integration/test_signals.py::test_dead_worker_fails_the_job_within_seconds",
     ),
     Mutation(
         "dead-node-unnoticed",
         "if any node fails or dies, the job fails within seconds on every node and nothing is left at `OUT`.",
-        "fsdp_convert/launch.py",
-        "monitor_interval=0.1,",
-        "monitor_interval=600,",
+        "fsdp_convert/_local_workers.py",
+        "        ready = multiprocessing.connection.wait([*running, *pending.values()])",
+        "        ready = multiprocessing.connection.wait([*pending.values()])",
         "tests/integration/test_multinode.py::test_a_dead_node_fails_the_job",
     ),
     Mutation(
@@ -668,7 +668,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "record-crc-from-first-piece",
-        "only offsets and CRC-32s go to rank 0 (as JSON over gloo), which writes the headers, the pickle and the central directory last (each storage's CRC-32 combined from its pieces')",
+        "only offsets and CRC-32s go to rank 0 (as JSON), which writes the headers, the pickle and the central directory last (each storage's CRC-32 combined from its pieces')",
         "fsdp_convert/move.py",
         "    crc = pieces_crc(parts)\n",
         "    crc = pieces_crc(parts[:1])\n",
@@ -821,7 +821,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "expert-split-not-a-byte-copy",
         "each routed expert of a stacked weight is a byte-range copy",
-        "fsdp_convert/blocks.py",
+        "fsdp_convert/derive.py",
         "if derived.combine is not None:",
         "if False:",
         "tests/unit/test_move_segments.py::test_segment_runs_leaves_other_derived_tensors_to_move_derived",

@@ -13,10 +13,9 @@ import typer
 
 from fsdp_convert.cli._options import MULTI_NODE, PERFORMANCE, SAFETY, Choice, choice_option
 from fsdp_convert.cli._precheck import check_nodes
-from fsdp_convert.constants import WORKER_PRELOAD, quiet_workers
 from fsdp_convert.errors import InvalidOptionError
 
-# launch imports torch: it is imported where used, so --help, --version and usage errors start without it
+# launch is imported where used, so --help, --version and usage errors start with the least
 if TYPE_CHECKING:
     from fsdp_convert.launch import Cluster
 
@@ -51,22 +50,20 @@ def nproc_option(help: str) -> Any:
 NprocPerNodeOpt = Annotated[int | None, typer.Option("--nproc-per-node", min=1, hidden=True)]
 
 
-def start_workers_early(nproc: int | None) -> None:
+def start_workers_early(nproc: int | None, *modules: str) -> None:
     """Start the forkserver the workers are forked from now, where ``--nproc`` asks for several; returns at once.
 
-    Call after the torch-free checks, before torch is imported: the server imports torch and the
-    package (``constants.WORKER_PRELOAD``, 1-2 s of CPU) in its own process while this one imports
-    them too, reads the index and plans; ``launch.run_workers`` then forks the workers from it at
-    once. Not under the user's torchrun (no workers of ours), nor for the default ``--nproc``
-    (the plan may choose one worker).
+    Call after the torch-free checks: the server imports what the workers need (``modules``: the
+    job function's, and ``torch`` where the options compute tensors) in its own process while this
+    one reads the index and plans; ``launch.run_workers`` then forks the workers from it at once
+    (``launch.start_worker_server``). Not under the user's torchrun (no workers of ours), nor for
+    the default ``--nproc`` (the plan may choose one worker).
     """
     if nproc is None or nproc < 2 or "LOCAL_RANK" in os.environ:
         return
-    import multiprocessing.forkserver
+    from fsdp_convert.launch import start_worker_server
 
-    os.environ["PYTHONWARNINGS"] = quiet_workers(os.environ.get("PYTHONWARNINGS", ""))  # the server keeps its start's
-    multiprocessing.set_forkserver_preload(list(WORKER_PRELOAD))
-    multiprocessing.forkserver.ensure_running()
+    start_worker_server(*modules)
 
 
 def workers(nproc: int | None, nproc_per_node: int | None) -> int | None:

@@ -282,8 +282,9 @@ def consolidate_command(
             force=force,
             hf_assets=hf_assets,
         )
-        start_workers_early(nproc)  # its imports overlap ours from here on
-        # no torch_ready(): a plain conversion never imports torch; what does probes its features at first use
+        # its imports overlap ours from here on; no torch_ready(): a plain conversion never imports torch
+        computes = dtype or optim_dtype or adapter or merge_lora or dequantize or quantize
+        start_workers_early(nproc, "fsdp_convert.ops._consolidate_rank", *(["torch"] if computes else []))
         transform = transform_options(
             optim_keys=optim_keys,
             keep_wrapper_names=keep_wrapper_names,

@@ -170,7 +170,7 @@ def verify_command(
         check_nodes(nnodes, node_rank)  # what needs no torch first (cli._precheck)
         nproc = workers(nproc, nproc_per_node)
         check_verify(a, b)
-        start_workers_early(nproc)  # its imports overlap ours from here on
+        start_workers_early(nproc, "fsdp_convert.ops.verify")  # its imports (torch) overlap ours from here on
         torch_ready()
         from fsdp_convert.ops.options import VerifyOptions
         from fsdp_convert.transform import TransformOptions

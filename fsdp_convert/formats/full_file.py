@@ -30,7 +30,7 @@ from fsdp_convert.constants import (
     TORCH_SAVE_SUFFIXES,
     torch_shape,
 )
-from fsdp_convert.dtypes import ITEMSIZES, DType, as_dtype, safetensors_dtype
+from fsdp_convert.dtypes import ITEMSIZES, DType, as_dtype, is_tensor, safetensors_dtype
 from fsdp_convert.errors import CheckpointNotFoundError, CorruptChunkError, NotADcpCheckpointError
 from fsdp_convert.formats.index import (
     BytesEntry,
@@ -46,7 +46,6 @@ from fsdp_convert.formats.reader import library_problem, load_torch_save, read_j
 
 if TYPE_CHECKING:
     import torch
-
 __all__ = [
     "MODEL_PREFIX",
     "ADAPTER_WEIGHTS_FILENAME",
@@ -69,20 +68,15 @@ _MAX_INDEX_BYTES = 64 << 20  # model.safetensors.index.json: a weight_map of a f
 
 
 def _holds_tensor(value: Any) -> bool:
-    import torch
-
     if isinstance(value, Mapping):
         value = list(value.values())
-    inside = isinstance(value, (list, tuple, set, frozenset)) and any(map(_holds_tensor, value))
-    return inside or isinstance(value, torch.Tensor)
+    return (isinstance(value, (list, tuple, set, frozenset)) and any(map(_holds_tensor, value))) or is_tensor(value)
 
 
 def _unreadable(value: Any) -> str | None:
     """Why a loaded value cannot be indexed, or None."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        if value.layout == torch.strided and value.device.type == "cpu" and as_dtype(value.dtype).name in ITEMSIZES:
+    if is_tensor(value):
+        if str(value.layout) == "torch.strided" and value.device.type == "cpu" and as_dtype(value.dtype).name in ITEMSIZES:
             return None
         return f"is a {value.dtype} {value.layout} tensor on {value.device}"
     # a plain value is written back by pickle, and weights_only cannot load a tensor pickled inside it
@@ -397,10 +391,8 @@ class FileBoxReader:
         Raises:
             CorruptChunkError: the stored value is not the tensor the index describes (the file changed).
         """
-        import torch
-
         tensor = self._source.get(self._key(entry.fqn))
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
+        if not is_tensor(tensor) or tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
             raise CorruptChunkError(f"{entry.fqn}: the stored value is not a {entry.dtype} {list(entry.shape)}; did it change?")
         for dim, (o, n) in enumerate(zip(offsets, sizes, strict=True)):
             tensor = tensor.narrow(dim, o, n)
@@ -428,15 +420,12 @@ def file_index(path: str | os.PathLike[str]) -> CheckpointIndex:
 
     Keys and paths follow DCP's flattening. Safetensors weights alone (a file, a folder without
     ``optimizer.pt`` or ``extra_state.pt``, a PEFT adapter) stand alone, as ``model.state_dict()``
-    has them; beside a folder's side files they go under ``model``, the optimizer under ``optim``
-    and ``extra_state.pt``'s entries at the top level: the nested layout ``consolidate`` writes.
-    The index has no data files (world size 0).
+    has them; beside a folder's side files they go under ``model``, the optimizer under ``optim``,
+    ``extra_state.pt``'s at the top: ``consolidate``'s nested layout (no data files: world size 0).
 
     Raises:
         As ``open_full_file``.
     """
-    import torch
-
     p = Path(path)
     source = open_full_file(p)
     entries: list[Entry] = []
@@ -447,7 +436,7 @@ def file_index(path: str | os.PathLike[str]) -> CheckpointIndex:
                 entries.append(_whole_tensor(fqn, obj_path, dtype, shape))
         for side in [source] if isinstance(source, TorchSaveFile) else source.sides:
             for key, (value_path, value) in side.flat_with_paths.items():
-                if isinstance(value, torch.Tensor):
+                if is_tensor(value):
                     entries.append(_whole_tensor(key, value_path, value.dtype, tuple(value.shape)))
                 else:
                     entries.append(BytesEntry(fqn=key, path=value_path, relative_path="", offset_bytes=0, length_bytes=0))

@@ -25,16 +25,13 @@ import stat
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fsdp_convert.dtypes import DType, as_dtype
 from fsdp_convert.errors import CheckpointNotFoundError, InvalidOptionError, OutputWriteError
 from fsdp_convert.location import follows_symlinks, inside, open_inside, read_inside
 from fsdp_convert.remote import Url, as_location, filesystem, read_bytes, size_of
 from fsdp_convert.writers._space import free_bytes, human_bytes
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = [
     "ASSET_FILENAMES",
@@ -330,7 +327,7 @@ def tied_output_keys(assets: HfAssets, model_keys: Collection[str]) -> tuple[str
     return (TIED_OUTPUT_KEY,) if tie and present else ()
 
 
-def config_dtype_name(dtype: torch.dtype | DType) -> str:
+def config_dtype_name(dtype: DType) -> str:
     """A dtype as transformers writes it in ``config.json`` (``torch.bfloat16`` -> ``"bfloat16"``)."""
     return str(dtype).removeprefix("torch.")
 
@@ -342,7 +339,7 @@ def _version(text: object) -> tuple[int, ...]:
 
 def rewrite_config(
     config_bytes: bytes,
-    dtype: torch.dtype | DType | None,
+    dtype: DType | None,
     *,
     quantization: Mapping[str, Any] | None = None,
     dequantized: bool = False,
@@ -381,7 +378,7 @@ def write_hf_assets(
     assets: HfAssets,
     folder: Path,
     *,
-    dtype: torch.dtype | DType | None,
+    dtype: DType | None,
     quantization: Mapping[str, Any] | None = None,
     dequantized: bool = False,
 ) -> list[Path]:
@@ -436,7 +433,7 @@ def write_hf_assets(
     return written
 
 
-def weights_dtype(requested: torch.dtype | DType | None, dtypes: Iterable[DType | None]) -> DType | None:
+def weights_dtype(requested: DType | None, dtypes: Iterable[DType | None]) -> DType | None:
     """The dtype ``config.json`` should name: ``--dtype``, else the floating-point weights' one when uniform.
 
     Args:

@@ -54,9 +54,7 @@ def test_tables_match_the_torch_tables() -> None:
     assert all(safetensors_dtype(code) == dtype for dtype, code in SAFETENSORS_DTYPES.items())
     assert safetensors_dtype("F128") is None
     assert {n: getattr(torch, d) for n, d in CAST_NAMES.items()} == DTYPE_NAMES
-    assert {
-        d for d in SUPPORTED_DTYPES if d.is_floating_point and as_dtype(d).name in UNCASTABLE
-    } == UNCASTABLE_DTYPES
+    assert {d for d in SUPPORTED_DTYPES if d.is_floating_point and as_dtype(d).name in UNCASTABLE} == UNCASTABLE_DTYPES
     assert torch.finfo(torch.float8_e4m3fn).max == fp8._FP8_MAX
 
 
