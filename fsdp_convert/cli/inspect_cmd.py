@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from fsdp_convert.cli._errors import handle_errors, torch_ready
 from fsdp_convert.cli._options import CheckpointArg, FollowSymlinksOpt, JsonOpt
@@ -147,8 +148,11 @@ def _render(result: InspectResult, out: Console = console, *, whole: bool = Fals
         table.add_column("FQN", no_wrap=True)
         for name, justify in _COLUMNS:
             table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
-        for r, c in zip(rows, cells):
-            table.add_row(shorten_middle(r.fqn, fqn_width), *c)
+        # one row of multi-line cells, each a column's Text: drawn as one line per entry (no row
+        # separators), measured and rendered once per column instead of once per cell; Text, not
+        # str, so a name is never read as markup
+        columns = [[shorten_middle(r.fqn, fqn_width) for r in rows], *map(list, zip(*cells, strict=True))]
+        table.add_row(*(Text("\n".join(column)) for column in columns))
         if whole and sum(widths) + borders + fqn_width > out.width:
             # the rows, not the terminal, set a whole table's width (a pipe or a file takes any line length)
             Console(file=out.file, width=sum(widths) + borders + fqn_width, no_color=out.no_color).print(table)

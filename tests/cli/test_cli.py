@@ -119,6 +119,21 @@ def test_inspect_table(runner: CliRunner, ws3_ckpt: Sample) -> None:
     assert result.stderr == ""
 
 
+def test_inspect_table_lines_are_one_per_entry_names_as_written(runner: CliRunner, tmp_path: Path) -> None:
+    """Each entry is one table line (the columns drawn as one multi-line row), its name never read as markup."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    names = ["a.weight", "[bold]b[/bold].weight", "[red]c.weight", "d.weight"]
+    dcp.save({n: torch.full((i + 1, 2), float(i)) for i, n in enumerate(names)}, checkpoint_id=tmp_path / "ck", no_dist=True)
+    result = runner.invoke(app, ["inspect", str(tmp_path / "ck")])
+    assert result.exit_code == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("│")]
+    assert len(rows) == len(names)
+    for i, (row, name) in enumerate(zip(rows, names)):
+        assert name in row and f"({i + 1}, 2)" in row and row.rstrip().endswith(f"{4 * 2 * (i + 1)} │"), row
+
+
 def test_consolidate_prints_result(runner: CliRunner, ws3_ckpt: Sample, tmp_path: Path) -> None:
     out = tmp_path / "full.pt"
     result = runner.invoke(app, ["consolidate", str(ws3_ckpt.checkpoint), str(out), "--json"])
