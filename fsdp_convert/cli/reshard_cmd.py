@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from fsdp_convert.cli._errors import handle_errors, rank_prefix, torch_ready
+from fsdp_convert.cli._errors import handle_errors, rank_prefix
 from fsdp_convert.cli._options import (
     OUTPUT,
     AdapterOpt,
@@ -151,8 +151,10 @@ def reshard_command(
         check_nodes(nnodes, node_rank)
         nproc = workers(nproc, nproc_per_node)
         check_reshard(checkpoint, output, overwrite=overwrite, resume=resume, force=force)
-        start_workers_early(nproc)  # its imports overlap ours from here on
-        torch_ready(dcp=True)  # writes DCP's own .metadata
+        # its imports overlap ours from here on; no torch_ready(): .metadata and plain values are
+        # pickled without torch (writers._dcp_pickle), and what does import torch probes its features at first use
+        computes = dtype or optim_dtype or adapter or dequantize
+        start_workers_early(nproc, "fsdp_convert.ops._reshard_rank", *(["torch"] if computes else []))
         options = transform_options(
             optim_keys,
             keep_wrapper_names,
@@ -165,7 +167,7 @@ def reshard_command(
             dequantize=dequantize,
         )
         options = with_adapter(options, adapter, model_config, adapter_option)
-        from fsdp_convert.ops.options import ReshardOptions  # after torch_ready: it imports torch
+        from fsdp_convert.ops.options import ReshardOptions  # not at start-up: --help and --version import less
 
         opts = ReshardOptions(
             world_size=world_size,

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from fsdp_convert.formats import Source
 from fsdp_convert.formats.index import BytesEntry, TensorEntry, dcp_key
 from fsdp_convert.launch import WorkerGroup, worker_bars
@@ -24,6 +22,7 @@ from fsdp_convert.move import MoveJob, Piece, move_all, pwrite_all, range_crc
 from fsdp_convert.plan import DEFAULT_MEMORY_BUDGET_BYTES, mover_buffers
 from fsdp_convert.reshard_plan import PayloadPlan, ReshardPlan
 from fsdp_convert.resume import ResumeState, begin_share
+from fsdp_convert.writers._dcp_pickle import is_plain, value_payload
 from fsdp_convert.writers.dcp import StoredChunk, rank_filename
 from fsdp_convert.writers.torch_save import TensorSlot, write_tensor_payload_headers
 from fsdp_convert.writers.transaction import writing
@@ -55,7 +54,15 @@ class ReshardJob:
 
 
 def _payload(value: Any) -> bytes:
-    """A plain value as DCP stores a bytes entry: a torch.save payload."""
+    """A value as DCP stores a bytes entry: a torch.save payload.
+
+    A plain value (``writers._dcp_pickle.is_plain``: no tensor in it) is written without torch,
+    byte for byte as torch.save writes it; any other (a tensor in it: torch is loaded already) by torch.save.
+    """
+    if is_plain(value):
+        return value_payload(value)
+    import torch
+
     buf = io.BytesIO()
     torch.save(value, buf)
     return buf.getvalue()

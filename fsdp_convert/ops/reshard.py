@@ -115,7 +115,7 @@ def _metadata_rows(plan: ReshardPlan) -> tuple[list[MetadataEntry], list[StoredC
         MetadataEntry(
             fqn=dcp_key(item.path),
             path=item.path,
-            dtype=item.dtype.torch if item.is_tensor and item.dtype is not None else None,
+            dtype=item.dtype if item.is_tensor else None,
             shape=item.shape if item.is_tensor else None,
             chunks=chunks,
         )

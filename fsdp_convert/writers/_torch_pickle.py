@@ -9,6 +9,15 @@ dtype last, pickled as the global ``torch.<name>`` (``dtype.__reduce__`` returns
 those torch names are stand-ins that pickle as ``GLOBAL`` opcodes by name, through the pure-Python
 ``pickle._Pickler``, so the bytes are the ones ``pickle.Pickler`` writes with the real objects:
 same opcodes, same memo (each stand-in is one object per name, as each torch class is).
+
+``PurePickler`` is ``pickle._Pickler`` writing what the C pickler (``pickle.Pickler``, the one
+torch.save and ``pickle.dump`` use) writes: the two differ in how they batch an exact ``dict``'s
+items, ``list``'s elements and ``set``'s members (``_pickle.c`` ``batch_dict_exact``,
+``batch_list_exact``, ``save_set``: a list's last lone element still in ``MARK ... APPENDS``, a
+dict or set of a multiple of 1,000 closed by an empty ``MARK SETITEMS`` / ``MARK ADDITEMS``), so
+``dumps`` of a dict of 1,000 keys is torch.save's too. ``Global`` stand-ins pickle at any protocol
+(``STACK_GLOBAL`` from protocol 4, their module and name strings memoized as the C pickler memoizes
+the ones it is given).
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import pickle
 from typing import Any, Protocol
 
 __all__ = ["DtypeLike", "PICKLE_PROTOCOL", "STORAGE_CLASS_NAMES", "dtype_name", "storage_class_name"]
-__all__ += ["StorageRef", "TensorRef", "dumps"]
+__all__ += ["StorageRef", "TensorRef", "dumps", "Global", "PurePickler"]
 
 PICKLE_PROTOCOL = 2  # torch.serialization.DEFAULT_PROTOCOL
 
@@ -78,8 +87,14 @@ def storage_class_name(dtype: DtypeLike) -> str | None:
     return STORAGE_CLASS_NAMES.get(dtype_name(dtype))
 
 
-class _Global:
-    """Stands for the module-level object ``module.name``: pickles as ``GLOBAL module name``, never called."""
+class Global:
+    """Stands for the module-level object ``module.name``: pickles as ``GLOBAL module name``, never called.
+
+    From protocol 4 it pickles as the strings ``module`` and ``name`` then ``STACK_GLOBAL``; each
+    string is memoized by identity, so where torch's objects share one module-name string (the
+    classes of one module) the stand-ins must share one ``str`` object too, and where they do not
+    (``torch.Size`` and the dtypes each have their own ``"torch"``), distinct ones.
+    """
 
     __slots__ = ("module", "name")
 
@@ -91,9 +106,9 @@ class _Global:
 
 
 @functools.cache
-def _global(module: str, name: str) -> _Global:
+def _global(module: str, name: str) -> Global:
     """One stand-in per name, so the pickle's memo refers back to it as it would to the torch object."""
-    return _Global(module, name)
+    return Global(module, name)
 
 
 class StorageRef:
@@ -136,15 +151,105 @@ class TensorRef:
         return (_global("torch._utils", "_rebuild_tensor_v2"), args)
 
 
-def _save_global(pickler: Any, obj: _Global) -> None:
-    # pickle._Pickler.save_global for protocol 2, without looking the object up
-    pickler.write(pickle.GLOBAL + obj.module.encode("ascii") + b"\n" + obj.name.encode("ascii") + b"\n")
+def _save_global(pickler: Any, obj: Global) -> None:
+    # pickle._Pickler.save_global, without looking the object up
+    if pickler.proto >= 4:
+        pickler.save(obj.module)
+        pickler.save(obj.name)
+        pickler.write(pickle.STACK_GLOBAL)
+    else:
+        pickler.write(pickle.GLOBAL + obj.module.encode("ascii") + b"\n" + obj.name.encode("ascii") + b"\n")
     pickler.memoize(obj)
 
 
-class _Pickler(pickle._Pickler):
-    dispatch = {**pickle._Pickler.dispatch, _Global: _save_global}
+_BATCHSIZE = 1000  # _pickle.c's BATCHSIZE, as pickle._Pickler._BATCHSIZE
 
+
+def _save_dict(pickler: Any, obj: dict[Any, Any]) -> None:
+    # _pickle.c save_dict + batch_dict_exact (protocol >= 1): one item alone with SETITEM; else
+    # batches of 1,000 in MARK ... SETITEMS, the loop ending after a batch short of 1,000 (so a
+    # dict of 1,000 items ends with an empty one, where pickle._Pickler writes none)
+    pickler.write(pickle.EMPTY_DICT)
+    pickler.memoize(obj)
+    if not obj:
+        return
+    save, write = pickler.save, pickler.write
+    if len(obj) == 1:
+        ((key, value),) = obj.items()
+        save(key)
+        save(value)
+        write(pickle.SETITEM)
+        return
+    items = iter(obj.items())
+    while True:
+        write(pickle.MARK)
+        n = 0
+        for key, value in items:
+            save(key)
+            save(value)
+            n += 1
+            if n == _BATCHSIZE:
+                break
+        write(pickle.SETITEMS)
+        if n != _BATCHSIZE:
+            return
+
+
+def _save_list(pickler: Any, obj: list[Any]) -> None:
+    # _pickle.c save_list + batch_list_exact (protocol >= 1): one element alone with APPEND; else
+    # batches of up to 1,000 in MARK ... APPENDS until none is left (a last lone element included,
+    # where pickle._Pickler writes it with APPEND)
+    pickler.write(pickle.EMPTY_LIST)
+    pickler.memoize(obj)
+    if not obj:
+        return
+    save, write = pickler.save, pickler.write
+    if len(obj) == 1:
+        save(obj[0])
+        write(pickle.APPEND)
+        return
+    for start in range(0, len(obj), _BATCHSIZE):
+        write(pickle.MARK)
+        for value in obj[start : start + _BATCHSIZE]:
+            save(value)
+        write(pickle.APPENDS)
+
+
+def _save_set(pickler: Any, obj: set[Any]) -> None:
+    # _pickle.c save_set: from protocol 4, batches of 1,000 in MARK ... ADDITEMS, ending after a
+    # batch short of 1,000 (an empty one after a multiple of 1,000, where pickle._Pickler writes none)
+    if pickler.proto < 4:
+        pickler.save_reduce(set, (list(obj),), obj=obj)
+        return
+    pickler.write(pickle.EMPTY_SET)
+    pickler.memoize(obj)
+    if not obj:
+        return
+    items = iter(obj)
+    while True:
+        pickler.write(pickle.MARK)
+        n = 0
+        for item in items:
+            pickler.save(item)
+            n += 1
+            if n == _BATCHSIZE:
+                break
+        pickler.write(pickle.ADDITEMS)
+        if n != _BATCHSIZE:
+            return
+
+
+class PurePickler(pickle._Pickler):
+    """``pickle._Pickler`` writing the C pickler's bytes, ``Global`` stand-ins included (see the module docstring).
+
+    Protocol 2 or more (torch.save's 2, ``pickle.dump``'s default 4 or 5).
+    """
+
+    dispatch = {**pickle._Pickler.dispatch, Global: _save_global, dict: _save_dict, list: _save_list}
+    dispatch[set] = _save_set
+
+
+class _Pickler(PurePickler):
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, StorageRef):
             name = storage_class_name(obj.dtype)

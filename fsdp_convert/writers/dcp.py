@@ -21,22 +21,27 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-import pickle
 import shutil
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from fsdp_convert.constants import METADATA_FILENAME
+from fsdp_convert.dtypes import DType, as_dtype
 from fsdp_convert.errors import InvalidOptionError
 from fsdp_convert.formats.index import ObjPath, plain_path
 from fsdp_convert.location import open_inside
-
-if TYPE_CHECKING:
-    import torch
+from fsdp_convert.writers._dcp_pickle import (
+    MetadataIndex,
+    bytes_storage_metadata,
+    chunk_storage_metadata,
+    metadata_pickle,
+    storage_info,
+    tensor_storage_metadata,
+)
 
 __all__ = [
     "DcpFolder",
@@ -133,20 +138,23 @@ class MetadataEntry:
     Attributes:
         fqn: the flattened key.
         path: its place in the nested state dict (``planner_data``).
-        dtype: the tensor's element type; ``None`` for a bytes entry.
+        dtype: the tensor's element type (a ``torch.dtype`` is taken too); ``None`` for a bytes entry.
         shape: the global shape, in elements; ``None`` for a bytes entry.
         chunks: the tensor's stored chunks (ignored for a bytes entry).
     """
 
     fqn: str
     path: ObjPath
-    dtype: torch.dtype | None
+    dtype: DType | None
     shape: tuple[int, ...] | None
     chunks: Sequence[Box]
 
 
 def write_metadata(folder: Path, entries: Sequence[MetadataEntry], stored: Sequence[StoredChunk], version: str | None) -> None:
     """Write ``.metadata`` for the stored chunks, last, and fsync it. Rank 0 only.
+
+    The bytes are ``pickle.dump`` of torch's ``Metadata`` of these entries, written without
+    importing torch (``writers._dcp_pickle``); its ``storage_meta.save_id`` is a new uuid4.
 
     Args:
         folder: the output folder.
@@ -157,49 +165,29 @@ def write_metadata(folder: Path, entries: Sequence[MetadataEntry], stored: Seque
     Raises:
         FileExistsError: ``.metadata`` is already there.
     """
-    import torch
-
-    # DCP's own classes, for torch's pickle.load to read; imported here, not at start-up (~0.5 s)
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        StorageMeta,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-
-    from fsdp_convert.torch_compat import StorageInfo
-
-    state_dict_metadata: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    state_dict_metadata: dict[str, Any] = {}
     for e in entries:
         if e.dtype is None or e.shape is None:
-            state_dict_metadata[e.fqn] = BytesStorageMetadata()
+            state_dict_metadata[e.fqn] = bytes_storage_metadata()
         else:
-            chunks = [ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)) for c in e.chunks]
-            state_dict_metadata[e.fqn] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=e.dtype), size=torch.Size(e.shape), chunks=chunks
-            )
+            chunks = [chunk_storage_metadata(c.offsets, c.sizes) for c in e.chunks]
+            state_dict_metadata[e.fqn] = tensor_storage_metadata(as_dtype(e.dtype).name, e.shape, chunks)
     storage_data = {
         # transform_descriptors None when there are none, as FileSystemWriter leaves it
-        MetadataIndex(c.fqn, c.offsets): StorageInfo(
-            relative_path=c.relative_path,
-            offset=c.offset_bytes,
-            length=c.length_bytes,
-            transform_descriptors=list(c.transform_descriptors) or None,
+        MetadataIndex(c.fqn, c.offsets): storage_info(
+            c.relative_path, c.offset_bytes, c.length_bytes, list(c.transform_descriptors) or None
         )
         for c in stored
     }
-    metadata = Metadata(
+    raw = metadata_pickle(
         state_dict_metadata=state_dict_metadata,
         planner_data={e.fqn: plain_path(e.path) for e in entries},
         storage_data=storage_data,
-        storage_meta=StorageMeta(save_id=str(uuid.uuid4())),
+        save_id=str(uuid.uuid4()),
         version=version or "1.0.0",
     )
     with open(folder / METADATA_FILENAME, "xb") as f:
-        pickle.dump(metadata, f)
+        f.write(raw)
         f.flush()
         os.fsync(f.fileno())
 

@@ -173,7 +173,7 @@ def test_zstd_reshard_is_read_by_torch_dcp_load(writer_options: Path, tmp_path: 
         target: dict[str, dict[str, object]] = {"model": {}}
         for entry in index.tensors():
             if entry.path[0] == "model":
-                target["model"][str(entry.path[1])] = torch.zeros(entry.shape, dtype=entry.dtype)
+                target["model"][str(entry.path[1])] = torch.zeros(entry.shape, dtype=entry.dtype.torch)
             assert isinstance(entry, TensorEntry)
     dcp.load(target, checkpoint_id=out, no_dist=True)
     assert_same_state(target["model"], truth["model"])  # type: ignore[index]
