@@ -11,7 +11,6 @@ the planner and the writers alike.
 
 from __future__ import annotations
 
-import functools
 import heapq
 import math
 import re
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-from fsdp_convert.dtypes import DType
+from fsdp_convert.dtypes import ITEMSIZES, DType
 from fsdp_convert.errors import CoverageError
 from fsdp_convert.formats._paths import DictKey, ObjPath, dcp_key, flatten_with_paths, plain_path, unflatten
 from fsdp_convert.location import Location, Url
@@ -246,31 +245,12 @@ class CheckpointIndex:
         return (e for e in self.entries if isinstance(e, TensorEntry))
 
 
-# the dtypes this tool handles (constants.SUPPORTED_DTYPES, by name) and their element sizes in
-# bytes (``torch.dtype.itemsize``): an index is sized without torch
-DTYPE_ITEMSIZES: dict[str, int] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
-    "float4_e2m1fn_x2": 1,
-    "complex128": 16, "complex64": 8, "complex32": 4,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1,
-    "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
-}  # fmt: skip
+DTYPE_ITEMSIZES = ITEMSIZES  # dtypes.ITEMSIZES: element sizes by dtype name, so an index is sized without torch
 
 
 def dtype_name(dtype: torch.dtype | DType) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``, as JSON output and tables write dtypes (``TensorEntry.dtype_name``)."""
     return str(dtype).removeprefix("torch.")
-
-
-@functools.cache
-def _torch_dtype(name: str) -> torch.dtype:
-    import torch
-
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"torch {torch.__version__} has no dtype {name!r}")
-    return dtype
 
 
 def _at(values: tuple[int, ...]) -> str:
