@@ -1,21 +1,18 @@
-"""Page cache for the mover: hints (read ahead, start writeback early, drop what a huge run passed through), read mappings.
+"""Page cache for the mover: hints (read ahead, start writeback early, drop what a huge run passed through).
 
 ``posix_fadvise`` (``os``) and ``sync_file_range`` (Linux's libc, through ctypes: Python's ``os``
 does not expose it). Without ``sync_file_range`` (another libc or OS) writeback starts at the
-kernel's own pace and dropping falls back to ``fdatasync``. ``ReadMapping`` maps a byte range of
-a data file read-only, so the mover hashes the page cache in place and writes from it: one copy
-per byte (the write's) instead of two (a read into a buffer, then the write).
+kernel's own pace and dropping falls back to ``fdatasync``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import mmap
 import os
 from collections.abc import Callable
 
-__all__ = ["PageCache", "ReadMapping", "DROP_EVERY_BYTES"]
+__all__ = ["PageCache", "DROP_EVERY_BYTES"]
 
 DROP_EVERY_BYTES = 256 << 20  # with drop: wait for written ranges to reach the disk and drop them this often
 WRITEBACK_EVERY_BYTES = 8 << 20  # start writeback once this much is written to a file (one call, not one per tensor)
@@ -89,42 +86,3 @@ class PageCache:
             os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
         self._written.clear()
         self._bytes = 0
-
-
-# map every page at once (a warm page cache: one call instead of a fault per 16 pages)
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-
-
-class ReadMapping:
-    """Bytes ``[offset, offset + nbytes)`` of an open file, mapped read-only: the page cache itself, no copy.
-
-    ``view`` is valid until ``close``. A file shorter than the range raises ``ValueError`` up
-    front (``mmap`` checks its size); one truncated by another process while mapped would raise
-    SIGBUS on access, so the mover maps one piece at a time and closes it before the next.
-
-    Args:
-        fd: the file, open for reading.
-        offset: start of the range, in bytes.
-        nbytes: its length, in bytes (> 0).
-
-    Raises:
-        ValueError: the file ends before ``offset + nbytes``.
-        OSError: the file cannot be mapped (not a regular file, a filesystem without mmap).
-    """
-
-    __slots__ = ("_map", "_whole", "view")
-
-    def __init__(self, fd: int, offset: int, nbytes: int) -> None:
-        base = offset - offset % mmap.ALLOCATIONGRANULARITY
-        self._map = mmap.mmap(fd, offset + nbytes - base, flags=_MAP_FLAGS, prot=mmap.PROT_READ, offset=base)
-        self._whole = memoryview(self._map)
-        self.view = self._whole[offset - base :]
-
-    def close(self) -> None:
-        """Unmap (at once, or when the last view of it is freed)."""
-        try:
-            self.view.release()
-            self._whole.release()
-            self._map.close()
-        except BufferError:  # a view taken from ``view`` is still alive: unmapped when it is freed
-            pass

@@ -20,7 +20,7 @@ import os
 import threading
 from typing import TYPE_CHECKING
 
-from fsdp_convert._pagecache import PageCache, ReadMapping
+from fsdp_convert._pagecache import PageCache
 from fsdp_convert.derive import Derived, Input, SegmentRun, box, concat, row_span, rows_of, segment_runs
 from fsdp_convert.dtypes import DType
 from fsdp_convert.errors import CorruptChunkError, ShapeMismatchError
@@ -32,6 +32,8 @@ from fsdp_convert.formats.reader import StoredBytes
 if TYPE_CHECKING:
     import torch
 __all__ = [
+    "COPY_BYTES",
+    "MIN_HINTED_BYTES",
     "ChunkReads",
     "ChunkSource",
     "pwrite_all",
@@ -45,7 +47,11 @@ __all__ = [
 ]
 
 COMPUTE_ITEMSIZE = 4  # a combine function's intermediates, fp32, per element
-MIN_MAPPED_BYTES = 1 << 20  # a smaller piece (an expert's rows) is read with preadv: cheaper than mmap + munmap
+# the plain copy's unit: read into a buffer that stays in the CPU's cache, hashed, written. On ext4,
+# a write from a read-only mapping of the source (the copy done once) cost 3x the CPU of this (two
+# copies, the second from cache), and did not scale over processes; on tmpfs they cost the same
+COPY_BYTES = 1 << 20
+MIN_HINTED_BYTES = 1 << 20  # a smaller range (an expert's rows) is read at once: a read-ahead hint only costs a call
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -86,9 +92,6 @@ class ChunkReads:
         self._buffers: list[bytearray] = [bytearray(0), bytearray(0)]
         self._verified: set[tuple[int, int]] = set()  # (fd, offset) of the chunks read through for their CRC-32
         self._located: dict[tuple[str, tuple[int, ...]], StoredBytes | None] = {}
-        self._mapping: ReadMapping | None = None  # the piece ``piece`` last mapped, and where it lies
-        self._mapped = (0, 0, 0)
-        self._map_reads = True  # False once a data file could not be mapped: pieces are read into buffers
 
     def buffer(self, which: int, nbytes: int) -> memoryview:
         """The first ``nbytes`` of buffer ``which`` (0: output, 1: chunk rows); valid until its next call.
@@ -124,51 +127,23 @@ class ChunkReads:
         if stored.crc32 is None or (stored.fd, stored.offset) in self._verified:
             return  # nothing to check, or checked already (a chunk holding several experts, each its own tensor)
         crc, done = 0, 0
-        try:
-            while done < stored.nbytes:
-                self.check_stop()
-                view = self.piece(stored, done, min(self.piece_bytes, stored.nbytes - done), 1)
-                crc = crc32(view, crc)
-                done += len(view)
-        finally:
-            self.done_piece()
+        while done < stored.nbytes:
+            self.check_stop()
+            view = self.piece(stored, done, min(self.piece_bytes, stored.nbytes - done), 1)
+            crc = crc32(view, crc)
+            done += len(view)
         check_crc(stored, crc)
         self._verified.add((stored.fd, stored.offset))
 
     def piece(self, stored: StoredBytes, at: int, nbytes: int, which: int = 0) -> memoryview:
-        """Bytes ``[at, at + nbytes)`` (``nbytes`` > 0) of a located chunk, read-only; valid until ``done_piece``.
-
-        Mapped from the page cache in place (``_pagecache.ReadMapping``: no copy), or read into
-        buffer ``which`` where the data file cannot be mapped or the piece is under
-        ``MIN_MAPPED_BYTES`` (a 32 KiB expert moved 1.7x slower mapped). Call ``done_piece`` once done.
+        """Bytes ``[at, at + nbytes)`` (``nbytes`` > 0) of a located chunk, read into buffer ``which``.
 
         Raises:
             CorruptChunkError: the file is shorter than the record (it changed while it was read).
         """
-        self.done_piece()
-        start = stored.offset + at
-        if self._map_reads and nbytes >= MIN_MAPPED_BYTES:
-            try:
-                self._mapping = ReadMapping(stored.fd, start, nbytes)
-            except ValueError:
-                raise CorruptChunkError(
-                    f"{stored.where}: short read (the file ends before byte {start + nbytes}); the file changed while it was read"
-                ) from None
-            except OSError:
-                self._map_reads = False  # a file that cannot be mapped: read into buffers from now on
-            else:
-                self._mapped = (stored.fd, start, nbytes)
-                return self._mapping.view
         view = self.buffer(which, nbytes)
         self.read_exact(stored, view, at)
         return view
-
-    def done_piece(self) -> None:
-        """Unmap the piece ``piece`` mapped last, if any (then drop it from the page cache, with ``drop_cache``)."""
-        if self._mapping is not None:
-            self._mapping.close()
-            self._mapping = None
-            self.cache.read(*self._mapped)
 
     def read_exact(self, stored: StoredBytes, view: memoryview, at: int) -> None:
         """Fill ``view`` with the located chunk's bytes from ``at`` (bytes from the record's start).

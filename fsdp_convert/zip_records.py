@@ -66,7 +66,7 @@ def _exact(pread: Pread, length: int, offset: int) -> bytes:
     return data
 
 
-def _central_directory(pread: Pread, size: int) -> tuple[int, int]:
+def _central_directory(pread: Pread, size: int) -> tuple[int, int, int]:
     tail_len = min(size, 22 + 20)  # the end record and the zip64 locator before it: no comment is searched for
     if tail_len < 22:
         raise ZipFormatError(f"{size} bytes is too short for a zip")
@@ -91,7 +91,25 @@ def _central_directory(pread: Pread, size: int) -> tuple[int, int]:
         cd_end = eocd64_offset
     if cd_offset + cd_size != cd_end or count > cd_size // 46:
         raise ZipFormatError(f"central directory at {cd_offset} ({cd_size} bytes, {count} entries) does not end at {cd_end}")
-    return cd_offset, count
+    return cd_offset, cd_size, count
+
+
+SMALL_DIRECTORY_BYTES = 64 << 10  # read at once; a larger directory (a file of many records) entry by entry
+
+
+class _Overlay:
+    """``pread`` served from ``data`` (the bytes at ``base``) where it covers the range, else from the file."""
+
+    __slots__ = ("_pread", "_data", "_base")
+
+    def __init__(self, pread: Pread, data: bytes, base: int) -> None:
+        self._pread, self._data, self._base = pread, data, base
+
+    def pread(self, length: int, offset: int) -> bytes:
+        at = offset - self._base
+        if 0 <= at and at + length <= len(self._data):
+            return self._data[at : at + length]
+        return self._pread(length, offset)
 
 
 def _zip64_fields(extra: bytes, uncomp: int, comp: int, local_offset: int) -> tuple[int, int, int]:
@@ -128,7 +146,10 @@ def read_records(pread: Pread, size: int) -> list[ZipRecord]:
     Raises:
         ZipFormatError: a structure is missing, truncated or out of bounds.
     """
-    cd_offset, count = _central_directory(pread, size)
+    cd_offset, cd_size, count = _central_directory(pread, size)
+    if cd_size <= SMALL_DIRECTORY_BYTES:  # a chunk payload's few records: the directory read once, parsed in memory
+        directory, base = _exact(pread, cd_size, cd_offset), cd_offset
+        pread = _Overlay(pread, directory, base).pread
     records = []
     pos = cd_offset
     for _ in range(count):

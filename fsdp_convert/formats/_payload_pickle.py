@@ -16,6 +16,7 @@ about a tenth of ``torch.load``'s time per chunk.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -132,7 +133,17 @@ def read_payload_tensor(data: bytes) -> PayloadTensor | None:
     """The plain CPU tensor ``data`` (a chunk payload's ``data.pkl``) rebuilds; None for any other pickle.
 
     Never raises for bad bytes: None sends the caller to torch's loader, which names the fault.
+    A model's chunks of one shape share one pickle, so a short one (all real ones) is read once.
     """
+    return _read_cached(data) if len(data) <= 4096 else _read(data)
+
+
+@functools.lru_cache(maxsize=4096)
+def _read_cached(data: bytes) -> PayloadTensor | None:
+    return _read(data)
+
+
+def _read(data: bytes) -> PayloadTensor | None:
     try:
         value = _PayloadUnpickler(data).load()
     except (RefusedError, MalformedError, RecursionError, MemoryError):
