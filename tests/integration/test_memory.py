@@ -38,6 +38,8 @@ HOOK = '''
 import functools, json, os
 import torch.distributed.launcher.api  # everything a run imports, before the baseline
 import fsdp_convert, fsdp_convert.ops.consolidate, fsdp_convert.ops._consolidate_rank, fsdp_convert.launch
+# imported during a run, not at its start (format detection, --adapter): safetensors' extension alone is MiB
+import fsdp_convert.formats.full_file, fsdp_convert.adapters, fsdp_convert.lora
 
 
 def vm_hwm():
