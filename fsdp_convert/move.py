@@ -274,7 +274,7 @@ class Mover(ChunkReads):
             if window and hinted < end and hinted - done <= window:
                 self.cache.will_read(stored.fd, stored.offset + hinted, min(window, end - hinted))
                 hinted += min(window, end - hinted)
-            nbytes = min(COPY_BYTES, end - done)
+            nbytes = min(COPY_BYTES, self.piece_bytes, end - done)  # never past the memory budget's buffer
             view = self.piece(stored, done, nbytes)
             crc = crc32(view, crc)
             pwrite_all(fd, view, dst + done - begin)

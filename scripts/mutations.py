@@ -542,7 +542,7 @@ MUTATIONS: list[Mutation] = [
         "chunk-read-whole-into-one-buffer",
         "Memory, within `--memory-budget` (default `256MiB`) per process: the mover threads' buffers fit in the budget, so peak memory is the interpreter + the budget, whatever the largest tensor, for any source read in place (local DCP folders, `HuggingFaceStorageWriter` shards)",
         "fsdp_convert/move.py",
-        "nbytes = min(COPY_BYTES, end - done)",
+        "nbytes = min(COPY_BYTES, self.piece_bytes, end - done)",
         "nbytes = end - done",
         "tests/integration/test_memory.py::test_peak_memory_is_bounded_by_budget_whatever_the_largest_tensor[1-copy]",
     ),
