@@ -46,7 +46,7 @@ __all__ = [
     "segment_runs",
 ]
 
-COMPUTE_ITEMSIZE = 4  # a combine function's intermediates, fp32, per element
+COMPUTE_ITEMSIZE = 12  # a combine function's intermediates per element: three fp32 live at once (LoRA: W, B @ A, their sum)
 # the plain copy's unit: read into a buffer that stays in the CPU's cache, hashed, written. On ext4,
 # a write from a read-only mapping of the source (the copy done once) cost 3x the CPU of this (two
 # copies, the second from cache), and did not scale over processes; on tmpfs they cost the same
