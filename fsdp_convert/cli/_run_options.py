@@ -50,11 +50,11 @@ def nproc_option(help: str) -> Any:
 NprocPerNodeOpt = Annotated[int | None, typer.Option("--nproc-per-node", min=1, hidden=True)]
 
 
-def start_workers_early(nproc: int | None, *modules: str) -> None:
+def start_workers_early(nproc: int | None, *modules: str, torch: bool = False) -> None:
     """Start the forkserver the workers are forked from now, where ``--nproc`` asks for several; returns at once.
 
     Call after the torch-free checks: the server imports what the workers need (``modules``: the
-    job function's, and ``torch`` where the options compute tensors) in its own process while this
+    job function's; and torch with ``torch``, where the options compute tensors) in its own process while this
     one reads the index and plans; ``launch.run_workers`` then forks the workers from it at once
     (``launch.start_worker_server``). Not under the user's torchrun (no workers of ours), nor for
     the default ``--nproc`` (the plan may choose one worker).
@@ -63,7 +63,7 @@ def start_workers_early(nproc: int | None, *modules: str) -> None:
         return
     from fsdp_convert.launch import start_worker_server
 
-    start_worker_server(*modules)
+    start_worker_server(*modules, *(["torch"] if torch else []))
 
 
 def workers(nproc: int | None, nproc_per_node: int | None) -> int | None:

@@ -283,8 +283,8 @@ def consolidate_command(
             hf_assets=hf_assets,
         )
         # its imports overlap ours from here on; no torch_ready(): a plain conversion never imports torch
-        computes = dtype or optim_dtype or adapter or merge_lora or dequantize or quantize
-        start_workers_early(nproc, "fsdp_convert.ops._consolidate_rank", *(["torch"] if computes else []))
+        computes = bool(dtype or optim_dtype or adapter or merge_lora or dequantize or quantize)
+        start_workers_early(nproc, "fsdp_convert.ops._consolidate_rank", torch=computes)
         transform = transform_options(
             optim_keys=optim_keys,
             keep_wrapper_names=keep_wrapper_names,

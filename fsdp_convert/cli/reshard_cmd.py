@@ -153,8 +153,8 @@ def reshard_command(
         check_reshard(checkpoint, output, overwrite=overwrite, resume=resume, force=force)
         # its imports overlap ours from here on; no torch_ready(): .metadata and plain values are
         # pickled without torch (writers._dcp_pickle), and what does import torch probes its features at first use
-        computes = dtype or optim_dtype or adapter or dequantize
-        start_workers_early(nproc, "fsdp_convert.ops._reshard_rank", *(["torch"] if computes else []))
+        computes = bool(dtype or optim_dtype or adapter or dequantize)
+        start_workers_early(nproc, "fsdp_convert.ops._reshard_rank", torch=computes)
         options = transform_options(
             optim_keys,
             keep_wrapper_names,

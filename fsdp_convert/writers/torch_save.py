@@ -34,8 +34,9 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any
 
+from fsdp_convert.dtypes import is_tensor
 from fsdp_convert.formats.crc import crc32
 from fsdp_convert.formats.index import ObjPath, unflatten
 from fsdp_convert.writers._torch_pickle import PICKLE_PROTOCOL, DtypeLike, StorageRef, TensorRef, dumps
@@ -206,7 +207,7 @@ def write_torch_save_headers(
     slots: list[TensorSlot | None] = []
     tree: list[tuple[ObjPath, Any]] = []
     for j, (path, value) in enumerate(items):
-        if _is_tensor(value):  # rank 0's own: its bytes written now, then referenced as the others
+        if is_tensor(value):  # rank 0's own: its bytes written now, then referenced as the others
             offset = data_offsets[j]
             if offset is None:
                 raise ValueError(f"no storage placed for the tensor of item {j}")
@@ -225,12 +226,6 @@ def write_torch_save_headers(
     _pwrite_parts(fd, image, 0)
     os.ftruncate(fd, image.size)
     return image.size
-
-
-def _is_tensor(value: object) -> TypeGuard[torch.Tensor]:
-    """Whether ``value`` is a ``torch.Tensor``, without importing torch (where torch is not loaded, no value is one)."""
-    torch_module = sys.modules.get("torch")
-    return torch_module is not None and isinstance(value, torch_module.Tensor)
 
 
 def _write_tensor_bytes(fd: int, tensor: torch.Tensor, offset: int) -> int:
