@@ -41,6 +41,8 @@ from tests._samples import Sample, _sample
 from tests.unit.test_dcp_metadata_writers import hostile_records
 from tests.unit.test_unpickler_hostile import LOADERS, _hostile
 
+pytestmark = pytest.mark.redteam  # last rounds' attacks: part of `pytest -m redteam`
+
 EXAMPLES = int(os.environ.get("FSDP_CONVERT_FUZZ_HOSTILE_EXAMPLES", "100"))  # per target; three targets, ~0.1 s a case
 CASE_LIMIT_S = 10.0  # an in-process case takes 0.05 to 0.4 s on a 2-core box; a hang or a huge read shows
 FUZZ = settings(

@@ -27,6 +27,8 @@ from fsdp_convert.writers._lock import acquire_lock
 from tests._resume import BUDGET, run_cli, run_env
 from tests._samples import Sample
 
+pytestmark = pytest.mark.redteam  # last rounds' attacks: part of `pytest -m redteam`
+
 PRECIOUS = b"precious: not the tool's to write\n"
 
 

@@ -35,6 +35,8 @@ from fsdp_convert.formats.index import TensorEntry
 from tests._dist import run_ranks
 from tests._writer_options import writer_options_run
 
+pytestmark = pytest.mark.redteam  # last rounds' attacks: part of `pytest -m redteam`
+
 pytest.importorskip("zstandard")
 
 FQN = "model.norm.weight"  # two 8-element chunks in the real checkpoint

@@ -31,6 +31,8 @@ from fsdp_convert.location import FOLLOW_SYMLINKS_ENV
 from tests._compare import assert_same_state
 from tests._samples import Sample
 
+pytestmark = pytest.mark.redteam  # last rounds' attacks: part of `pytest -m redteam`
+
 SECRET = b"API_KEY=sk-live-0123456789abcdef\n"
 SECRET_AS_LENGTH = str(int.from_bytes(SECRET[:8], "little"))  # what "header length N" printed: the first 8 bytes
 SECRET_NEXT_LENGTH = str(int.from_bytes(SECRET[8:16], "little"))

@@ -30,6 +30,8 @@ from fsdp_convert.formats._dcp_metadata import load_metadata, metadata_from_byte
 from fsdp_convert.formats._rank_unpickler import load_rank_file
 from tests._samples import Sample
 
+pytestmark = pytest.mark.redteam  # last rounds' attacks: part of `pytest -m redteam`
+
 # --- writing pickles opcode by opcode -------------------------------------------------------------
 
 PROTO = b"\x80\x02"
