@@ -18,6 +18,7 @@ import mmap
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -35,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 from fsdp_convert import errors
 from fsdp_convert.errors import CheckpointError, TerminatedError, WorkerFailedError
 from fsdp_convert.signals import hold_signals, raise_or_defer
+from fsdp_convert.stall import StallWatch
+from fsdp_convert.syspath import clean_sys_path, file_modules, import_file_modules
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -297,7 +300,8 @@ def failure(error_dir: Path, exit_codes: dict[int, int], ranks: range | None = N
 @dataclass(frozen=True, slots=True)
 class _LocalCall:
     fn: Callable[[Any, int, int, WorkerGroup], Any]
-    job: Any
+    job: bytes  # pickled: unpickled after file_modules are imported (the user's adapter, from its file)
+    file_modules: dict[str, tuple[str, bool]]  # syspath.file_modules() of the caller
     error_dir: str
     counter_path: str
     environ: dict[str, str]  # the caller's environment when it launched
@@ -315,7 +319,9 @@ def _local_worker(call: _LocalCall, rank: int, world_size: int, peers: list[Conn
         torch.set_num_threads(1)
     prefix_worker_logs(rank)
     try:
-        result.send(call.fn(call.job, rank, world_size, PipeGroup(rank, peers, FileCounter(call.counter_path))))
+        import_file_modules(call.file_modules)
+        job = pickle.loads(call.job)
+        result.send(call.fn(job, rank, world_size, PipeGroup(rank, peers, FileCounter(call.counter_path))))
     except BaseException as e:  # report, then exit quietly: the parent raises the one line
         message = str(e) if isinstance(e, PeerLostError) else f"{type(e).__name__}: {first_line(str(e))}"
         raise SystemExit(error_record(call.error_dir, rank, e, message)) from None
@@ -345,8 +351,10 @@ def _wait(procs: list[BaseProcess], results: list[Connection]) -> tuple[dict[int
     pending = dict(enumerate(results))
     values: dict[int, Any] = {}
     failed: dict[int, int] = {}
+    watch = StallWatch({rank: p.pid for rank, p in enumerate(procs) if p.pid is not None})
     while (running or pending) and not failed:
-        ready = multiprocessing.connection.wait([*running, *pending.values()])
+        ready = multiprocessing.connection.wait([*running, *pending.values()], timeout=watch.interval)
+        watch.check(running.values())  # a stopped worker's sentinel never fires: named after the stall timeout
         for rank, conn in [(r, c) for r, c in pending.items() if c in ready]:
             del pending[rank]
             try:
@@ -405,12 +413,12 @@ def run_local(fn: Callable[[Any, int, int, WorkerGroup], Any], job: Any, nproc: 
     error_dir = Path(tempfile.mkdtemp(prefix="fsdp-convert-"))
     counter_path = error_dir / "counters"
     counter_path.write_bytes(bytes(_SLOTS * _SLOT.size))
-    call = _LocalCall(fn, job, str(error_dir), str(counter_path), dict(os.environ))
+    call = _LocalCall(fn, pickle.dumps(job), file_modules(), str(error_dir), str(counter_path), dict(os.environ))
     links = [ctx.Pipe() for _ in range(nproc - 1)]  # (rank 0's end, rank r's end) for r = 1..nproc-1
     pipes = [ctx.Pipe(duplex=False) for _ in range(nproc)]  # (the parent's reader, the worker's writer)
     procs: list[BaseProcess] = []
     try:
-        with _signals_raise():
+        with _signals_raise(), clean_sys_path():  # workers get sys.path without the current folder
             try:
                 with hold_signals():  # a start cut in two would leave its worker a truncated pickle
                     for rank in range(nproc):

@@ -15,6 +15,7 @@ import json
 import logging
 import multiprocessing
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -44,6 +45,7 @@ from fsdp_convert._local_workers import (
 from fsdp_convert.constants import WORKER_PRELOAD, quiet_workers
 from fsdp_convert.errors import InvalidOptionError, TerminatedError, WorkerFailedError
 from fsdp_convert.progress import Bars
+from fsdp_convert.syspath import clean_sys_path, file_modules, import_file_modules
 
 __all__ = [
     "WorkerGroup",
@@ -76,13 +78,15 @@ def start_worker_server(*modules: str) -> None:
     imports (each worker runs the main script again, and Python 3.11's forkserver cannot preload
     ``__main__``: it looks for a ``main_path`` key its preparation data never has), and ``modules``
     (the job function's). The server keeps the environment of its start, so ``PYTHONWARNINGS``
-    gets the workers' filters first. A server already running is kept, with its preload.
+    gets the workers' filters first, and ``sys.path`` without the current folder
+    (``syspath.clean_sys_path``). A server already running is kept, with its preload.
     """
     import multiprocessing.forkserver
 
     os.environ["PYTHONWARNINGS"] = quiet_workers(os.environ.get("PYTHONWARNINGS", ""))
     multiprocessing.set_forkserver_preload(list(dict.fromkeys([*LIGHT_WORKER_PRELOAD, *_main_script_imports(), *modules])))
-    multiprocessing.forkserver.ensure_running()
+    with clean_sys_path():
+        multiprocessing.forkserver.ensure_running()
 
 
 def _main_script_imports() -> list[str]:
@@ -238,7 +242,8 @@ def _peers_lost_fail(fn: Callable[[Job, int, int, WorkerGroup], Any], job: Job, 
 @dataclass(frozen=True, slots=True)
 class _WorkerCall:
     fn: Callable[[Any, int, int, WorkerGroup], Any]
-    job: Any
+    job: bytes  # pickled: unpickled after file_modules are imported (the user's adapter, from its file)
+    file_modules: dict[str, tuple[str, bool]]  # syspath.file_modules() of the caller
     error_dir: str
     environ: dict[str, str]  # the caller's environment when it launched
 
@@ -258,8 +263,10 @@ def _worker_main(call: _WorkerCall) -> Any:
     torch.set_num_threads(1)
     prefix_worker_logs(rank)
     try:
+        import_file_modules(call.file_modules)
+        job = pickle.loads(call.job)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        result = call.fn(call.job, rank, world_size, GlooGroup())
+        result = call.fn(job, rank, world_size, GlooGroup())
         # only on success: after a failure a peer may be gone and teardown could wait on it
         dist.destroy_process_group()
         return result
@@ -350,8 +357,10 @@ def _run_elastic(
     # already: cli._run_options.start_worker_server, the same two steps)
     os.environ["PYTHONWARNINGS"] = quiet_workers(os.environ.get("PYTHONWARNINGS", ""))
     multiprocessing.set_forkserver_preload(list(WORKER_PRELOAD))
+    call = _WorkerCall(fn, pickle.dumps(job), file_modules(), str(error_dir), dict(os.environ))
     try:
-        results = elastic_launch(config, _worker_main)(_WorkerCall(fn, job, str(error_dir), dict(os.environ)))
+        with clean_sys_path():  # the workers (and a forkserver started here) get sys.path without the current folder
+            results = elastic_launch(config, _worker_main)(call)
     except ChildFailedError as e:
         ranks = range(nproc) if cluster.nnodes == 1 else None
         raise failure(error_dir, {rank: f.exitcode for rank, f in e.failures.items()}, ranks) from None

@@ -90,7 +90,8 @@ def load_adapter(name: str, config: Mapping[str, Any] | None = None) -> Adapter:
             ``torchtitan-qwen3-to-hf``, ``hf-to-torchtitan-qwen3``, ``torchtitan-deepseek-v3-to-hf``,
             ``hf-to-torchtitan-deepseek-v3``, ``torchtitan-gpt-oss-to-hf``, ``hf-to-torchtitan-gpt-oss``...)
             or ``module:function``, which
-            imports ``module`` (from ``sys.path``, the current folder first) and takes its
+            imports ``module`` (installed, else ``module.py`` or the package ``module/`` in the
+            current folder, from its file, the folder kept off ``sys.path``) and takes its
             ``function`` (see ``adapters.user`` for its interface).
         config: the model's configuration (``read_model_config``, plus ``--adapter-option`` s).
 

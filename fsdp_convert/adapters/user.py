@@ -20,8 +20,8 @@ the output tensors by FQN, in output order, each a ``derive.Derived``: its input
 of their rows each output row block needs (``Aligned``, ``Segment``, ``Gather``, ``HeadPermute``,
 or ``None``: whole), and a row-wise ``combine`` function. Tensors no rule reads are left out.
 Row maps and combine functions must be importable module-level names (they travel to the
-worker processes by pickle, by reference); the module must be importable by the workers too
-(on ``sys.path`` or ``PYTHONPATH``).
+worker processes by pickle, by reference): of an installed module, or of the user's module,
+which each worker imports as the planning process did, from the same file.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from types import ModuleType
 from typing import Any
 
 from fsdp_convert.errors import InvalidOptionError
+from fsdp_convert.syspath import clean_sys_path, import_file_module
 
 __all__ = ["load_user_function"]
 
@@ -43,11 +44,14 @@ __all__ = ["load_user_function"]
 def load_user_function(spec: str) -> Callable[..., Any]:
     """Import ``module:function`` (or ``path/to/file.py:function``) and return the function.
 
-    A module name is imported from ``sys.path`` as it stands; only when no such module is
-    installed is the current folder searched, appended *last* to ``sys.path`` (a ``json.py`` or
-    ``transformers.py`` there never shadows an installed module). A file path is imported from
-    that file, under its stem, refused if an installed module has that name. Either folder stays
-    last on ``sys.path``: the workers of ``--nproc`` import the module by name from there.
+    A module name is imported as installed: from ``sys.path`` less the current folder (as the
+    workers have it, ``syspath.worker_sys_path``). Only when no such module is installed is it
+    taken from the current folder: ``NAME.py`` or the package ``NAME/``, imported from that file
+    (``syspath.import_file_module``), so a ``json.py`` or ``transformers.py`` there is never
+    imported, by this module or anything after it. A file path is imported from that file, under
+    its stem, refused if an installed module has that name. The folder is never put on
+    ``sys.path``: the workers of ``--nproc`` import the module from the same file, and a module
+    that imports its neighbours must be a package (or installed).
 
     Warning:
         Runs the module's code: only with ``--adapter module:function``, the user's own.
@@ -73,21 +77,26 @@ def load_user_function(spec: str) -> Callable[..., Any]:
     return function  # type: ignore[no-any-return]
 
 
-def _append_to_path(folder: str) -> None:
-    """Put ``folder`` last on ``sys.path``: it supplies only modules nothing installed provides."""
-    if folder not in sys.path:
-        sys.path.append(folder)
-        importlib.invalidate_caches()
+def _installed(name: str) -> bool:
+    """Whether top-level module ``name`` is imported already or found without the current folder."""
+    if name in sys.modules:
+        return True
+    with clean_sys_path():
+        return importlib.util.find_spec(name) is not None
 
 
 def _import_name(name: str) -> ModuleType:
-    try:
+    top = name.partition(".")[0]
+    if not _installed(top):
+        folder = Path.cwd()
+        if (folder / top / "__init__.py").is_file():
+            import_file_module(top, folder / top / "__init__.py", package=True)
+        elif (folder / f"{top}.py").is_file():
+            import_file_module(top, folder / f"{top}.py")
+        else:
+            raise ModuleNotFoundError(f"No module named {top!r} installed or in {folder}", name=top)
+    with clean_sys_path():  # an installed module's own imports come from where it is installed
         return importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name != name.partition(".")[0]:
-            raise  # the module was found; something it imports is missing
-    _append_to_path(os.getcwd())
-    return importlib.import_module(name)
 
 
 def _import_file(path: Path, spec: str) -> ModuleType:
@@ -96,9 +105,8 @@ def _import_file(path: Path, spec: str) -> ModuleType:
     if not path.is_file() or not name.isidentifier():
         raise InvalidOptionError(f"--adapter {spec}: {path} is not a Python file with a module name (my_adapters.py)")
     loaded = sys.modules.get(name)
-    found = importlib.util.find_spec(name) if loaded is None else None
-    origin = getattr(loaded, "__file__", None) or getattr(found, "origin", None)
-    if (loaded is not None or found is not None) and (origin is None or Path(origin).resolve() != path):
+    if loaded is not None and getattr(loaded, "__file__", None) and Path(str(loaded.__file__)).resolve() == path:
+        return loaded
+    if _installed(name):
         raise InvalidOptionError(f"--adapter {spec}: an installed module is named {name!r}; rename {path.name}")
-    _append_to_path(str(path.parent))
-    return importlib.import_module(name)
+    return import_file_module(name, path)
