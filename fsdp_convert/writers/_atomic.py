@@ -5,6 +5,11 @@ a link (``writers._nofollow``): the temporary is created with ``O_EXCL`` (a fold
 ``mkdir``, which never follows one), a reused one (``--resume``, a peer's) must be no link and
 hold none, and the final rename is ``renameat`` in that folder, which replaces a name and never
 writes through a link.
+
+The temporary is held open from its creation to its rename, and renamed (or removed) only while
+its name still is that file (``st_dev``, ``st_ino``): a temporary another process replaced (a run
+given this one's temporary as its OUT, a ``mv``) is neither published nor removed
+(``TemporaryReplacedError``).
 """
 
 from __future__ import annotations
@@ -13,7 +18,6 @@ import contextlib
 import errno
 import os
 import shutil
-import stat
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,6 +25,7 @@ from functools import partial
 from pathlib import Path
 
 from fsdp_convert.errors import (
+    OutputExistsError,
     OutputWriteError,
     TemporaryExistsError,
     TerminatedError,
@@ -28,7 +33,7 @@ from fsdp_convert.errors import (
 )
 from fsdp_convert.signals import hold_signals
 from fsdp_convert.writers._lock import acquire_lock
-from fsdp_convert.writers._nofollow import link_refused, open_folder, open_nofollow, refuse_link, refuse_links_inside
+from fsdp_convert.writers._nofollow import NOFOLLOW, link_refused, open_folder, open_nofollow, refuse_link, refuse_links_inside
 from fsdp_convert.writers._output_check import check_output_free
 
 __all__ = [
@@ -43,6 +48,7 @@ __all__ = [
     "LOCAL_TAG",
     "KEPT_ON",
     "kept_note",
+    "TemporaryReplacedError",
 ]
 
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG}
@@ -72,8 +78,12 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _make_temporary(tmp: Path, dir_fd: int, *, directory: bool, reuse: bool) -> None:
-    """Create the temporary ``tmp`` (its name in OUT's folder ``dir_fd``), or check the one reused.
+class TemporaryReplacedError(OutputWriteError):
+    """The temporary's name no longer holds the file this run created (another process replaced it): nothing is published."""
+
+
+def _make_temporary(tmp: Path, dir_fd: int, *, directory: bool, reuse: bool) -> int:
+    """Create the temporary ``tmp`` (its name in OUT's folder ``dir_fd``), or check the one reused; return a descriptor of it.
 
     A new one is made exclusively (``mkdir``, ``O_EXCL``), so a link planted at its name is never
     followed. One reused (``reuse``: a peer's of this job, or ``--resume``'s) must not be a link,
@@ -81,35 +91,65 @@ def _make_temporary(tmp: Path, dir_fd: int, *, directory: bool, reuse: bool) -> 
     (``writers._manifest.manifest_dir``), whose records logs are appended to; checked here, so a
     refusal leaves the interrupted run's temporary and manifest as they were.
 
+    Returns:
+        A descriptor of the temporary (the file opened for writing; the folder read-only), which
+        ``atomic_output`` holds until the rename and checks the name against (``_still_held``).
+
     Raises:
         OutputWriteError: the name is a link (or holds one), is of the wrong kind, or cannot be made.
     """
     try:
+        found = False  # a folder that was there already (a peer's, --resume's): its entries are checked
         if directory:
             try:
                 os.mkdir(tmp.name, dir_fd=dir_fd)
-                return
             except FileExistsError:
                 if not reuse:
                     raise
-            st = os.stat(tmp.name, dir_fd=dir_fd, follow_symlinks=False)
-            if stat.S_ISLNK(st.st_mode):
-                raise link_refused(tmp)
-            if not stat.S_ISDIR(st.st_mode):
-                raise OutputWriteError(f"cannot write {tmp}: not a folder; remove it")
-            refuse_links_inside(tmp)
+                found = True
+            fd = os.open(tmp.name, os.O_RDONLY | os.O_DIRECTORY | NOFOLLOW, dir_fd=dir_fd)
         else:
-            os.close(open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | (0 if reuse else os.O_EXCL), dir_fd=dir_fd))
-        if reuse:
-            from fsdp_convert.writers._manifest import manifest_dir  # here: it imports the index (torch); this module may not
+            fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | (0 if reuse else os.O_EXCL), dir_fd=dir_fd)
+        try:
+            if found:
+                refuse_links_inside(tmp)
+            if reuse:
+                from fsdp_convert.writers._manifest import manifest_dir  # here: it imports the index (torch); this module may not
 
-            refuse_link(manifest_dir(tmp), dir_fd=dir_fd)
-            if os.path.isdir(manifest_dir(tmp)):
-                refuse_links_inside(manifest_dir(tmp))
+                refuse_link(manifest_dir(tmp), dir_fd=dir_fd)
+                if os.path.isdir(manifest_dir(tmp)):
+                    refuse_links_inside(manifest_dir(tmp))
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+    except NotADirectoryError as e:  # O_DIRECTORY | O_NOFOLLOW on a link: ENOTDIR, not ELOOP
+        raise (
+            link_refused(tmp) if os.path.islink(tmp) else OutputWriteError(f"cannot write {tmp}: not a folder; remove it")
+        ) from e
     except FileExistsError as e:
         raise link_refused(tmp) if os.path.islink(tmp) else OutputWriteError(f"cannot create {tmp}: File exists") from e
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise link_refused(tmp) from e
         raise OutputWriteError(f"cannot create {tmp}: {e.strerror}") from e
+
+
+def _still_held(tmp: Path, fd: int, dir_fd: int) -> bool:
+    """Whether the name ``tmp`` (in folder ``dir_fd``, not following a link) still is the file open as ``fd``."""
+    try:
+        st = os.stat(tmp.name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _replaced(output: Path, tmp: Path) -> TemporaryReplacedError:
+    return TemporaryReplacedError(
+        f"cannot write {output}: its temporary {tmp} was replaced by another process while this run wrote it, "
+        f"so nothing was published; remove {tmp} unless another run is writing it, and run again"
+    )
 
 
 def _remove(path: Path) -> None:
@@ -274,13 +314,18 @@ def atomic_output(
             output, tag, before_record=partial(check_no_temporary, output, tmp, directory=directory, resume=resume)
         )
         try:
-            _make_temporary(tmp, dir_fd, directory=directory, reuse=tag is not None or resume)
+            held = _make_temporary(tmp, dir_fd, directory=directory, reuse=tag is not None or resume)
         except BaseException:
             lock.release(remove=True)
             raise
     except BaseException:
         os.close(dir_fd)
         raise
+
+    def discard() -> None:
+        if _still_held(tmp, held, dir_fd):  # not a file another process put at the name
+            _remove(tmp)
+
     try:
         try:
             yield tmp
@@ -290,22 +335,25 @@ def atomic_output(
         # someone may have created it meanwhile
         check_output_free(output, overwrite=overwrite, force=True, directory=directory)
         if directory:
-            fsync_dir(tmp)
+            os.fsync(held)
+        if not _still_held(tmp, held, dir_fd):
+            raise _replaced(output, tmp)
         if directory and os.path.lexists(output):
-            old = output.parent / f".{output.name}.old-{uuid.uuid4().hex[:12]}"
-            os.replace(output.name, old.name, **at)
-            os.replace(tmp.name, output.name, **at)
-            _remove(old)
+            _replace_folder(output, tmp, dir_fd)
         else:
             os.replace(tmp.name, output.name, **at)
         os.fsync(dir_fd)
+    except TemporaryReplacedError:
+        raise  # not this run's file: neither published nor removed
     except OSError as e:
-        _remove(tmp)
+        discard()
         if e.errno in _WRITE_ERRNOS:
             raise OutputWriteError(f"cannot write {output}: {e.strerror}") from e
+        if e.errno == errno.EBUSY:  # a mount point that check_output_free could not see as one
+            raise OutputExistsError(f"cannot replace {output}: {e.strerror} (a mount point?); name another OUT") from e
         raise
     except OutputWriteError as e:
-        _remove(tmp)
+        discard()
         # name the output the user asked for, not its temporary sibling
         raise OutputWriteError(
             str(e).replace(str(tmp), str(output)), cli_message=e.cli_text().replace(str(tmp), str(output))
@@ -313,8 +361,26 @@ def atomic_output(
     except BaseException as e:
         with hold_signals():  # a signal now is raised after the temporary is kept (and noted) or removed
             if not _keep(tmp, e, keep):
-                _remove(tmp)
+                discard()
         raise
     finally:
         lock.release(remove=remove_lock)
+        os.close(held)
         os.close(dir_fd)
+
+
+def _replace_folder(output: Path, tmp: Path, dir_fd: int) -> None:
+    """Move the folder at ``output`` aside, rename ``tmp`` onto its name, then delete the old one (all in folder ``dir_fd``).
+
+    If the second rename fails, the old folder is put back before the error goes on.
+    """
+    at = {"src_dir_fd": dir_fd, "dst_dir_fd": dir_fd}
+    old = output.parent / f".{output.name}.old-{uuid.uuid4().hex[:12]}"
+    os.replace(output.name, old.name, **at)
+    try:
+        os.replace(tmp.name, output.name, **at)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.replace(old.name, output.name, **at)
+        raise
+    _remove(old)

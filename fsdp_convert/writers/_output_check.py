@@ -9,9 +9,20 @@ function before torch is imported; nothing here imports torch. Its parts:
   ``--overwrite`` or not. Local paths are compared by real path (links resolved) and by
   ``(st_dev, st_ino)`` of every existing ancestor (a bind mount, another spelling of the same
   folder); URLs by normalized URL (``remote.normal_url``). A local path and a URL never clash.
+- **OUT is named, and not as this tool names its own files.** OUT spelled ``.``, ``..`` or ``/``
+  has no name to rename the output onto: exit 2, naming the folder to give instead. No component
+  of OUT (as given, or with links resolved) may be a name this tool gives its own files
+  (``run_name``): a lock ``.X.lock``, a temporary ``.X.tmp-TAG`` or ``.STEM.tmp-TAG.SUFFIX``, its
+  manifest folder ``.STEM.manifest-TAG...``, a folder moved aside ``.X.old-HEX``, a data file
+  being compressed ``.X.zstd-tmp``, an upload's staging folder ``fsdp-convert-upload-...``:
+  another run may be writing it, and would publish what this run put there as its own (exit 2,
+  whatever the command, ``--overwrite`` or not).
 - **OUT is no link.** A symbolic link at OUT is refused (exit 4), with ``--overwrite`` too:
   replacing it would leave its target as it was while the user meant to write there, and writing
   through it is what this tool never does (``writers._nofollow``).
+- **OUT is a regular file or a folder.** A device node, FIFO or socket at OUT is refused (exit 4),
+  with ``--overwrite`` too: replacing ``/dev/null`` with a file breaks every process that writes
+  to it. So is a mount point (and a file bind-mounted), which no rename can replace.
 - **OUT is free**, or ``--overwrite`` is given (exit 4). A folder where a file is wanted is refused
   (exit 1).
 - **A folder replaced is this tool's output.** ``--overwrite`` deletes the folder it replaces, so
@@ -45,8 +56,9 @@ from pathlib import Path
 
 from fsdp_convert.errors import InvalidOptionError, OutputExistsError, OutputWriteError
 from fsdp_convert.remote import Url, as_location, normal_url
+from fsdp_convert.writers._staging import STAGING_PREFIX
 
-__all__ = ["ACCELERATE_SHARED_RE", "HF_ASSET_FILENAMES", "check_output", "check_output_free", "foreign_entry"]
+__all__ = ["ACCELERATE_SHARED_RE", "HF_ASSET_FILENAMES", "check_output", "check_output_free", "foreign_entry", "run_name"]
 
 # what transformers' save_pretrained writes beside the weights: writers.hf_assets.ASSET_FILENAMES
 # (which imports torch), the same set (tests/unit/test_writers_output_check.py checks it)
@@ -71,6 +83,12 @@ _OUR_FILE_RE = re.compile(
 )
 _CHAT_TEMPLATE_DIR = "additional_chat_templates"  # writers.hf_assets.CHAT_TEMPLATE_DIR
 _ACCELERATE_DIR_RE = re.compile(r"^(pytorch_model_fsdp|optimizer)_\d+$")  # formats.dcp's accelerate folders
+# the names a run gives its own files, which no OUT may take (module docstring): the lock (lock_record.lock_name), the
+# temporary (writers._atomic.temporary_path, any tag), its manifest folder (writers._manifest.manifest_dir), a replaced
+# folder moved aside (writers._atomic.atomic_output), a data file being compressed (writers.dcp), an upload's staging
+# folder; tests/redteam/test_output_replace.py checks this against the functions that make the names
+_RUN_NAME_RE = re.compile(r"^\..+\.(lock|manifest|old-[0-9a-f]+|zstd-tmp)$|^\..*\.(tmp|manifest)-|^" + re.escape(STAGING_PREFIX))
+_KINDS = {stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
 
 
 def _shown(name: str) -> str:
@@ -111,8 +129,62 @@ def foreign_entry(folder: Path) -> str | None:
     return None
 
 
+def run_name(output: Path | Url) -> str | None:
+    """The first component of ``output`` named as this tool names its own files (a lock, a temporary...), or None.
+
+    A local path is looked at as given and with its links resolved (a link to another run's temporary
+    folder), a URL normalized (``remote.normal_url``); nothing is opened.
+    """
+    if isinstance(output, Url):
+        parts = normal_url(output).partition("://")[2].split("/")
+    else:
+        parts = [*output.parts, *Path(_realpath(output)).parts]
+    return next((part for part in parts if _RUN_NAME_RE.search(part)), None)
+
+
+def _check_named(out: Path | Url) -> None:
+    """Raise unless a local OUT ends in a name (not ``.``, ``..``, ``/``), and no component of OUT is named as a run's own file.
+
+    Raises:
+        InvalidOptionError: naming OUT as given (exit 2).
+    """
+    if isinstance(out, Path) and out.name in ("", ".", ".."):  # a URL is normalized (remote.normal_url) before use
+        real = os.path.abspath(out)
+        instead = f" (here {real})" if real != "/" else ""
+        raise InvalidOptionError(
+            f"{out} names no file or folder of its own, which OUT is written onto by a rename: "
+            f"name the folder by its own name{instead}"
+        )
+    taken = run_name(out)
+    if taken is not None:
+        raise InvalidOptionError(
+            f"{out}: {_shown(taken)} is a name fsdp-convert gives its own lock, temporary and manifest files, "
+            "which another run may be writing; name another OUT"
+        )
+
+
+def _unescape(field: str) -> str:
+    """A path of ``/proc/self/mountinfo``, its octal escapes (a backslash and 040 for a space) decoded."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _mount_point(path: Path) -> bool:
+    """Whether ``path`` is a mount point: on another device than its folder, or listed as one (a bind mount, same device)."""
+    if os.path.ismount(path):
+        return True
+    real = _realpath(path)
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as table:
+            return any(len(fields) > 4 and _unescape(fields[4]) == real for fields in (line.split(" ") for line in table))
+    except OSError:
+        return False  # no /proc: the rename's EBUSY is still told in one line (writers._atomic)
+
+
 def check_output_free(output: Path, *, overwrite: bool, force: bool = False, directory: bool | None = False) -> None:
     """Raise unless local ``output`` may be written: no link, free or ``overwrite``, a folder replaced only if it is this tool's.
+
+    Only a regular file or a folder is ever replaced: a device node, FIFO or socket at ``output`` is
+    refused, ``overwrite`` or not, and a mount point with ``overwrite``.
 
     Args:
         output: the final output path.
@@ -121,8 +193,9 @@ def check_output_free(output: Path, *, overwrite: bool, force: bool = False, dir
         directory: whether the output is a folder (sharded outputs) rather than a file; None: not known yet.
 
     Raises:
-        OutputExistsError: ``output`` is a symbolic link; it exists and ``overwrite`` is false; or it is a
-            folder that does not look like this tool's output and ``force`` is false.
+        OutputExistsError: ``output`` is a symbolic link, a device node, FIFO or socket, or a mount point;
+            it exists and ``overwrite`` is false; or it is a folder that does not look like this tool's
+            output and ``force`` is false.
         OutputWriteError: an existing folder where a file is wanted.
     """
     try:
@@ -134,8 +207,16 @@ def check_output_free(output: Path, *, overwrite: bool, force: bool = False, dir
             f"{output} is a symbolic link; fsdp-convert neither writes through a link nor replaces one: "
             "name the real path, or remove the link"
         )
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        kind = _KINDS.get(stat.S_IFMT(st.st_mode), "a special file")
+        raise OutputExistsError(
+            f"{output} is {kind}, not a regular file or folder; fsdp-convert replaces only a file or a folder it wrote: "
+            "name another OUT"
+        )
     if not overwrite:
         raise OutputExistsError(f"{output} already exists; pass --overwrite to replace it")
+    if _mount_point(output):
+        raise OutputExistsError(f"{output} is a mount point, which no rename can replace; name a path inside it, or another OUT")
     if not stat.S_ISDIR(st.st_mode):
         return
     if directory is False:
@@ -149,8 +230,16 @@ def check_output_free(output: Path, *, overwrite: bool, force: bool = False, dir
         )
 
 
+def _realpath(path: Path) -> str:
+    """``os.path.realpath``, a race that changes a link while it is resolved (readlink: EINVAL) refused in one line."""
+    try:
+        return os.path.realpath(path)
+    except OSError as e:
+        raise InvalidOptionError(f"{path} changed while it was being resolved ({e.strerror}); refused") from e
+
+
 def _real_key(path: Path) -> tuple[str, ...]:
-    return Path(os.path.realpath(path)).parts
+    return Path(_realpath(path)).parts
 
 
 def _ids(path: Path) -> list[tuple[int, int]]:
@@ -179,7 +268,7 @@ def _relation(output: Path | Url, source: Path | Url) -> str | None:
     else:
         assert isinstance(output, Path) and isinstance(source, Path)
         out_key, in_key = _real_key(output), _real_key(source)
-        out_ids, in_ids = _ids(Path(os.path.realpath(output))), _ids(Path(os.path.realpath(source)))
+        out_ids, in_ids = _ids(Path(_realpath(output))), _ids(Path(_realpath(source)))
         out_self = out_ids[0] if os.path.exists(output) else None
         in_self = in_ids[0] if os.path.exists(source) else None
         if out_self is not None and out_self == in_self:
@@ -225,9 +314,11 @@ def check_output(
             a link at OUT is refused either way.
 
     Raises:
-        InvalidOptionError: OUT is an input, inside one, or one of its ancestors (exit 2).
-        OutputExistsError: OUT is a link, exists without ``overwrite``, or is a folder not this
-            tool's without ``force`` (exit 4).
+        InvalidOptionError: OUT is spelled ``.``, ``..`` or ``/``; a component of it is named as this
+            tool's lock, temporary or manifest files (``run_name``); OUT is an input, inside one, or
+            one of its ancestors (exit 2).
+        OutputExistsError: OUT is a link, a device node, FIFO, socket or mount point, exists without
+            ``overwrite``, or is a folder not this tool's without ``force`` (exit 4).
         OutputWriteError: an existing folder where a file is wanted.
     """
     out = as_location(output)
@@ -237,6 +328,7 @@ def check_output(
         relation = _relation(out, as_location(source))
         if relation is not None:
             raise InvalidOptionError(f"{out} {relation} the input {as_location(source)}: {_WHY[relation]}; name another OUT")
+    _check_named(out)
     if isinstance(out, Url):
         return
     if free:

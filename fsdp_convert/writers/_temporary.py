@@ -22,7 +22,7 @@ from pathlib import Path
 
 from fsdp_convert.errors import OutputWriteError
 from fsdp_convert.progress import human_bytes
-from fsdp_convert.writers._atomic import atomic_output, temporaries, temporary_path
+from fsdp_convert.writers._atomic import TemporaryReplacedError, atomic_output, temporaries, temporary_path
 from fsdp_convert.writers._lock import check_not_locked
 from fsdp_convert.writers._manifest import Record, SourceDigest, check_manifest, has_manifest, remove_manifest, written_bytes
 
@@ -157,13 +157,18 @@ def _follow_temporary(temporary: AbstractContextManager[Path]) -> Iterator[Path]
 
     A temporary left in place (a SIGKILL, a process leaving it to rank 0's) keeps its manifest; a
     complete one loses it just before its rename (a crash between the two leaves a temporary that
-    ``--resume`` refuses, naming it).
+    ``--resume`` refuses, naming it); so does one another process replaced (``TemporaryReplacedError``),
+    so no later ``--resume`` takes that file for this run's.
     """
     tmp: Path | None = None
     try:
         with temporary as tmp:
             yield tmp
             remove_manifest(tmp)  # complete: the temporary is renamed next
+    except TemporaryReplacedError:
+        if tmp is not None:  # it describes this run's temporary, which another process's file replaced
+            remove_manifest(tmp)
+        raise
     finally:
         if tmp is not None and not tmp.exists():
             remove_manifest(tmp)
