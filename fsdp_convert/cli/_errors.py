@@ -13,6 +13,7 @@ from importlib.metadata import PackageNotFoundError, metadata
 import typer
 
 from fsdp_convert.cli._output import err_console
+from fsdp_convert.cli._terminal import escape_controls
 from fsdp_convert.errors import CheckpointError, TerminatedError
 from fsdp_convert.writers import kept_note
 
@@ -93,8 +94,9 @@ def _user_os_error(e: OSError) -> str:
     return f"{files}: {reason}" if files else reason
 
 
-def _print(line: str) -> None:
-    err_console.print(line, markup=False, highlight=False)
+def _print(text: str) -> None:
+    """``text`` on stderr, each of its lines with its control characters escaped (it names a checkpoint's files and keys)."""
+    err_console.print("\n".join(map(escape_controls, text.split("\n"))), markup=False, highlight=False)
 
 
 @contextlib.contextmanager

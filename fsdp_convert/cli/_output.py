@@ -11,6 +11,7 @@ from typing import Any
 from rich.cells import cell_len
 from rich.console import Console
 
+from fsdp_convert.cli._terminal import escape_controls
 from fsdp_convert.progress import human_bytes  # one unit system for results and progress bars (binary, as ls -h)
 
 __all__ = ["console", "err_console", "command_help", "print_json", "human_bytes", "print_result", "shorten_middle"]
@@ -103,9 +104,9 @@ def print_result(result: Any, *, json_output: bool, done: str, elsewhere: str, p
             )
         print_json(doc)
     elif not result.owner:
-        console.print(prefix + elsewhere, markup=False, highlight=False)
+        console.print(escape_controls(prefix + elsewhere), markup=False, highlight=False)
     else:
-        console.print(done, highlight=False)
+        console.print(escape_controls(done), markup=False, highlight=False)
     if result.owner:
         for note in getattr(result, "notes", ()):
-            err_console.print(f"note: {note}", markup=False, highlight=False)
+            err_console.print(f"note: {escape_controls(note)}", markup=False, highlight=False)

@@ -10,6 +10,7 @@ import typer
 from rich.logging import RichHandler
 
 from fsdp_convert.cli._output import err_console
+from fsdp_convert.cli._terminal import escape_controls
 
 __all__ = ["VerboseOpt", "QuietOpt", "set_verbosity", "quiet_requested", "show_progress"]
 
@@ -40,8 +41,16 @@ def set_verbosity(verbose: int, quiet: int, *, reset: bool = False) -> None:
     net = _COUNTS["verbose"] - _COUNTS["quiet"]
     level = logging.DEBUG if net > 1 else logging.INFO if net == 1 else logging.WARNING if net == 0 else logging.ERROR
     root = logging.getLogger("fsdp_convert")
-    root.handlers[:] = [RichHandler(console=err_console, show_path=False, show_time=False)]
+    handler = RichHandler(console=err_console, show_path=False, show_time=False)
+    handler.addFilter(_escape_record)
+    root.handlers[:] = [handler]
     root.setLevel(level)
+
+
+def _escape_record(record: logging.LogRecord) -> bool:
+    """Make a record's message terminal-safe (``escape_controls``: it may name a checkpoint's keys); keeps every record."""
+    record.msg, record.args = escape_controls(record.getMessage()), None
+    return True
 
 
 def quiet_requested() -> bool:

@@ -14,6 +14,7 @@ from fsdp_convert.cli import verify_cmd
 from fsdp_convert.cli._errors import set_debug
 from fsdp_convert.cli._output import console, err_console
 from fsdp_convert.cli._precheck import check_argv
+from fsdp_convert.cli._terminal import escape_controls
 from fsdp_convert.cli._verbosity import QuietOpt, VerboseOpt, set_verbosity
 from fsdp_convert.cli.consolidate_cmd import consolidate_command
 from fsdp_convert.cli.inspect_cmd import inspect_command
@@ -107,7 +108,7 @@ def main() -> None:
     try:
         check_argv(sys.argv[1:])
     except InvalidOptionError as e:
-        err_console.print(f"error: {e.cli_text()}", markup=False, highlight=False)
+        err_console.print(f"error: {escape_controls(e.cli_text())}", markup=False, highlight=False)
         sys.exit(e.exit_code)
     try:
         app()
@@ -116,5 +117,5 @@ def main() -> None:
         # where a torch thread still joinable (a gloo group under torchrun, a thread pool caught
         # mid-task by a signal) can abort the process and turn its exit code into a SIGABRT.
         if isinstance(e.code, str):
-            err_console.print(e.code, markup=False, highlight=False)
+            err_console.print(escape_controls(e.code), markup=False, highlight=False)
         exit_process(e.code if isinstance(e.code, int) else 0 if e.code is None else 1)

@@ -16,6 +16,7 @@ from fsdp_convert.cli._errors import handle_errors, torch_ready
 from fsdp_convert.cli._options import CheckpointArg, FollowSymlinksOpt, JsonOpt
 from fsdp_convert.cli._output import command_help, console, human_bytes, print_json, shorten_middle
 from fsdp_convert.cli._precheck import check_checkpoint
+from fsdp_convert.cli._terminal import escape_controls
 from fsdp_convert.cli._verbosity import QuietOpt, VerboseOpt, set_verbosity
 from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.location import following_symlinks
@@ -123,14 +124,17 @@ def _stdout_is_terminal() -> bool:
 
 def _render(result: InspectResult, out: Console = console, *, whole: bool = False) -> None:
     """The header lines and one table per group; ``whole``: FQNs never shortened, the table as wide as they need."""
-    out.print(f"checkpoint: {result.checkpoint_id}", highlight=False)
+    out.print(escape_controls(f"checkpoint: {result.checkpoint_id}"), markup=False, highlight=False)
     out.print(
-        f"producer: {result.producer}   world size: {result.world_size}   "
-        f"total: {human_bytes(result.total_bytes)} ({result.total_bytes} bytes) in {len(result.data_files)} data files",
+        escape_controls(
+            f"producer: {result.producer}   world size: {result.world_size}   "
+            f"total: {human_bytes(result.total_bytes)} ({result.total_bytes} bytes) in {len(result.data_files)} data files"
+        ),
+        markup=False,
         highlight=False,
     )
     if result.payload_formats and result.payload_formats != ("torch_save",):  # FileSystemWriter options that change them
-        out.print(f"payloads: {', '.join(result.payload_formats)}", highlight=False)
+        out.print(escape_controls(f"payloads: {', '.join(result.payload_formats)}"), markup=False, highlight=False)
     if any(r.kind == "tensor" for r in result.entries):
         for line in cuts_lines(result, out.width):
             out.print(line, highlight=False)
@@ -138,12 +142,13 @@ def _render(result: InspectResult, out: Console = console, *, whole: bool = Fals
         rows = [e for e in result.entries if e.group == group]
         if not rows:
             continue
+        fqns = [escape_controls(r.fqn) for r in rows]  # shortened as shown, escapes and all
         cells = [("bytes" if r.shape is None else str(r.shape), r.dtype or "-", chunks_cell(r), str(r.nbytes)) for r in rows]
         widths = [max(len(name), *(len(c[i]) for c in cells)) for i, (name, _) in enumerate(_COLUMNS)]
         # one line per row: the FQN column gets what the others and the borders leave, and long FQNs
         # are shortened in the middle to fit it instead of wrapping mid-word
         borders = 3 * (len(_COLUMNS) + 1) + 1
-        fqn_width = max(len(r.fqn) for r in rows) if whole else max(_MIN_FQN_WIDTH, out.width - sum(widths) - borders)
+        fqn_width = max(map(len, fqns)) if whole else max(_MIN_FQN_WIDTH, out.width - sum(widths) - borders)
         table = Table(title=f"{group}: {len(rows)} entries, {human_bytes(sum(r.nbytes for r in rows))}", title_justify="left")
         table.add_column("FQN", no_wrap=True)
         for name, justify in _COLUMNS:
@@ -151,7 +156,7 @@ def _render(result: InspectResult, out: Console = console, *, whole: bool = Fals
         # one row of multi-line cells, each a column's Text: drawn as one line per entry (no row
         # separators), measured and rendered once per column instead of once per cell; Text, not
         # str, so a name is never read as markup
-        columns = [[shorten_middle(r.fqn, fqn_width) for r in rows], *map(list, zip(*cells, strict=True))]
+        columns = [[shorten_middle(fqn, fqn_width) for fqn in fqns], *map(list, zip(*cells, strict=True))]
         table.add_row(*(Text("\n".join(column)) for column in columns))
         if whole and sum(widths) + borders + fqn_width > out.width:
             # the rows, not the terminal, set a whole table's width (a pipe or a file takes any line length)

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from fsdp_convert.cli._errors import handle_errors, rank_prefix, torch_ready
 from fsdp_convert.cli._options import (
@@ -32,6 +33,7 @@ from fsdp_convert.cli._run_options import (
     start_workers_early,
     workers,
 )
+from fsdp_convert.cli._terminal import escape_controls
 from fsdp_convert.cli._verbosity import QuietOpt, VerboseOpt, set_verbosity, show_progress
 from fsdp_convert.location import following_symlinks
 
@@ -129,16 +131,17 @@ def verify(a: str, b: str, options: VerifyOptions) -> VerifyResult:
 
 def _render(result: VerifyResult) -> None:
     if result.equal:
-        console.print(f"equal: {result.compared} entries match ({result.a} vs {result.b})", highlight=False)
+        console.print(
+            escape_controls(f"equal: {result.compared} entries match ({result.a} vs {result.b})"), markup=False, highlight=False
+        )
         return
-    table = Table(
-        title=f"{len(result.differences)} difference(s) between {result.a} (A) and {result.b} (B)", title_justify="left"
-    )
+    title = escape_controls(f"{len(result.differences)} difference(s) between {result.a} (A) and {result.b} (B)")
+    table = Table(title=Text(title), title_justify="left")
     table.add_column("key", overflow="fold")
     table.add_column("kind")
     table.add_column("detail", overflow="fold")
     for d in result.differences:
-        table.add_row(d.key, d.kind, d.detail)
+        table.add_row(*(Text(escape_controls(cell)) for cell in (d.key, d.kind, d.detail)))  # Text: never read as markup
     console.print(table)
 
 

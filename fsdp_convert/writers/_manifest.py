@@ -41,6 +41,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -51,6 +52,13 @@ from fsdp_convert.formats.crc import crc32
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex
 from fsdp_convert.location import open_inside
 from fsdp_convert.writers._nofollow import open_in, refuse_link
+from fsdp_convert.writers._readback import (
+    check_logs,
+    logged_lines,
+    logs_limit_bytes,
+    manifest_limit_bytes,
+    read_json,
+)
 
 __all__ = [
     "MANIFEST_VERSION",
@@ -179,12 +187,16 @@ def check_manifest(
     """
     path = manifest_dir(tmp) / _MANIFEST_FILENAME
     try:
-        old = json.loads(path.read_text(encoding="utf-8"))
+        old = read_json(path, tmp, manifest_limit_bytes(len(files) + len(SourceDigest.of(source).files)))
         fingerprint, old_files = old["fingerprint"], old["files"]
         if old["version"] != MANIFEST_VERSION:
-            raise ValueError(f"version {old['version']}")
+            raise ValueError("another version's")  # its value is the file's: not quoted
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise OutputWriteError(f"cannot resume {tmp}: no usable manifest at {path} ({e}); remove {tmp} and run again") from e
+        detail = e.strerror if isinstance(e, OSError) else type(e).__name__ if isinstance(e, (KeyError, TypeError)) else e
+        raise OutputWriteError(
+            f"cannot resume {tmp}: no usable manifest at {path} ({detail}); remove {tmp} and run without --resume"
+        ) from e
+    check_logs(manifest_dir(tmp), tmp, logs_limit_bytes(len(records)))
     hint = f"rerun with the interrupted run's arguments, or remove {tmp} and run without --resume"
     source = SourceDigest.of(source)
     if fingerprint.get("source") != source.digest:
@@ -287,24 +299,25 @@ def _changed_source(old: object, source: SourceDigest) -> str | None:
     return f"the checkpoint's data file {path} changed since the interrupted run began (its {what})"
 
 
-def _logged(folder: Path) -> Iterable[tuple[Record, int]]:
-    """Every complete line of every records file (a torn last line, a SIGKILL mid-append, is skipped)."""
-    for log in sorted(folder.glob("records-*.jsonl")):
-        for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                file, offset, nbytes, crc, *_ = json.loads(line)
-                yield Record(str(file), int(offset), int(nbytes)), int(crc)
-            except (ValueError, TypeError):
-                continue
+def _logged(tmp: Path) -> Iterable[tuple[Record, int]]:
+    """Every complete line of every records file of ``tmp`` (``readback.logged_lines``) as a record and its CRC-32."""
+    for line in logged_lines(manifest_dir(tmp), tmp):
+        try:
+            file, offset, nbytes, crc, *_ = line
+            yield Record(str(file), int(offset), int(nbytes)), int(crc)
+        except (ValueError, TypeError):
+            continue
 
 
 def _crc_of(path: Path, offset: int, nbytes: int) -> int | None:
     """CRC-32 of ``[offset, offset + nbytes)`` of ``path``, or None if the file is shorter or missing."""
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # no FIFO to block on
+    except OSError:  # missing, or a link: its records are written again (refuse_links_inside refuses the link)
         return None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
         crc, at = 0, offset
         while at < offset + nbytes:
             data = os.pread(fd, min(_READ_BYTES, offset + nbytes - at), at)
@@ -332,7 +345,7 @@ def kept_records(tmp: Path, records: Sequence[Record], path_of: Callable[[str], 
     """
     wanted = set(records)
     kept: dict[Record, int] = {}
-    for record, crc in _logged(manifest_dir(tmp)):
+    for record, crc in _logged(tmp):
         if record in wanted and record not in kept and _crc_of(path_of(record.file), record.offset, record.nbytes) == crc:
             kept[record] = crc
     return kept
@@ -419,10 +432,11 @@ def written_bytes(tmp: Path) -> tuple[int, int]:
         (0, 0) without a readable manifest.
     """
     try:
-        files = json.loads((manifest_dir(tmp) / _MANIFEST_FILENAME).read_text(encoding="utf-8"))["files"]
+        # no plan here (a progress total, a left temporary's message): bounded as a plan of 8,192 files' would be
+        files = read_json(manifest_dir(tmp) / _MANIFEST_FILENAME, tmp, manifest_limit_bytes(8192))["files"]
         total = sum(int(size) for size in files.values())
-        written = sum(record.nbytes for record in {record for record, _ in _logged(manifest_dir(tmp))})
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        written = sum(record.nbytes for record in {record for record, _ in _logged(tmp)})
+    except (OutputWriteError, OSError, ValueError, KeyError, TypeError, AttributeError):
         return 0, 0
     return written, total
 
