@@ -9,6 +9,7 @@ from typing import Any
 
 from fsdp_convert.derive import Derived, Gather, HeadPermute, Input, RowMap, Segment, TensorInfo
 from fsdp_convert.errors import InvalidOptionError, UnsupportedTransformError
+from fsdp_convert.transform.unstack import check_split
 
 __all__ = ["abstract_key", "config_int", "heads", "tied", "moved", "rope_rows", "split_experts", "stack_experts", "warn_left_out"]
 
@@ -96,6 +97,7 @@ def split_experts(info: TensorInfo, hf_abstract: str, layer: str) -> dict[str, D
     if len(info.shape) != 3:
         raise UnsupportedTransformError(f"{info.fqn}: expected a stacked (experts, out, in) weight, got shape {info.shape}")
     n, rows, cols = info.shape
+    check_split(info.fqn, info.shape, info.dtype, n, "experts")  # a claimed (10**6, 0, 2) holds no bytes
     view = (n * rows, cols)
     return {
         hf_abstract.format(layer, e): Derived(

@@ -18,6 +18,7 @@ from typing import Any
 from fsdp_convert.adapters._common import abstract_key, heads, moved, rope_rows, tied, warn_left_out
 from fsdp_convert.derive import Derived, Gather, TensorInfo
 from fsdp_convert.errors import UnsupportedTransformError
+from fsdp_convert.transform.unstack import check_split
 
 __all__ = ["FROM_HF", "to_hf", "from_hf"]
 
@@ -55,6 +56,7 @@ def _fused_split(info: TensorInfo, layer: str, n_heads: int, n_kv: int) -> dict[
     rows = info.shape[0] if info.shape else 0
     if len(info.shape) != 2 or n_heads % n_kv or rows % (n_kv * (per_kv + 2)):
         raise UnsupportedTransformError(f"{info.fqn}: shape {info.shape} is not a fused wqkv of {n_heads} heads, {n_kv} KV heads")
+    check_split(info.fqn, info.shape, info.dtype, rows, "rows")  # each listed below: bounded by the bytes held
     hd = rows // (n_kv * (per_kv + 2))
     group = (per_kv + 2) * hd
     q = [g * group + j for g in range(n_kv) for j in range(per_kv * hd)]

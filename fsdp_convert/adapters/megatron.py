@@ -19,6 +19,7 @@ from typing import Any
 from fsdp_convert.adapters._common import config_int, heads, tied, warn_left_out
 from fsdp_convert.derive import Derived, Gather, Input, Segment, TensorInfo
 from fsdp_convert.errors import UnsupportedTransformError
+from fsdp_convert.transform.unstack import check_split
 
 __all__ = ["TO_HF", "to_hf"]
 
@@ -84,6 +85,8 @@ def _stacked(info: TensorInfo, layers: int, n_heads: int, n_groups: int) -> dict
             f"{info.fqn}: shape {info.shape} is not stacked on {layers} layers (num_hidden_layers); "
             "a torch_dist checkpoint stacks decoder.layers.* on a leading layer dim"
         )
+    # per layer its rows, listed for linear_qkv: bounded by the bytes held, whatever the shape claims
+    check_split(info.fqn, info.shape, info.dtype, layers * max(info.shape[1], 1), "layers and rows")
     out: dict[str, Derived] = {}
     for n in range(layers):
         if name == QKV:

@@ -37,6 +37,8 @@ from fsdp_convert.formats.index import (
     Location,
     ObjPath,
     TensorEntry,
+    readable_name,
+    readable_path,
 )
 
 __all__ = [
@@ -212,7 +214,7 @@ def _int_tuple(value: Any, meta_path: Location, what: str) -> tuple[int, ...]:
 
 def _name(value: Any, meta_path: Location, what: str) -> str:
     """A key or data file name from the file: a string that prints on one line."""
-    if not isinstance(value, str) or not value.isprintable():
+    if not readable_name(value):
         raise _bad(meta_path, f"{what} {shown(value)} is not a printable string")
     return value
 
@@ -241,11 +243,7 @@ def _obj_path(planner_data: Any, fqn: str, meta_path: Location) -> ObjPath:
     if not isinstance(planner_data, Mapping) or fqn not in planner_data:
         return (fqn,)  # saved without flattening: the key is its own path
     path = planner_data[fqn]
-    if (
-        not isinstance(path, (tuple, list))
-        or not path
-        or not all((type(p) is int and 0 <= p < 2**63) or (type(p) is str and p.isprintable()) for p in path)
-    ):
+    if not readable_path(path):
         raise _bad(meta_path, f"planner data for {fqn} is not a key path (printable strings and ints)")
     return tuple(path)
 

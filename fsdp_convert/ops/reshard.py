@@ -281,6 +281,7 @@ def reshard(
         source.check_data_files()
         # 4. the items, keeping the producer's nesting so that its own loader reads the output
         items = prepare_items(source, opts.transform, kind.groups(), keep_layout=True)
+        kind.check_keys(item.path for item in items)  # what its own reader would refuse, before anything is written
         # 5. a plan per DCP folder; the files beside, by the producer's record
         plans, workers = _plans(index, items, opts)
         beside = _files_beside(index, producer, plans)

@@ -8,20 +8,57 @@ shapes. Each layer is a ``derive.Derived`` reading rows ``[i * R, (i + 1) * R)``
 ``(L * R, ...)`` view (``R`` its rows per layer), so the mover copies it block by block, within
 ``--memory-budget``, bit for bit (a copy; ``--dtype`` may still cast). Pure functions; FQNs are
 given with wrapper names already removed.
+
+``check_split`` bounds every split of a tensor on dim 0 (these layers, an adapter's experts): a
+claimed shape with a zero-size dim holds no bytes, so its dim 0 alone must not set the output count.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fsdp_convert.derive import Derived, Input, Segment, Sourced, TensorInfo
+from fsdp_convert.dtypes import DType, as_dtype
 from fsdp_convert.errors import InvalidOptionError, UnsupportedTransformError
 from fsdp_convert.formats.index import CheckpointIndex, Entry, TensorEntry
 from fsdp_convert.producers import detect_producer
 from fsdp_convert.roles import EntryRole
 
-__all__ = ["LayerSplit", "stacked_prefix", "layer_counts", "layer_fqn", "layer_slice"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["LayerSplit", "stacked_prefix", "layer_counts", "layer_fqn", "layer_slice", "MAX_EMPTY_SPLIT", "check_split"]
+
+MAX_EMPTY_SPLIT = 1024
+"""The most pieces a tensor of fewer bytes may be split into (``check_split``): more than any model's layers or experts."""
+
+
+def check_split(fqn: str, shape: tuple[int, ...], dtype: DType | torch.dtype, pieces: int, what: str) -> None:
+    """Refuse a split of a tensor into more than ``max(MAX_EMPTY_SPLIT, its bytes)`` output tensors.
+
+    A real split (layers, experts, rows) gives each piece a byte or more, so the output count
+    stays within the bytes read. A claimed shape with a zero-size dim, ``(10**6, 0, 2)``, holds no
+    bytes: a 3 KB checkpoint would otherwise make a million tensors, for minutes and gigabytes.
+
+    Args:
+        fqn: the tensor split (named in the error).
+        shape: its shape, in elements.
+        dtype: its element type (a ``torch.dtype`` is taken too).
+        pieces: how many outputs the split makes.
+        what: what the pieces are (``layers (--unstack-layers)``), for the error.
+
+    Raises:
+        UnsupportedTransformError: more pieces than the bound.
+    """
+    nbytes = math.prod(shape) * as_dtype(dtype).itemsize
+    if pieces > max(MAX_EMPTY_SPLIT, nbytes):
+        raise UnsupportedTransformError(
+            f"{fqn}: shape {shape} holds {nbytes} bytes but would split into {pieces} {what}; "
+            f"a split makes at most {MAX_EMPTY_SPLIT} pieces of a tensor of fewer bytes, refused"
+        )
 
 
 def stacked_prefix(index: CheckpointIndex) -> str:
@@ -51,7 +88,8 @@ def layer_counts(
         prefix: ``stacked_prefix(index)``.
 
     Raises:
-        UnsupportedTransformError: a model tensor under ``prefix`` with no dim to split (0-dim).
+        UnsupportedTransformError: a model tensor under ``prefix`` with no dim to split (0-dim), or
+            more layers than ``check_split`` allows (a claimed ``(10**6, 0, 2)``).
     """
     counts: dict[str, int] = {}
     for slot, entry, fqn in zip(slots, index.entries, cleaned, strict=True):
@@ -59,6 +97,7 @@ def layer_counts(
             continue
         if not entry.shape:
             raise UnsupportedTransformError(f"{entry.fqn}: a 0-dim tensor under {prefix}, with no layer dim to unstack")
+        check_split(entry.fqn, entry.shape, entry.dtype, entry.shape[0], "layers (--unstack-layers)")
         counts[fqn] = entry.shape[0]
     return counts
 

@@ -26,10 +26,11 @@ import collections
 import functools
 import io
 import pickle
+import sys
 from typing import Any, Protocol
 
 __all__ = ["DtypeLike", "PICKLE_PROTOCOL", "STORAGE_CLASS_NAMES", "dtype_name", "storage_class_name"]
-__all__ += ["StorageRef", "TensorRef", "dumps", "Global", "PurePickler"]
+__all__ += ["StorageRef", "TensorRef", "dumps", "dumps_with_storages", "Global", "PurePickler"]
 
 PICKLE_PROTOCOL = 2  # torch.serialization.DEFAULT_PROTOCOL
 
@@ -249,14 +250,42 @@ class PurePickler(pickle._Pickler):
     dispatch[set] = _save_set
 
 
+_PLAIN_TYPES = frozenset({str, int, float, bool, type(None), tuple, list, dict, bytes, collections.OrderedDict})
+
+
 class _Pickler(PurePickler):
+    def __init__(self, file: io.BytesIO, first_key: int) -> None:
+        super().__init__(file, protocol=PICKLE_PROTOCOL)
+        self.first_key = first_key
+        self.storages: dict[str, Any] = {}  # key -> torch.UntypedStorage, in first-seen order
+        self._keys: dict[int, str] = {}  # storage._cdata -> key
+
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, StorageRef):
             name = storage_class_name(obj.dtype)
             if name is None:
                 return ("storage", _global("torch.storage", "UntypedStorage"), obj.key, "cpu", obj.numel * obj.dtype.itemsize)
             return ("storage", _global("torch", name), obj.key, "cpu", obj.numel)
-        return None
+        return self._torch_storage_id(obj)
+
+    def _torch_storage_id(self, obj: Any) -> Any:
+        # a real tensor inside a value (read with torch's loader, so torch is imported): its storage
+        # as torch.save's own persistent_id names it (torch/serialization.py, _save), not the
+        # storage's __reduce__ (torch.storage._load_from_bytes, which weights_only refuses)
+        if type(obj) in _PLAIN_TYPES:
+            return None  # the state dict's own keys and values: asked for each one, answered at once
+        torch = sys.modules.get("torch")
+        if torch is None or not (isinstance(obj, torch.storage.TypedStorage) or torch.is_storage(obj)):
+            return None
+        if isinstance(obj, torch.storage.TypedStorage):
+            storage, storage_type, numel = obj._untyped_storage, getattr(torch, obj._pickle_storage_type()), obj._size()
+        else:
+            storage, storage_type, numel = obj, torch.serialization.normalize_storage_type(type(obj)), obj.nbytes()
+        if storage.device.type != "cpu":
+            raise ValueError(f"a tensor on {storage.device.type} inside a value; only CPU storages are written")
+        key = self._keys.setdefault(storage._cdata, str(self.first_key + len(self._keys)))
+        self.storages[key] = storage
+        return ("storage", storage_type, key, "cpu", numel)
 
 
 def dumps(obj: Any) -> bytes:
@@ -268,7 +297,36 @@ def dumps(obj: Any) -> bytes:
 
     Returns:
         The pickle's bytes.
+
+    Raises:
+        ValueError: ``obj`` holds a real tensor (``dumps_with_storages`` writes those).
+    """
+    pickled, storages = dumps_with_storages(obj, 0)
+    if storages:
+        raise ValueError("a tensor inside a value needs storage records of its own (dumps_with_storages)")
+    return pickled
+
+
+def dumps_with_storages(obj: Any, first_key: int) -> tuple[bytes, dict[str, Any]]:
+    """``dumps``, real ``torch.Tensor`` values included: pickled as torch.save pickles them, over storage records.
+
+    A tensor inside a value (a tuple of tensors in a DCP bytes entry, read with torch's loader)
+    pickles as ``Tensor.__reduce_ex__`` has it (``_rebuild_tensor_v2`` and the rest, views and
+    shared storages kept), its storage as the persistent id torch.save gives it, so
+    ``torch.load(weights_only=True)`` reads it. Torch is imported only if ``obj`` holds a tensor.
+
+    Args:
+        obj: as ``dumps``, and CPU tensors anywhere in it.
+        first_key: the key of the first storage found (``str(first_key)``); the next ones count up.
+
+    Returns:
+        The pickle's bytes, and the storages it names (``torch.UntypedStorage`` by key, in key
+        order): each must be written as record ``data/<key>``.
+
+    Raises:
+        ValueError: a tensor not on the CPU.
     """
     buf = io.BytesIO()
-    _Pickler(buf, protocol=PICKLE_PROTOCOL).dump(obj)
-    return buf.getvalue()
+    pickler = _Pickler(buf, first_key)
+    pickler.dump(obj)
+    return buf.getvalue(), pickler.storages

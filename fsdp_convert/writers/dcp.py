@@ -23,7 +23,7 @@ import importlib
 import os
 import shutil
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +31,8 @@ from typing import Any, Literal, Protocol
 
 from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.dtypes import DType, as_dtype
-from fsdp_convert.errors import InvalidOptionError
-from fsdp_convert.formats.index import ObjPath, plain_path
+from fsdp_convert.errors import InvalidOptionError, UnsupportedTransformError
+from fsdp_convert.formats.index import ObjPath, dcp_key, plain_path, readable_name, readable_path
 from fsdp_convert.location import open_inside
 from fsdp_convert.writers._dcp_pickle import (
     MetadataIndex,
@@ -322,6 +322,27 @@ class DcpFolder:
     def groups(self, only: str = "all") -> tuple[Literal["model", "optim", "other"], ...]:
         """Every group (``model``, ``optim``, ``other``), whatever ``only``: a resharded checkpoint keeps all its state."""
         return ("model", "optim", "other")
+
+    def check_keys(self, paths: Iterable[ObjPath]) -> None:
+        """Refuse, before anything is written, a key the DCP reader refuses (``formats.index.readable_name``).
+
+        A ``.pt`` source may key its dicts with any string; ``.metadata`` written with a newline,
+        NUL or lone surrogate in a key would load in torch but not in this tool's own ``inspect``
+        and ``verify``, which check a key prints on one line.
+
+        Args:
+            paths: every output entry's path in the nested state dict.
+
+        Raises:
+            UnsupportedTransformError: naming the first such key, escaped.
+        """
+        for path in paths:
+            key = dcp_key(path)
+            if not readable_name(key) or not readable_path(plain_path(path)):
+                raise UnsupportedTransformError(
+                    f"{key!r}: a key a DCP folder cannot hold (not a printable string: a newline, NUL, control "
+                    "character or lone surrogate); rename it in the source, or consolidate to a .pt, which holds any key"
+                )
 
     def finish_file(
         self,

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from fsdp_convert.dtypes import is_tensor
 from fsdp_convert.formats.crc import crc32
 from fsdp_convert.formats.index import ObjPath, unflatten
-from fsdp_convert.writers._torch_pickle import PICKLE_PROTOCOL, DtypeLike, StorageRef, TensorRef, dumps
+from fsdp_convert.writers._torch_pickle import PICKLE_PROTOCOL, DtypeLike, StorageRef, TensorRef, dumps, dumps_with_storages
 from fsdp_convert.writers._torch_zip import STORAGE_ALIGNMENT, TorchZipWriter
 from fsdp_convert.writers._zipcrc import patch_crcs
 from fsdp_convert.zip_records import read_records
@@ -135,13 +135,19 @@ class _HeaderImage:
         return list(zip(self._starts, self._parts, strict=True))
 
 
-def _container(entries: Sequence[TensorSlot | None], pickled: bytes) -> _HeaderImage:
-    """The zip torch's writer makes of these storages (position ``j`` is record ``data/<j>``) and ``data.pkl``."""
+def _container(entries: Sequence[TensorSlot | None], pickled: bytes, extra: Sequence[tuple[str, int]] = ()) -> _HeaderImage:
+    """The zip torch's writer makes of these storages (position ``j`` is record ``data/<j>``) and ``data.pkl``.
+
+    ``extra``: ``(key, nbytes)`` of the storages of tensors inside values, reserved after the
+    entries' own (so those stay where ``torch_save_offsets`` placed them).
+    """
     image = _HeaderImage()
     writer = TorchZipWriter(image)
     for j, slot in enumerate(entries):
         if slot is not None:
             writer.reserve_record(f"data/{j}", slot.nbytes)
+    for key, nbytes in extra:
+        writer.reserve_record(f"data/{key}", nbytes)
     records = [("data.pkl", pickled), (".format_version", b"1"), (".storage_alignment", str(STORAGE_ALIGNMENT).encode())]
     records.append(("byteorder", sys.byteorder.encode()))
     for name, raw in records:
@@ -151,12 +157,17 @@ def _container(entries: Sequence[TensorSlot | None], pickled: bytes) -> _HeaderI
 
 
 def _data_offsets(image: _HeaderImage, count: int) -> list[int | None]:
+    """Per entry (record ``data/<j>``, ``j < count``), its data offset; the storages of values' tensors are not entries."""
     offsets: list[int | None] = [None] * count
-    for record in read_records(image.pread, image.size):
-        name = record.short_name
-        if name.startswith("data/"):
-            offsets[int(name[5:])] = record.data_offset
+    for name, offset in _storage_offsets(image).items():
+        if int(name) < count:
+            offsets[int(name)] = offset
     return offsets
+
+
+def _storage_offsets(image: _HeaderImage) -> dict[str, int]:
+    """Every storage record's data offset, by key (``data/<key>``)."""
+    return {r.short_name[5:]: r.data_offset for r in read_records(image.pread, image.size) if r.short_name.startswith("data/")}
 
 
 def torch_save_offsets(entries: Sequence[TensorSlot | None]) -> tuple[int | None, ...]:
@@ -185,7 +196,10 @@ def write_torch_save_headers(
     patches in the CRC-32s, and writes the headers, pickle and central directory into ``fd``.
     A ``torch.Tensor`` value is written here: its bytes (contiguous, in element order) at its
     storage offset, a storage record as torch.save writes one (``torch_save_offsets`` saw its
-    ``TensorSlot``).
+    ``TensorSlot``). A tensor inside a plain value (a DCP bytes entry's tuple of tensors, or a
+    bytes entry that is a tensor) is pickled as torch.save pickles it, its storages as records
+    after the planned ones (``_torch_pickle.dumps_with_storages``), so the planned offsets hold
+    and ``torch.load(weights_only=True)`` reads it.
 
     Args:
         fd: the output file, open for writing, the workers' storage data in place.
@@ -198,7 +212,8 @@ def write_torch_save_headers(
         The file's size, in bytes.
 
     Raises:
-        ValueError: the storage offsets moved (the items differ from the ones planned).
+        ValueError: the storage offsets moved (the items differ from the ones planned), or a
+            tensor inside a value is not on the CPU.
     """
     missing = [j for j, (_, value) in enumerate(items) if isinstance(value, TensorSlot) and j not in crcs]
     if missing:
@@ -207,22 +222,30 @@ def write_torch_save_headers(
     slots: list[TensorSlot | None] = []
     tree: list[tuple[ObjPath, Any]] = []
     for j, (path, value) in enumerate(items):
-        if is_tensor(value):  # rank 0's own: its bytes written now, then referenced as the others
+        if is_tensor(value) and data_offsets[j] is not None:  # rank 0's own: its bytes written now, then referenced
             offset = data_offsets[j]
-            if offset is None:
-                raise ValueError(f"no storage placed for the tensor of item {j}")
+            assert offset is not None
             crcs[j] = _write_tensor_bytes(fd, value, offset)
             value = TensorSlot(value.dtype, tuple(value.shape))
         if isinstance(value, TensorSlot):
             slots.append(value)
             tree.append((path, TensorRef(StorageRef(str(j), value.dtype, math.prod(value.shape)), value.shape)))
-        else:
+        else:  # a plain value; a tensor in it (a bytes entry's tuple, or bare) gets a storage record after the entries'
             slots.append(None)
             tree.append((path, value))
-    image = _container(slots, dumps(unflatten(tree)))
+    state = unflatten(tree)
+    storages: dict[str, Any]
+    try:
+        pickled, storages = dumps(state), {}
+    except ValueError:  # a tensor inside a value: its storages get records of their own, keys after the items'
+        pickled, storages = dumps_with_storages(state, len(items))
+    extra = [(key, storage.nbytes()) for key, storage in storages.items()]
+    image = _container(slots, pickled, extra) if extra else _container(slots, pickled)
     if _data_offsets(image, len(items)) != list(data_offsets):
         raise ValueError("torch.save storage offsets changed between planning and writing")
-    patch_crcs(image, {f"data/{j}": crc for j, crc in crcs.items()})
+    at = _storage_offsets(image)
+    named_crcs = {f"data/{key}": _write_storage_bytes(fd, storage, at[key]) for key, storage in storages.items()}
+    patch_crcs(image, named_crcs | {f"data/{j}": crc for j, crc in crcs.items()})
     _pwrite_parts(fd, image, 0)
     os.ftruncate(fd, image.size)
     return image.size
@@ -241,6 +264,13 @@ def _write_tensor_bytes(fd: int, tensor: torch.Tensor, offset: int) -> int:
     while view:
         view = view[os.pwrite(fd, view, offset + len(raw) - len(view)) :]
     return crc32(raw)
+
+
+def _write_storage_bytes(fd: int, storage: Any, offset: int) -> int:
+    """Write a CPU ``torch.UntypedStorage``'s bytes at ``offset`` (bytes) in ``fd``; their CRC-32."""
+    import torch  # loaded already: the storage is torch's
+
+    return _write_tensor_bytes(fd, torch.empty(0, dtype=torch.uint8).set_(storage), offset)
 
 
 @dataclass(frozen=True, slots=True)
