@@ -186,7 +186,8 @@ def torch_shape(dtype: torch.dtype | DType, header_shape: list[int] | tuple[int,
     if per_element == 1:
         return tuple(header_shape)
     if not header_shape or header_shape[-1] % per_element:
-        raise ValueError(f"shape {list(header_shape)} does not hold whole {str(dtype).removeprefix('torch.')} elements")
+        # the header's shape is the file's: not quoted
+        raise ValueError(f"its shape does not hold whole {str(dtype).removeprefix('torch.')} elements")
     return (*header_shape[:-1], header_shape[-1] // per_element)
 
 

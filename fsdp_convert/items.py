@@ -22,7 +22,16 @@ from typing import TYPE_CHECKING, Any
 from fsdp_convert.dtypes import ITEMSIZES, as_dtype, is_tensor
 from fsdp_convert.errors import CorruptChunkError, InvalidOptionError, UnsafeContentError, UnsupportedTransformError
 from fsdp_convert.formats import Reader, Source, open_reader
-from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ObjPath, Url, flatten_with_paths
+from fsdp_convert.formats.index import (
+    BytesEntry,
+    CheckpointIndex,
+    ObjPath,
+    Url,
+    ValueShapeError,
+    check_value,
+    flatten_with_paths,
+    holds,
+)
 from fsdp_convert.producers import detect_producer, merged_files
 from fsdp_convert.remote import read_bytes, size_of
 from fsdp_convert.roles import MEGATRON_OPTIM_PREFIX, Group, classify, dcp_key, group_of_top
@@ -188,6 +197,10 @@ def _load_merged(where: Path | Url) -> dict[str, Any]:
         raise CorruptChunkError(f"{where}: does not load as a torch.save file ({e})") from e
     if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
         raise CorruptChunkError(f"{where}: expected a dict with string keys (Lightning's meta.pt), got {type(meta).__name__}")
+    try:
+        check_value(meta)  # the walks below and the writers recurse: a bounded depth, no value holding itself
+    except ValueShapeError as e:
+        raise CorruptChunkError(f"{where}: {e}; this tool does not read it") from None
     for key, value in meta.items():
         why = _unmergeable(value)
         if why is not None:
@@ -198,31 +211,34 @@ def _load_merged(where: Path | Url) -> dict[str, Any]:
 
 
 def _unmergeable(value: Any) -> str | None:
-    """Why ``value`` cannot be written as the output's items (its tensors each an item of their own), or None."""
-    if is_tensor(value):
-        import torch
+    """Why ``value`` cannot be written as the output's items (its tensors each an item of their own), or None.
 
-        nbytes = value.numel() * value.element_size()
-        if value.layout != torch.strided or value.is_quantized or as_dtype(value.dtype).name not in ITEMSIZES:
-            return f"a {value.dtype} {value.layout} tensor"
-        return f"a tensor of {nbytes} bytes (at most {MERGED_TENSOR_MAX_BYTES})" if nbytes > MERGED_TENSOR_MAX_BYTES else None
-    if isinstance(value, dict):
-        return next((why for v in value.values() if (why := _unmergeable(v)) is not None), None)
-    if isinstance(value, list):
-        return next((why for v in value if (why := _unmergeable(v)) is not None), None)
-    if isinstance(value, (tuple, set, frozenset)) and _holds_tensor(value):
-        return f"a tensor inside a {type(value).__name__}"
+    A loop over each container once (a pickle may share one list under many: ``x = [x, x]``).
+    """
+    seen: set[int] = set()
+    pending = [value]
+    while pending:
+        node = pending.pop()
+        if is_tensor(node):
+            import torch
+
+            nbytes = node.numel() * node.element_size()
+            if node.layout != torch.strided or node.is_quantized or as_dtype(node.dtype).name not in ITEMSIZES:
+                return f"a {node.dtype} {node.layout} tensor"
+            if nbytes > MERGED_TENSOR_MAX_BYTES:
+                return f"a tensor of {nbytes} bytes (at most {MERGED_TENSOR_MAX_BYTES})"
+        elif id(node) in seen:
+            continue
+        elif isinstance(node, (dict, list)):
+            seen.add(id(node))
+            pending += reversed(node.values() if isinstance(node, dict) else node)
+        elif isinstance(node, (tuple, set, frozenset)) and _holds_tensor(node):
+            return f"a tensor inside a {type(node).__name__}"
     return None
 
 
 def _holds_tensor(value: Any) -> bool:
-    if is_tensor(value):
-        return True
-    if isinstance(value, dict):
-        return any(_holds_tensor(v) for v in value.values())
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return any(_holds_tensor(v) for v in value)
-    return False
+    return holds(value, is_tensor)
 
 
 def _own_tensor(value: Any) -> Any:

@@ -28,8 +28,10 @@ import math
 from pathlib import Path
 
 from fsdp_convert.constants import METADATA_FILENAME
+from fsdp_convert.errors import CheckpointNotFoundError
 from fsdp_convert.formats.index import CheckpointIndex
 from fsdp_convert.launch import WorkerGroup
+from fsdp_convert.location import open_inside
 from fsdp_convert.move import MoveJob, Piece, range_crc
 from fsdp_convert.plan import WorkPlan
 from fsdp_convert.progress import OFF, Bars
@@ -103,8 +105,19 @@ def source_digest(index: CheckpointIndex, items: tuple[OutputItem, ...]) -> Sour
     """Digest of ``.metadata`` (a local DCP folder) and the entries read, and the data files now (``SourceDigest``)."""
     meta = b""
     root = index.checkpoint_id
-    if isinstance(root, Path) and (root / METADATA_FILENAME).is_file():
-        meta = hashlib.sha256((root / METADATA_FILENAME).read_bytes()).digest()
+    if isinstance(root, Path) and root.is_dir():
+        try:  # read as the index was, from the folder this run first opened (location.open_inside)
+            fd = open_inside(root, root / METADATA_FILENAME)
+        except FileNotFoundError:
+            fd = -1  # a format without .metadata
+        except OSError as e:
+            raise CheckpointNotFoundError(f"cannot read {root / METADATA_FILENAME}: {e.strerror}") from e
+        if fd >= 0:
+            sha = hashlib.sha256()
+            with open(fd, "rb") as f:
+                while block := f.read(1 << 20):
+                    sha.update(block)
+            meta = sha.digest()
     return SourceDigest.of(digest(meta, [(item.entry, item.sources) for item in items]), index)
 
 

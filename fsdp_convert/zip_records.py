@@ -62,7 +62,7 @@ class ZipRecord:
 def _exact(pread: Pread, length: int, offset: int) -> bytes:
     data = pread(length, offset)
     if len(data) != length:
-        raise ZipFormatError(f"zip ends at byte {offset + len(data)}, inside a structure at {offset}")
+        raise ZipFormatError("the zip ends inside one of its structures")  # offsets read from the zip: not quoted
     return data
 
 
@@ -90,7 +90,7 @@ def _central_directory(pread: Pread, size: int) -> tuple[int, int, int]:
         count, cd_size, cd_offset = struct.unpack_from("<QQQ", eocd64, 32)
         cd_end = eocd64_offset
     if cd_offset + cd_size != cd_end or count > cd_size // 46:
-        raise ZipFormatError(f"central directory at {cd_offset} ({cd_size} bytes, {count} entries) does not end at {cd_end}")
+        raise ZipFormatError("the central directory does not end where the end record is")
     return cd_offset, cd_size, count
 
 
@@ -155,7 +155,7 @@ def read_records(pread: Pread, size: int) -> list[ZipRecord]:
     for _ in range(count):
         head = _exact(pread, 46, pos)
         if head[:4] != _CENTRAL:
-            raise ZipFormatError(f"bad central directory entry at byte {pos}")
+            raise ZipFormatError("bad central directory entry")
         flags, compression = struct.unpack_from("<HH", head, 8)
         (crc,) = struct.unpack_from("<I", head, 16)
         comp, uncomp, name_len, extra_len, comment_len = struct.unpack_from("<IIHHH", head, 20)
@@ -166,11 +166,11 @@ def read_records(pread: Pread, size: int) -> list[ZipRecord]:
             uncomp, comp, local_offset = _zip64_fields(extra, uncomp, comp, local_offset)
         local = _exact(pread, 30, local_offset)
         if local[:4] != _LOCAL:
-            raise ZipFormatError(f"bad local header of {name} at byte {local_offset}")
+            raise ZipFormatError("bad local header of a record")
         l_name, l_extra = struct.unpack_from("<HH", local, 26)
         data_offset = local_offset + 30 + l_name + l_extra
         if data_offset + comp > size:
-            raise ZipFormatError(f"record {name} runs past the end of the zip")
+            raise ZipFormatError("a record runs past the end of the zip")
         records.append(
             ZipRecord(
                 name=name,

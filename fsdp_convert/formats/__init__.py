@@ -34,8 +34,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from fsdp_convert.constants import METADATA_FILENAME
-from fsdp_convert.errors import MissingDataFileError
-from fsdp_convert.location import following_symlinks, inside
+from fsdp_convert.errors import CorruptChunkError, MissingDataFileError
+from fsdp_convert.location import following_symlinks, open_inside
 
 if TYPE_CHECKING:
     import torch
@@ -380,8 +380,9 @@ def check_data_files(index: CheckpointIndex, *, follow_symlinks: bool | None = N
             if size_of(path) is None:
                 raise MissingDataFileError(f"{path} is missing; .metadata names it as a data file")
             continue
-        inside(Path(index.checkpoint_id), path, follow_symlinks=follow_symlinks)
-        if not path.is_file():
-            raise MissingDataFileError(f"{path} is missing; .metadata names it as a data file")
-        if not os.access(path, os.R_OK):
-            raise MissingDataFileError(f"{path} is not readable (permission denied)")
+        try:  # opened as the readers open it (location.open_inside), not checked by name
+            os.close(open_inside(Path(index.checkpoint_id), path, follow_symlinks=follow_symlinks))
+        except PermissionError as e:
+            raise MissingDataFileError(f"{path} is not readable (permission denied)") from e
+        except (OSError, CorruptChunkError) as e:  # gone, or not a regular file
+            raise MissingDataFileError(f"{path} is missing; .metadata names it as a data file") from e

@@ -134,15 +134,15 @@ def _read_header(relative_path: str, offset: int, read_at: ReadAt, file_size: in
     raw = read_at(relative_path, offset, 8)
     if len(raw) != 8:
         raise CorruptChunkError(f"{where}: no safetensors header at byte {offset} (the file ends there)")
-    (n,) = struct.unpack("<Q", raw)
+    (n,) = struct.unpack("<Q", raw)  # any 8 bytes of the file, where .metadata says: never printed
     if n > MAX_HEADER_BYTES or offset + 8 + n > file_size:
         raise CorruptChunkError(
-            f"{where}: safetensors header length {n} at byte {offset} does not fit the file ({file_size} bytes)"
+            f"{where}: the safetensors header at byte {offset} has a length that does not fit the file ({file_size} bytes)"
         )
     try:
         header = json.loads(read_at(relative_path, offset + 8, n))
         if not isinstance(header, dict):
-            raise ValueError("not a JSON object")
+            raise ValueError
         meta = header.pop("__metadata__", None) or {}
         info = json.loads(meta[SHARDING_INFO_KEY]) if isinstance(meta, dict) and SHARDING_INFO_KEY in meta else {}
         saved = {str(fqn): _naturals(v["saved_offsets"]) for fqn, v in info.items()}
@@ -150,14 +150,14 @@ def _read_header(relative_path: str, offset: int, read_at: ReadAt, file_size: in
         for fqn, desc in header.items():
             begin, end = _naturals(desc["data_offsets"])
             tensors[str(fqn)] = (str(desc["dtype"]), _naturals(desc["shape"]), begin, end)
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise CorruptChunkError(f"{where}: no readable safetensors header at byte {offset} ({type(e).__name__}: {e})") from e
+    except (ValueError, TypeError, KeyError, AttributeError) as e:  # their texts quote the header: left out
+        raise CorruptChunkError(f"{where}: no readable safetensors header at byte {offset} (malformed JSON or entries)") from e
     return _Header(tensors=tensors, saved_offsets=saved, data_start=offset + 8 + n)
 
 
 def _naturals(values: Any) -> list[int]:
     if not isinstance(values, list) or not all(type(v) is int and v >= 0 for v in values):
-        raise ValueError(f"{values!r} is not a list of non-negative integers")
+        raise ValueError("not a list of non-negative integers")
     return values
 
 
@@ -226,13 +226,17 @@ def _place(entry: TensorEntry, chunk: ChunkEntry, header: _Header, file_size: in
     dtype_name, shape, begin, end = found
     dtype = SAFETENSORS_TO_TORCH.get(dtype_name)
     saved = header.saved_offsets.get(entry.fqn, list(chunk.offsets))
-    if dtype != entry.dtype or tuple(shape) != chunk.sizes or tuple(saved) != chunk.offsets:
+    # the header's values are the data file's bytes: said to differ, never quoted (.metadata's are the index)
+    same = {"dtype": dtype == entry.dtype, "shape": tuple(shape) == chunk.sizes, "offsets": tuple(saved) == chunk.offsets}
+    if differ := [what for what, ok in same.items() if not ok]:
         raise NotADcpCheckpointError(
-            f"{where}: the safetensors header says {dtype_name} {shape} at offsets {saved}, "
-            f".metadata says {entry.dtype} {list(chunk.sizes)} at offsets {list(chunk.offsets)}"
+            f"{where}: the safetensors header disagrees with .metadata on the chunk's {' and '.join(differ)} "
+            f"(.metadata says {entry.dtype} {list(chunk.sizes)} at offsets {list(chunk.offsets)})"
         )
     if not begin <= end or end - begin != chunk.length_bytes or header.data_start + end > file_size:
-        raise CorruptChunkError(f"{where}: data range [{begin}, {end}) does not hold {dtype_name} {shape} in the file")
+        raise CorruptChunkError(
+            f"{where}: the safetensors header's data range does not hold {entry.dtype} {list(chunk.sizes)} in the file"
+        )
     return dataclasses.replace(chunk, offset_bytes=header.data_start + begin, length_bytes=end - begin)
 
 
@@ -388,10 +392,7 @@ class DecodedPayload(contextlib.closing["DecodedPayload"]):
                 piece = os.pread(self.fd, min(_DECODE_PIECE_BYTES, end - at), at)
                 crc, at = crc32(piece, crc), at + len(piece)
             if crc != record.crc32:
-                raise CorruptChunkError(
-                    f"{where}: CRC-32 mismatch in record {record.short_name} (stored {record.crc32:#010x}, "
-                    f"computed {crc:#010x}); the data file is corrupt"
-                )
+                raise CorruptChunkError(f"{where}: CRC-32 mismatch in a record of its torch.save zip; the data file is corrupt")
 
     def load(self) -> Any:
         """``torch.load(weights_only=True)`` of the payload, its tensors' storages mapped from the memfd (no copy).
@@ -439,7 +440,7 @@ def decode_payload(
             error = e if isinstance(e, CorruptChunkError) else getattr(source, "error", None)
             if error is not None:
                 raise error from None
-            detail = f"{type(e).__name__}: {str(e).strip().partition(chr(10))[0]}"
+            detail = type(e).__name__  # not its text, which may quote the stream's bytes or header fields
             raise CorruptChunkError(f"{where}: stream transform(s) {list(transforms)} do not decode ({detail}){hint}") from e
         if (error := getattr(source, "error", None)) is not None:
             raise error

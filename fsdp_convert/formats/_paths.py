@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
-__all__ = ["ObjPath", "dcp_key", "DictKey", "plain_path", "flatten_with_paths", "unflatten"]
+from fsdp_convert.formats._plain import MAX_VALUE_DEPTH, ValueShapeError, check_value
+
+__all__ = ["ObjPath", "dcp_key", "DictKey", "plain_path", "flatten_with_paths", "unflatten", "readable_name", "readable_path"]
 
 # a value's path in the nested state dict: str dict keys, int list indices (``DictKey``: int dict keys)
 ObjPath = tuple[str | int, ...]
@@ -19,6 +21,25 @@ ObjPath = tuple[str | int, ...]
 def dcp_key(path: ObjPath) -> str:
     """DCP's flattened key of a nested path: its elements joined by dots (``optim.param_groups.0.lr``)."""
     return ".".join(str(p) for p in path)
+
+
+def readable_name(value: object) -> TypeGuard[str]:
+    """Whether a DCP folder's reader takes ``value`` as a key or a data file name: a string that prints on one line.
+
+    ``str.isprintable``: no newline, NUL, escape or other control character, no lone surrogate. The
+    DCP reader (``formats._dcp_metadata``) refuses any other, and ``reshard`` refuses to write one
+    (``writers.dcp.DcpFolder.check_keys``), so what it writes its own ``inspect`` and ``verify`` read.
+    """
+    return isinstance(value, str) and value.isprintable()
+
+
+def readable_path(path: object) -> bool:
+    """Whether a DCP folder's reader takes ``path`` as a key path (``planner_data``): readable strings, 64-bit naturals."""
+    return (
+        isinstance(path, (tuple, list))
+        and bool(path)
+        and all((type(p) is int and 0 <= p < 2**63) or (type(p) is str and readable_name(p)) for p in path)
+    )
 
 
 class DictKey(int):
@@ -48,18 +69,33 @@ def flatten_with_paths(obj: Mapping[Any, Any]) -> dict[str, tuple[ObjPath, Any]]
     becomes a ``DictKey`` (so ``unflatten`` gives back ``{0: ...}``, not ``{"0": ...}``).
 
     Raises:
+        ValueShapeError: a value nested more than ``MAX_VALUE_DEPTH`` deep or containing itself
+            (``_plain.check_value``), or shared containers that hold tensors repeated into more
+            paths than 16 per object built (``x = [x, x]`` 40 times: 2^40 paths); names the top-level key.
         ValueError: a dict key that is neither a string nor an integer, or two paths with the same
             dotted key (``{"a.b": x, "a": {"b": y}}``); the message names the key.
     """
     flat: dict[str, tuple[ObjPath, Any]] = {}
+    checked: dict[int, int] = {}  # every container once, whichever top-level key holds it
+    size = len(obj)
+    for key, value in obj.items():
+        try:
+            size += check_value(value, MAX_VALUE_DEPTH, checked)
+        except ValueShapeError as e:
+            raise ValueShapeError(f"{str(key)[:200]!r}: {e}") from None
+    budget = 16 * size + 1024  # objects visited below: each once, and those a shared container repeats
+    known: dict[int, bool] = {}  # id of a list -> terminal: each list is looked into once (obj keeps them alive)
 
     def terminal(value: Any) -> bool:
         if isinstance(value, Mapping):
             return False
         if not isinstance(value, list):
             return True
-        tensor = getattr(sys.modules.get("torch"), "Tensor", ())  # without torch imported, no value is a tensor
-        return not any(isinstance(v, tensor) or (isinstance(v, (Mapping, list)) and not terminal(v)) for v in value)
+        if id(value) not in known:
+            tensor = getattr(sys.modules.get("torch"), "Tensor", ())  # without torch imported, no value is a tensor
+            inner = (isinstance(v, tensor) or (isinstance(v, (Mapping, list)) and not terminal(v)) for v in value)
+            known[id(value)] = not any(inner)
+        return known[id(value)]
 
     def element(path: ObjPath, key: Any) -> str | int:
         if isinstance(key, str):
@@ -70,6 +106,10 @@ def flatten_with_paths(obj: Mapping[Any, Any]) -> dict[str, tuple[ObjPath, Any]]
         raise ValueError(f"key {key!r} under {where} is a {type(key).__name__}, not a string or integer")
 
     def visit(path: ObjPath, value: Any) -> None:
+        nonlocal budget
+        budget -= 1
+        if budget < 0:
+            raise ValueShapeError(f"{dcp_key(path[:1])[:200]!r}: containers that hold tensors shared into too many paths")
         if isinstance(value, Mapping):
             for k, v in value.items():
                 visit((*path, element(path, k)), v)

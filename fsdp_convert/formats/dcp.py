@@ -38,7 +38,7 @@ from fsdp_convert.errors import (
     NotADcpCheckpointError,
     UnsafeContentError,
 )
-from fsdp_convert.formats._dcp_metadata import build_index, load_metadata, load_records, records_from_bytes
+from fsdp_convert.formats._dcp_metadata import build_index, load_metadata, records_from_bytes
 from fsdp_convert.formats._dcp_payloads import (
     BOTH_OPTIONS_HINT,
     DecodedPayload,
@@ -51,8 +51,8 @@ from fsdp_convert.formats._dcp_payloads import (
 from fsdp_convert.formats._payload_pickle import plain_value, read_payload_tensor, whole_storage
 from fsdp_convert.formats._range import ByteRangeFile, PayloadEdges, RecordHash
 from fsdp_convert.formats.index import MAX_ENTRIES, BytesEntry, CheckpointIndex, ChunkEntry, Entry, Location, TensorEntry, Url
-from fsdp_convert.formats.reader import ChunkedReader, StoredBytes, check_payload, read_bare_chunk
-from fsdp_convert.location import inside, open_inside
+from fsdp_convert.formats.reader import ChunkedReader, StoredBytes, check_payload, checked_value, read_bare_chunk
+from fsdp_convert.location import inside, mapped_inside, open_inside, stat_inside
 from fsdp_convert.remote import as_location, read_bytes, read_range, size_of
 from fsdp_convert.signals import torch_call
 from fsdp_convert.zip_records import ZipFormatError, ZipRecord, read_records
@@ -120,7 +120,7 @@ def read_dcp_index(checkpoint_id: str | os.PathLike[str]) -> CheckpointIndex:
     meta_path = root / METADATA_FILENAME
     if not meta_path.is_file():
         return _read_parent_folder(root)
-    index = _build(load_records(_metadata_path(root, root)), root)
+    index = _build(_load_records(root, root), root)
     if (root / LIGHTNING_META_FILENAME).is_file():
         inside(root, root / LIGHTNING_META_FILENAME)  # read later (items.read_merged), copied by reshard
         index = dataclasses.replace(index, producer="lightning")
@@ -133,6 +133,16 @@ def _metadata_path(root: Path, folder: Path) -> Path:
     """``folder``'s ``.metadata``, checked to lie inside ``root`` (``location.inside``)."""
     inside(root, folder / METADATA_FILENAME)
     return folder / METADATA_FILENAME
+
+
+def _load_records(root: Path, folder: Path) -> Any:
+    """``load_records`` of ``folder``'s ``.metadata``, mapped by ``location.open_inside`` (never by name after a check)."""
+    path = folder / METADATA_FILENAME
+    try:
+        with mapped_inside(root, path) as data:
+            return records_from_bytes(data, path)
+    except (OSError, CorruptChunkError) as e:  # missing, unreadable, or not a regular file (records_from_bytes raises neither)
+        raise NotADcpCheckpointError(f"cannot read {path}: {getattr(e, 'strerror', None) or 'not a regular file'}") from e
 
 
 def _build(metadata: Any, folder: Location) -> CheckpointIndex:
@@ -155,7 +165,7 @@ def _build(metadata: Any, folder: Location) -> CheckpointIndex:
                 raise MissingDataFileError(f"cannot open {folder / relative_path}: No such object")
             return size
         try:
-            return inside(folder, folder / relative_path).stat().st_size
+            return stat_inside(folder, folder / relative_path).st_size  # by the walk, not by name after a check
         except OSError as e:
             raise MissingDataFileError(f"cannot open {folder / relative_path}: {e.strerror}") from e
 
@@ -170,11 +180,11 @@ def _read_parent_folder(root: Path) -> CheckpointIndex:
     subs = metadata_subfolders(root)
     parts = [d for d in subs if _ACCELERATE_DIR_RE.match(d.name)]
     if parts:
-        indexes = [_build(load_records(_metadata_path(root, d)), d) for d in parts]
+        indexes = [_build(_load_records(root, d), d) for d in parts]
         return _merge_indexes(root, indexes, "accelerate")
     if (root / OLMO_CORE_DIRNAME / METADATA_FILENAME).is_file():  # read as one checkpoint, as accelerate's
-        olmo = _metadata_path(root, root / OLMO_CORE_DIRNAME).parent
-        return _merge_indexes(root, [_build(load_records(olmo / METADATA_FILENAME), olmo)], "olmo-core")
+        olmo = root / OLMO_CORE_DIRNAME
+        return _merge_indexes(root, [_build(_load_records(root, olmo), olmo)], "olmo-core")
     newest = _newest_torchtune_epoch(root, subs)
     if newest is not None:
         logger.info("%s: reading %s, the newest dist_epoch_<n> (the one torchtune resumes from)", root, newest.name)
@@ -389,11 +399,8 @@ class DcpReader(ChunkedReader):
 
     @staticmethod
     def _check_crcs(mismatches: list[tuple[ZipRecord, int]], where: str) -> None:
-        for record, computed in mismatches:
-            raise CorruptChunkError(
-                f"{where}: CRC-32 mismatch in record {record.short_name} (stored {record.crc32:#010x}, "
-                f"computed {computed:#010x}); the data file is corrupt"
-            )
+        if mismatches:  # the record's name, stored CRC-32 and the CRC-32 of its bytes are all the file's: not quoted
+            raise CorruptChunkError(f"{where}: CRC-32 mismatch in a record of its torch.save zip; the data file is corrupt")
 
     @staticmethod
     def _raise_decode_error(e: Exception, where: str) -> NoReturn:
@@ -427,9 +434,10 @@ class DcpReader(ChunkedReader):
 
         Raises:
             MissingDataFileError, CorruptChunkError, UnsupportedTransformError, UnsafeContentError.
+            CorruptChunkError: also a value nested too deep or holding itself (``reader.checked_value``).
         """
         args = (entry.relative_path, entry.offset_bytes, entry.length_bytes, entry.transform_descriptors)
-        return self._load(*args, entry.fqn, bytes_limit_bytes(entry))
+        return checked_value(self._load(*args, entry.fqn, bytes_limit_bytes(entry)), self._where(*args[:3], entry.fqn))
 
 
 def _first_line(e: BaseException) -> str:

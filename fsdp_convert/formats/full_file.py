@@ -17,8 +17,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from safetensors import safe_open
-
 from fsdp_convert.constants import (
     ADAPTER_WEIGHTS_FILENAME,
     EXTRA_STATE_FILENAME,
@@ -40,9 +38,12 @@ from fsdp_convert.formats.index import (
     Location,
     ObjPath,
     TensorEntry,
+    ValueShapeError,
     flatten_with_paths,
+    holds,
 )
 from fsdp_convert.formats.reader import library_problem, load_torch_save, read_json_file, read_safetensors_header, sniff_file
+from fsdp_convert.location import safe_open_inside
 
 if TYPE_CHECKING:
     import torch
@@ -67,20 +68,17 @@ _FOLDER_FILES = (HF_INDEX_FILENAME, HF_SINGLE_FILENAME, ADAPTER_WEIGHTS_FILENAME
 _MAX_INDEX_BYTES = 64 << 20  # model.safetensors.index.json: a weight_map of a few MB for the largest models
 
 
-def _holds_tensor(value: Any) -> bool:
-    if isinstance(value, Mapping):
-        value = list(value.values())
-    return (isinstance(value, (list, tuple, set, frozenset)) and any(map(_holds_tensor, value))) or is_tensor(value)
-
-
 def _unreadable(value: Any) -> str | None:
-    """Why a loaded value cannot be indexed, or None."""
+    """Why a loaded value cannot be indexed, or None (a tensor in a plain value is written as torch.save does)."""
     if is_tensor(value):
-        if str(value.layout) == "torch.strided" and value.device.type == "cpu" and as_dtype(value.dtype).name in ITEMSIZES:
-            return None
-        return f"is a {value.dtype} {value.layout} tensor on {value.device}"
-    # a plain value is written back by pickle, and weights_only cannot load a tensor pickled inside it
-    return f"holds a tensor inside a {type(value).__name__}" if _holds_tensor(value) else None
+        return None if _writable(value) else f"is a {value.dtype} {value.layout} tensor on {value.device}"
+    inner = holds(value, lambda v: is_tensor(v) and not _writable(v))
+    return f"holds a tensor inside a {type(value).__name__} that this tool cannot write" if inner else None
+
+
+def _writable(tensor: Any) -> bool:
+    """A dense CPU tensor of a dtype this tool handles."""
+    return str(tensor.layout) == "torch.strided" and tensor.device.type == "cpu" and as_dtype(tensor.dtype).name in ITEMSIZES
 
 
 class TorchSaveFile:
@@ -94,7 +92,7 @@ class TorchSaveFile:
 
     Raises:
         UnsafeContentError: a pickle that would run code, or a symbolic link out of ``root``.
-        CorruptChunkError: not a readable torch.save file.
+        CorruptChunkError: not a readable torch.save file, or a value nested too deep or holding itself.
         NotADcpCheckpointError: it holds something other than a dict, a key that is neither a
             string nor an integer, two keys that flatten alike, or a tensor this tool cannot read
             (sparse, quantized, not on the CPU).
@@ -112,6 +110,8 @@ class TorchSaveFile:
             obj = {top: obj}
         try:
             self.flat_with_paths = flatten_with_paths(obj)
+        except ValueShapeError as e:  # exit 1: a checkpoint's file, with a value this tool does not hold
+            raise CorruptChunkError(f"{path}: {e}; this tool does not read it") from e
         except ValueError as e:
             raise NotADcpCheckpointError(f"{path}: {e}") from e
         for key, (_, value) in self.flat_with_paths.items():
@@ -181,7 +181,7 @@ class SafetensorsFiles:
         for file in files:
             header, _ = read_safetensors_header(file, root=path)  # first: where the file lies, its header's size
             try:
-                with safe_open(file, "pt"):
+                with safe_open_inside(path, file):
                     pass  # safetensors checks the header against the file
             except Exception as e:
                 raise CorruptChunkError(f"{file}: not a readable safetensors file ({library_problem(e)})") from e
@@ -196,7 +196,7 @@ class SafetensorsFiles:
                 dtype = safetensors_dtype(str(desc.get("dtype")))
                 try:
                     if dtype is None:
-                        raise ValueError(f"safetensors dtype {desc.get('dtype')!r}, which this tool does not read")
+                        raise ValueError("a safetensors dtype this tool does not read")  # the name is the file's text: not quoted
                     shape = torch_shape(dtype, desc["shape"])
                 except (ValueError, KeyError) as e:
                     raise NotADcpCheckpointError(f"{file}: {name}: {e}") from e
@@ -239,7 +239,7 @@ class SafetensorsFiles:
 
     def _handle(self, file: Path) -> Any:
         if file not in self._open:
-            self._open[file] = safe_open(file, "pt")
+            self._open[file] = safe_open_inside(self.path, file)
         return self._open[file]
 
     def tensors(self) -> list[tuple[str, DType, tuple[int, ...]]]:

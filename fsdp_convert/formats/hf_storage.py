@@ -118,12 +118,14 @@ def describe_safetensors_dcp(root: Path) -> CheckpointIndex:
                 shape = torch_shape(dtype, _naturals(desc["shape"]))
                 begin, end = _naturals(desc["data_offsets"])
             except (KeyError, TypeError, ValueError) as e:
-                raise NotADcpCheckpointError(f"{path}: malformed header entry for {fqn} ({e!r})") from e
+                said = str(e) if isinstance(e, ValueError) else type(e).__name__  # our own words, or the kind alone
+                raise NotADcpCheckpointError(f"{path}: malformed header entry for {fqn} ({said})") from e
             where = f"{path} ({fqn})"
             if dtypes.setdefault(fqn, dtype) != dtype:
                 raise NotADcpCheckpointError(f"{where}: dtype {dtype} differs from another file's {dtypes[fqn]}")
             if not 0 <= begin <= end or data_start + end > size or end - begin != math.prod(shape) * dtype.itemsize:
-                raise CorruptChunkError(f"{where}: data range [{begin}, {end}) does not hold {dtype} {list(shape)} in the file")
+                # begin and end are the file's bytes: not quoted
+                raise CorruptChunkError(f"{where}: its data range does not hold {dtype} {list(shape)} in the file")
             ranges.append((begin, end, fqn))
             offsets = tuple(offsets_of.get(fqn, (0,) * len(shape)))
             if len(offsets) != len(shape):

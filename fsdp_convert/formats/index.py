@@ -24,7 +24,17 @@ if TYPE_CHECKING:
 
 from fsdp_convert.dtypes import ITEMSIZES, DType
 from fsdp_convert.errors import CoverageError
-from fsdp_convert.formats._paths import DictKey, ObjPath, dcp_key, flatten_with_paths, plain_path, unflatten
+from fsdp_convert.formats._paths import (
+    DictKey,
+    ObjPath,
+    dcp_key,
+    flatten_with_paths,
+    plain_path,
+    readable_name,
+    readable_path,
+    unflatten,
+)
+from fsdp_convert.formats._plain import MAX_VALUE_DEPTH, ValueShapeError, check_value, holds, values_equal
 from fsdp_convert.location import Location, Url
 
 __all__ = [
@@ -43,6 +53,13 @@ __all__ = [
     "plain_path",
     "flatten_with_paths",
     "unflatten",
+    "readable_name",
+    "readable_path",
+    "MAX_VALUE_DEPTH",  # from _plain, as the readers and verify walk plain values
+    "ValueShapeError",
+    "check_value",
+    "holds",
+    "values_equal",
     "check_coverage",
     "MAX_ENTRIES",
     "MAX_CHUNKS_PER_TENSOR",

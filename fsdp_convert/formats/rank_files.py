@@ -13,10 +13,11 @@ import functools
 import io
 import itertools
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -38,10 +39,12 @@ from fsdp_convert.formats.index import (
     ObjPath,
     TensorEntry,
     Url,
+    ValueShapeError,
+    check_value,
     dcp_key,
 )
 from fsdp_convert.formats.reader import ChunkedReader
-from fsdp_convert.location import inside
+from fsdp_convert.location import FdPath, open_inside
 
 __all__ = ["RANK_FILE_RE", "find_rank_files", "rank_files_index", "RankFilesReader"]
 
@@ -89,20 +92,30 @@ def _top_key(prefix: str) -> str:
 def _walk(obj: Any, path: ObjPath, out: list[tuple[ObjPath, Any]], where: Path) -> None:
     """Leaves of a nested state dict, by DCP's rules: dicts always, lists when they hold tensors or containers.
 
+    A loop, not a recursion: ``index.check_value`` first (each container once), then the leaves
+    in order, a container shared by several holders under each of its paths, at most 16 visits
+    per object the pickle built (``x = [x, x]`` 40 times has 2^40 paths).
+
     Raises:
-        NotADcpCheckpointError: more than ``MAX_ENTRIES`` leaves or ``_MAX_DEPTH`` levels (a pickle
-            may refer to one dict many times, or put a dict inside itself).
+        NotADcpCheckpointError: more than ``MAX_ENTRIES`` leaves or visits past that bound, values
+            nested more than ``_MAX_DEPTH`` deep, or a container that holds itself.
     """
-    if len(path) > _MAX_DEPTH or len(out) >= MAX_ENTRIES:
-        raise NotADcpCheckpointError(f"{where}: values nested more than {_MAX_DEPTH} deep or more than {MAX_ENTRIES} of them")
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            _walk(value, (*path, key), out, where)
-    elif isinstance(obj, list) and any(isinstance(v, (dict, list, torch.Tensor, Record)) for v in obj):
-        for i, value in enumerate(obj):
-            _walk(value, (*path, i), out, where)
-    else:
-        out.append((path, obj))
+    try:
+        budget = 16 * check_value(obj, _MAX_DEPTH) + 1024
+    except ValueShapeError as e:
+        raise NotADcpCheckpointError(f"{where}: {e}") from None
+    pending: list[tuple[ObjPath, Any]] = [(path, obj)]
+    while pending:
+        path, obj = pending.pop()
+        budget -= 1
+        if budget < 0 or len(out) >= MAX_ENTRIES:
+            raise NotADcpCheckpointError(f"{where}: values nested more than {_MAX_DEPTH} deep or more than {MAX_ENTRIES} of them")
+        if isinstance(obj, dict):
+            pending += [((*path, key), value) for key, value in reversed(obj.items())]
+        elif isinstance(obj, list) and any(isinstance(v, (dict, list, torch.Tensor, Record)) for v in obj):
+            pending += [((*path, i), obj[i]) for i in reversed(range(len(obj)))]
+        else:
+            out.append((path, obj))
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,8 +332,7 @@ def rank_files_index(root: Path) -> CheckpointIndex:
             path = by_rank[rank]
             files.append(path.name)
             leaves: list[tuple[ObjPath, Any]] = []
-            inside(root, path)  # no link out of the folder
-            _walk(load_rank_file(path), (), leaves, path)
+            _walk(_load_inside(root, path, None), (), leaves, path)  # no link out of the folder
             for obj_path, value in leaves:
                 where = f"{path} {'.'.join(map(str, obj_path))}"
                 local = _local_of(value, where, rank == first)
@@ -392,8 +404,7 @@ class RankFilesReader(ChunkedReader):
                 raise InvalidOptionError(f"{path}: per-rank torch.save files are read from local paths only")
             if not path.is_file():
                 raise MissingDataFileError(f"cannot open {path}: No such file")
-            inside(Path(self.root), path, follow_symlinks=self.follow_symlinks)
-            loaded = self._rank_files[relative_path] = load_rank_file(path)
+            loaded = self._rank_files[relative_path] = _load_inside(Path(self.root), path, self.follow_symlinks)
         return loaded
 
     def _load_chunk(self, entry: TensorEntry, chunk: ChunkEntry) -> Any:
@@ -417,3 +428,19 @@ class RankFilesReader(ChunkedReader):
         buf = io.BytesIO()
         torch.save(self.read_value(entry), buf)
         return buf.getvalue()
+
+
+def _load_inside(root: Path, path: Path, follow_symlinks: bool | None) -> Any:
+    """``load_rank_file`` of ``path`` opened by ``location.open_inside`` (its descriptor loaded, never its name again).
+
+    Raises:
+        As ``load_rank_file``; UnsafeContentError: a link out of ``root``; MissingDataFileError: it cannot be opened.
+    """
+    try:
+        fd = open_inside(root, path, follow_symlinks=follow_symlinks)
+    except OSError as e:
+        raise MissingDataFileError(f"cannot open {path}: {e.strerror}") from e
+    try:
+        return load_rank_file(cast(Path, FdPath(fd, path)))  # opens /proc/self/fd/N; its messages name path
+    finally:
+        os.close(fd)  # the memory map keeps the file

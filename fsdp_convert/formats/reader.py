@@ -20,7 +20,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 
 from fsdp_convert.constants import READ_LOG_ENV
 from fsdp_convert.errors import CorruptChunkError, MissingDataFileError, ShapeMismatchError, UnsafeContentError
-from fsdp_convert.formats.index import BytesEntry, ChunkEntry, Location, TensorEntry, Url
+from fsdp_convert.formats.index import BytesEntry, ChunkEntry, Location, TensorEntry, Url, ValueShapeError, check_value
 from fsdp_convert.location import follows_symlinks, open_inside, read_inside
 from fsdp_convert.remote import as_location, read_range, size_of
 
@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # torch is imported where bytes are turned into tensors: insp
     import torch
 
 __all__ = [
+    "checked_value",
     "ChunkedReader",
     "StoredBytes",
     "check_payload",
@@ -174,6 +175,20 @@ class StoredBytes:
     where: str
 
 
+def checked_value(value: Any, where: str) -> Any:
+    """``value`` (a bytes entry's, as read) when ``index.check_value`` admits it: not too deep, not holding itself.
+
+    Raises:
+        CorruptChunkError: it does not (names ``where``): the writers, ``verify`` and torch's own
+            loader walk values recursively.
+    """
+    try:
+        check_value(value)
+    except ValueShapeError as e:
+        raise CorruptChunkError(f"{where}: {e}; this tool does not read it") from None
+    return value
+
+
 def short_message(e: BaseException) -> str:
     """The first line of an exception's message (its type's name if it has none), for one-line errors."""
     text = str(e).strip()
@@ -195,14 +210,20 @@ def load_torch_save(path: Path, *, root: Path | None = None) -> Any:
     """
     import torch
 
-    legacy = sniff_file(path, root=root) == "legacy_torch_save"  # checks where the file lies
+    legacy = sniff_file(path, root=root) == "legacy_torch_save"
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=not legacy)
+        fd = open_inside(root or path, path)  # loaded through the descriptor: never by name after a check
+    except OSError as e:
+        raise CorruptChunkError(f"cannot read {path}: {e.strerror}") from e
+    try:
+        return torch.load(f"/proc/self/fd/{fd}", map_location="cpu", weights_only=True, mmap=not legacy)
     except Exception as e:
         detail = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln), None)
         if detail is not None:
             raise UnsafeContentError(f"{path}: would run code when loaded, refused ({detail})") from e
         raise CorruptChunkError(f"{path}: not a readable torch.save file ({type(e).__name__}: {short_message(e)})") from e
+    finally:
+        os.close(fd)  # a memory map of it keeps the file itself
 
 
 def check_payload(entry: TensorEntry, chunk: ChunkEntry, tensor: Any, where: str) -> torch.Tensor:

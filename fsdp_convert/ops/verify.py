@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import reprlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 from fsdp_convert.constants import UNCASTABLE_DTYPES
 from fsdp_convert.formats import Source
 from fsdp_convert.formats.full_file import MODEL_PREFIX, SafetensorsFiles
-from fsdp_convert.formats.index import dtype_name
+from fsdp_convert.formats.index import dtype_name, values_equal
 from fsdp_convert.launch import WorkerGroup, job_world_size, launched_by_torchrun, run_ranks, worker_bars
 from fsdp_convert.location import following_symlinks
 from fsdp_convert.ops._sources import FlatView, ItemsView, Side, find_side, open_source, open_view
@@ -144,7 +145,8 @@ def _compare(a: Any, b: Any, atol: float | None, rtol: float | None, *, any_nan:
     (float8 too, through float64) are equal within ``torch.allclose`` (NaNs equal). Complex,
     integer, bool and float4 tensors are always compared bitwise. With ``any_nan`` (a side was
     cast: torch's casts give a NaN's sign and payload bits by code path, vectorised or not), a
-    NaN equals any NaN; every other element still compares by its bytes.
+    NaN equals any NaN; every other element still compares by its bytes. Plain values are equal
+    when of the same types and equal item by item, floats by their bits too (``formats.index.values_equal``).
     """
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         if a.dtype != b.dtype:
@@ -179,9 +181,24 @@ def _compare(a: Any, b: Any, atol: float | None, rtol: float | None, *, any_nan:
         return f"values differ ({differing} of {a.numel()} elements)"
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return f"{type(a).__name__} != {type(b).__name__}"
-    if type(a) is not type(b) or a != b:
-        return f"{a!r} != {b!r}"
+
+    # plain values: a walk of their own (shared parts once, Ctrl-C heard), floats by their bits as tensors'
+    def tensors(x: Any, y: Any) -> bool | None:
+        return _compare(x, y, atol, rtol, any_nan=any_nan) is None if isinstance(x, torch.Tensor) else None
+
+    if not values_equal(a, b, tensors):
+        return f"{_shown(a)} != {_shown(b)}"
     return None
+
+
+_short = reprlib.Repr()
+_short.maxlevel, _short.maxstring, _short.maxother = 3, 40, 40
+
+
+def _shown(value: Any) -> str:
+    """A plain value for a message, at most 80 characters (``reprlib``: a few levels and items, never the whole)."""
+    text = _short.repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def verify(

@@ -29,7 +29,7 @@ from typing import Any
 
 from fsdp_convert.dtypes import DType, as_dtype
 from fsdp_convert.errors import CheckpointNotFoundError, InvalidOptionError, OutputWriteError
-from fsdp_convert.location import follows_symlinks, inside, open_inside, read_inside
+from fsdp_convert.location import follows_symlinks, open_inside, read_inside, stat_inside
 from fsdp_convert.remote import Url, as_location, filesystem, read_bytes, size_of
 from fsdp_convert.writers._space import free_bytes, human_bytes
 
@@ -151,7 +151,7 @@ def _local_bytes(folder: Path, relative: str, follow_symlinks: bool) -> int:
     Raises:
         UnsafeContentError: a symbolic link out of the folder. InvalidOptionError: not a regular file.
     """
-    mode_size = os.stat(inside(folder, folder / relative, follow_symlinks=follow_symlinks, what=_WHAT))
+    mode_size = stat_inside(folder, folder / relative, follow_symlinks=follow_symlinks, what=_WHAT)  # by the walk
     if not stat.S_ISREG(mode_size.st_mode):
         raise InvalidOptionError(f"--hf-assets {folder / relative} is not a regular file; refused")
     return mode_size.st_size

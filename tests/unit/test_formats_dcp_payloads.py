@@ -100,7 +100,10 @@ def test_safetensors_header_that_disagrees_with_metadata_is_refused(tmp_path: Pa
         md.chunks[0].sizes = torch.Size([4, 3])
 
     _rewrite_metadata(tmp_path, transpose_w)
-    with pytest.raises(NotADcpCheckpointError, match=r"__0_0\.distcp \(model\.w\): the safetensors header says F32 \[3, 4\]"):
+    with pytest.raises(
+        NotADcpCheckpointError,
+        match=r"__0_0\.distcp \(model\.w\): the safetensors header disagrees with \.metadata on the chunk's shape",
+    ):
         read_index(tmp_path)
 
 
@@ -111,7 +114,10 @@ def test_unreadable_safetensors_header_is_corrupt_naming_the_file(tmp_path: Path
     raw = bytearray(data.read_bytes())
     raw[at : at + 8] = (2**40).to_bytes(8, "little")
     data.write_bytes(bytes(raw))
-    with pytest.raises(CorruptChunkError, match=r"__0_0\.distcp \(.*\): safetensors header length 1099511627776 at byte"):
+    with pytest.raises(
+        CorruptChunkError,
+        match=r"__0_0\.distcp \(.*\): the safetensors header at byte \d+ has a length that does not fit the file",
+    ):
         read_index(tmp_path)
 
 
@@ -201,7 +207,7 @@ def test_zstd_decoded_payload_crc_is_checked(tmp_path: Path) -> None:
     ]
     zip_bytes[storage.data_offset + 5] ^= 0x10
     _replace_payload(tmp_path, "model.w", (0, 0), zstandard.ZstdCompressor().compress(bytes(zip_bytes)))
-    with pytest.raises(CorruptChunkError, match=r"\(model\.w\): CRC-32 mismatch in record data/0"):
+    with pytest.raises(CorruptChunkError, match=r"\(model\.w\): CRC-32 mismatch in a record of its torch.save zip"):
         _read_all(tmp_path)
 
 

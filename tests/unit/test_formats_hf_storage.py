@@ -85,7 +85,7 @@ def test_bad_header_is_corrupt(tmp_path: Path, content: bytes, message: str) -> 
 @pytest.mark.parametrize("offsets", [[0, 48], [24, 48], [4, 24]], ids=["past the end", "after the data", "not the shape"])
 def test_data_offsets_outside_the_file_are_corrupt(tmp_path: Path, offsets: list[int]) -> None:
     _safetensors(tmp_path / "model.safetensors", _one_tensor(offsets=offsets), bytes(24))
-    with pytest.raises(CorruptChunkError, match=r"data range \[\d+, \d+\) does not hold"):
+    with pytest.raises(CorruptChunkError, match=r"its data range does not hold"):
         describe_safetensors_dcp(tmp_path)
 
 
