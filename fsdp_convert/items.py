@@ -32,6 +32,7 @@ from fsdp_convert.formats.index import (
     flatten_with_paths,
     holds,
 )
+from fsdp_convert.location import read_inside
 from fsdp_convert.producers import detect_producer, merged_files
 from fsdp_convert.remote import read_bytes, size_of
 from fsdp_convert.roles import MEGATRON_OPTIM_PREFIX, Group, classify, dcp_key, group_of_top
@@ -45,6 +46,7 @@ __all__ = ["MERGED_TENSOR_MAX_BYTES", "prepare_items", "read_merged", "leave_out
 
 # a tensor in a merged file (common.pt's step, a meta.pt counter) is read into memory at items time
 MERGED_TENSOR_MAX_BYTES = 1 << 20
+MERGED_FILE_MAX_BYTES = 256 << 20  # the side file is loaded whole: plain values and small tensors
 
 
 def _value_reader(source: CheckpointIndex | Source, check_crc: bool) -> Reader:
@@ -178,15 +180,20 @@ def read_merged(index: CheckpointIndex) -> dict[str, Any] | None:
             leaves the file out).
     """
     where = _merged_location(index)
-    return None if where is None else _load_merged(where)
+    return None if where is None else _load_merged(where, index.checkpoint_id)
 
 
-def _load_merged(where: Path | Url) -> dict[str, Any]:
-    """``read_merged``'s load and checks of the file at ``where`` (same Raises)."""
+def _load_merged(where: Path | Url, root: Path | Url) -> dict[str, Any]:
+    """``read_merged``'s load and checks of the file at ``where``, in checkpoint ``root`` (same Raises)."""
     import torch
 
     try:
-        raw = read_bytes(where) if isinstance(where, Url) else where.read_bytes()
+        if isinstance(where, Url):
+            raw = read_bytes(where)
+        elif (local := read_inside(Path(root), where, MERGED_FILE_MAX_BYTES)) is None:  # never by name: no link out
+            raise CorruptChunkError(f"{where} is larger than {MERGED_FILE_MAX_BYTES} bytes; use --layout nested to leave it out")
+        else:
+            raw = local
         meta = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         detail = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln), None)
@@ -265,7 +272,7 @@ def _merged_items(index: CheckpointIndex, items: tuple[OutputItem, ...]) -> tupl
         As ``read_merged``.
     """
     where = _merged_location(index)
-    meta = None if where is None else _load_merged(where)
+    meta = None if where is None else _load_merged(where, index.checkpoint_id)
     if not meta or where is None:
         return ()
     paths = {item.path for item in items}
@@ -290,7 +297,10 @@ def _merged_items(index: CheckpointIndex, items: tuple[OutputItem, ...]) -> tupl
                 except ValueError as e:  # a key neither a string nor an integer
                     raise UnsupportedTransformError(f"{where}: {e}; use --layout nested to leave {where.name} out") from e
             elif _holds_tensor(value):  # its tensors are items of their own, as DCP flattens them
-                leaves += [((*path, *p[1:]), v) for p, v in flatten_with_paths({key: value}).values()]
+                try:
+                    leaves += [((*path, *p[1:]), v) for p, v in flatten_with_paths({key: value}).values()]
+                except ValueError as e:  # shared into too many paths (x = [x, x]), or a key of another type
+                    raise UnsupportedTransformError(f"{where}: {e}; use --layout nested to leave {where.name} out") from e
             else:
                 leaves.append((path, value))
     return tuple(

@@ -278,7 +278,7 @@ def safe_open_inside(root: Path, file: Path) -> Any:
 
 # the last component: never through a link, never blocking on a FIFO, never a controlling terminal
 _LAST = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
-_FOLDER = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_DIRECTORY
+_FOLDER = os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_DIRECTORY  # O_PATH: a folder one may only traverse (x, not r) is walked
 _lock = threading.Lock()
 _scopes = 0  # following_symlinks blocks open in this process
 _held: dict[str, _Root] = {}  # absolute root as named -> its descriptor, while a block is open

@@ -61,7 +61,8 @@ class StallWatch:
         self.seconds = stall_seconds() if seconds is None else seconds
         self._seen: dict[int, tuple[int, float, str]] = {}  # rank -> (CPU ticks, when they last moved, state)
         self._reported: set[int] = set()  # ranks reported in their current stall
-        self._moved = time.monotonic()  # when a worker last used CPU or finished
+        self._moved = time.monotonic()  # when a worker last used CPU
+        self._finished = False  # a worker has finished: those left may wait on the parent, not stalled
 
     @property
     def interval(self) -> float | None:
@@ -74,13 +75,14 @@ class StallWatch:
         """Read the ``running`` ranks' CPU time and report each stall once (a logged warning)."""
         now = time.monotonic()
         running = set(running)
-        if set(self._seen) - running:  # a worker finished: the job moved (its peers may wait on it a while)
-            self._moved = now
+        if set(self._seen) - running:
+            self._finished = True
             self._seen = {rank: seen for rank, seen in self._seen.items() if rank in running}
         for rank in running:
             stat = _stat(self._pids[rank])
-            if stat is None:
+            if stat is None or stat[0] == "Z":  # gone or exiting (its sentinel not seen yet): finished
                 self._seen.pop(rank, None)
+                self._finished = True
                 continue
             state, ticks = stat
             ticks_before, since, _ = self._seen.get(rank, (-1, now, state))
@@ -98,7 +100,13 @@ class StallWatch:
             )
         if stopped:  # the cause of this stall: its peers, waiting for it, are not reported again
             self._reported |= set(idle)
-        elif idle and len(idle) == len(self._seen) and now - self._moved >= self.seconds and not self._reported & set(idle):
+        elif (
+            idle
+            and not self._finished
+            and len(idle) == len(self._seen)
+            and now - self._moved >= self.seconds
+            and not self._reported & set(idle)
+        ):
             named = ", ".join(
                 f"rank {r} (pid {self._pids[r]}, {_STATES.get(s, 'state ' + s)})" for r, (_, _, s) in sorted(idle.items())
             )

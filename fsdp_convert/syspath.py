@@ -30,11 +30,18 @@ _FILE_MODULES: dict[str, tuple[str, bool, ModuleType]] = {}
 
 
 def _main_script_dir() -> str | None:
-    """The folder of the script the user ran (``python train.py``, the ``fsdp-convert`` console script), if one."""
+    """The folder the user's own main code was imported from, if any.
+
+    A script's (``python train.py``, the ``fsdp-convert`` console script), or the folder holding
+    the top package of ``python -m tools.run``: the user chose that code, and its workers import it.
+    """
     main = sys.modules.get("__main__")
-    if main is None or getattr(main, "__spec__", None) is not None or not getattr(main, "__file__", None):
-        return None  # python -m / -c / an interactive session: their first entry is the current folder, not a script's
-    return os.path.realpath(os.path.dirname(os.path.abspath(str(main.__file__))))
+    if main is None or not getattr(main, "__file__", None):
+        return None  # python -c, an interactive session: their first entry is the current folder, not a script's
+    file = Path(os.path.abspath(str(main.__file__)))
+    spec = getattr(main, "__spec__", None)
+    depth = len(spec.name.split(".")) if spec is not None and spec.name else 1  # tools.run: tools/run.py, two up
+    return os.path.realpath(file.parents[depth - 1])
 
 
 def worker_sys_path() -> list[str]:

@@ -855,8 +855,8 @@ MUTATIONS: list[Mutation] = [
         "walk-follows-folder-links",
         "docs/safety.md: files are opened by a walk from the folder's held descriptor with `O_NOFOLLOW` on every component",
         "fsdp_convert/location.py",
-        "_FOLDER = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_DIRECTORY",
-        "_FOLDER = os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECTORY",
+        "_FOLDER = os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_DIRECTORY",
+        "_FOLDER = os.O_PATH | os.O_CLOEXEC | os.O_DIRECTORY",
         "tests/redteam/test_reads_race.py::test_a_folder_swapped_for_a_link_between_two_opens_is_refused",
     ),
     Mutation(

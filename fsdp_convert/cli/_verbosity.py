@@ -49,7 +49,11 @@ def set_verbosity(verbose: int, quiet: int, *, reset: bool = False) -> None:
 
 def _escape_record(record: logging.LogRecord) -> bool:
     """Make a record's message terminal-safe (``escape_controls``: it may name a checkpoint's keys); keeps every record."""
-    record.msg, record.args = escape_controls(record.getMessage()), None
+    try:
+        message = record.getMessage()
+    except Exception:  # a call's bad arguments: left to the handler, which reports it as logging does
+        return True
+    record.msg, record.args = escape_controls(message), None
     return True
 
 

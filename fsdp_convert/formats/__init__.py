@@ -18,7 +18,7 @@ builds a ``CheckpointIndex`` (``formats/index.py``, the data model, no I/O) and 
 format twice. Submodules are imported where used, so that importing ``formats.index`` loads
 nothing else.
 
-Every local file a format opens is checked to lie inside the checkpoint (``location.inside``):
+Every local file a format opens is checked to lie inside the checkpoint (``location.open_inside``):
 a symbolic link out of it is refused unless ``follow_symlinks=True`` (the CLI's
 ``--follow-symlinks``) or the process's ``location.following_symlinks`` setting allows it.
 """
@@ -184,7 +184,7 @@ class Source:
 
         Raises:
             MissingDataFileError: naming the first missing or unreadable file.
-            UnsafeContentError: a data file is a symbolic link out of the checkpoint (``location.inside``).
+            UnsafeContentError: a data file is a symbolic link out of the checkpoint (``location.open_inside``).
         """
         check_data_files(self.index, follow_symlinks=self.follow_symlinks)
 
@@ -369,7 +369,7 @@ def check_data_files(index: CheckpointIndex, *, follow_symlinks: bool | None = N
 
     Raises:
         MissingDataFileError: naming the first missing or unreadable file.
-        UnsafeContentError: a data file is a symbolic link out of the checkpoint (``location.inside``).
+        UnsafeContentError: a data file is a symbolic link out of the checkpoint (``location.open_inside``).
     """
     from fsdp_convert.formats.index import Url
     from fsdp_convert.remote import size_of

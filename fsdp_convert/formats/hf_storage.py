@@ -48,7 +48,7 @@ def has_sharding_info(root: Path) -> bool:
     """True when a safetensors file in ``root`` carries DCP sharding info (``HuggingFaceStorageWriter``).
 
     Raises:
-        UnsafeContentError: a safetensors file is a symbolic link out of ``root`` (``location.inside``).
+        UnsafeContentError: a safetensors file is a symbolic link out of ``root`` (``location.open_inside``).
     """
     for path in safetensors_files(root):
         try:
@@ -96,7 +96,7 @@ def describe_safetensors_dcp(root: Path) -> CheckpointIndex:
             dtype name not in the table, or two files that disagree on a tensor's dtype or number of dims.
         CorruptChunkError: an unreadable header, or a tensor's byte range that lies outside its
             file, does not fit its shape, or overlaps another tensor's.
-        UnsafeContentError: a safetensors file is a symbolic link out of ``root`` (``location.inside``).
+        UnsafeContentError: a safetensors file is a symbolic link out of ``root`` (``location.open_inside``).
     """
     files = safetensors_files(root)
     if not files:

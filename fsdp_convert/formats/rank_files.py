@@ -89,30 +89,34 @@ def _top_key(prefix: str) -> str:
     return {"model": "model", "optim": "optim", "optimizer": "optim"}.get(prefix, prefix)
 
 
+_ENTRY = (dict, list, torch.Tensor, Record)  # a list holding one of these is a container of entries (DCP's rule)
+
+
 def _walk(obj: Any, path: ObjPath, out: list[tuple[ObjPath, Any]], where: Path) -> None:
     """Leaves of a nested state dict, by DCP's rules: dicts always, lists when they hold tensors or containers.
 
-    A loop, not a recursion: ``index.check_value`` first (each container once), then the leaves
-    in order, a container shared by several holders under each of its paths, at most 16 visits
-    per object the pickle built (``x = [x, x]`` 40 times has 2^40 paths).
+    A loop: ``index.check_value`` first, then the leaves in order, a shared container under each of its
+    paths, each path paying for its items: at most 16 per object built (``x = [x, x]`` x 40: 2^40 paths).
 
     Raises:
-        NotADcpCheckpointError: more than ``MAX_ENTRIES`` leaves or visits past that bound, values
-            nested more than ``_MAX_DEPTH`` deep, or a container that holds itself.
+        NotADcpCheckpointError: past ``MAX_ENTRIES`` leaves or that bound, ``_MAX_DEPTH`` levels, or a value in itself.
     """
     try:
         budget = 16 * check_value(obj, _MAX_DEPTH) + 1024
     except ValueShapeError as e:
         raise NotADcpCheckpointError(f"{where}: {e}") from None
     pending: list[tuple[ObjPath, Any]] = [(path, obj)]
+    expands: dict[int, bool] = {}  # a list's items are entries (it holds containers or tensors): decided once per list
     while pending:
         path, obj = pending.pop()
-        budget -= 1
+        budget -= 1 + (len(obj) if isinstance(obj, (dict, list)) else 0)  # each path pays for what it holds
         if budget < 0 or len(out) >= MAX_ENTRIES:
             raise NotADcpCheckpointError(f"{where}: values nested more than {_MAX_DEPTH} deep or more than {MAX_ENTRIES} of them")
         if isinstance(obj, dict):
             pending += [((*path, key), value) for key, value in reversed(obj.items())]
-        elif isinstance(obj, list) and any(isinstance(v, (dict, list, torch.Tensor, Record)) for v in obj):
+        elif isinstance(obj, list) and (
+            expands[id(obj)] if id(obj) in expands else expands.setdefault(id(obj), any(isinstance(v, _ENTRY) for v in obj))
+        ):
             pending += [((*path, i), obj[i]) for i in reversed(range(len(obj)))]
         else:
             out.append((path, obj))

@@ -71,7 +71,7 @@ def read_json_file(root: Path, path: Path, max_bytes: int) -> Any:
 
     Raises:
         CorruptChunkError: larger than ``max_bytes``, unreadable, or not JSON (messages quote none of it).
-        UnsafeContentError: a symbolic link out of ``root`` (``location.inside``).
+        UnsafeContentError: a symbolic link out of ``root`` (``location.open_inside``).
     """
     try:
         raw = read_inside(root, path, max_bytes)
@@ -95,7 +95,7 @@ def read_safetensors_header(path: Path, *, root: Path | None = None) -> tuple[di
     Args:
         path: the file.
         root: the checkpoint folder it is part of; a link out of it is refused
-            (``location.inside``). None: ``path`` is what the user named.
+            (``location.open_inside``). None: ``path`` is what the user named.
 
     Raises:
         CorruptChunkError: truncated file, oversized or malformed header, not a regular file.

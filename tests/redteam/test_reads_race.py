@@ -27,7 +27,7 @@ from fsdp_convert.location import HELD_ROOTS_ENV, following_symlinks, open_insid
 
 SECRET = b"API_KEY=hunter2-" * 64  # 1 KiB: the outside tensor's bytes, and the outside tokenizer.json
 MARKERS = (b"API_KEY", b"hunter2", str(int.from_bytes(SECRET[:8], "little")).encode(), str(int.from_bytes(SECRET[:8])).encode())
-RACE_SECONDS = 4.0  # today's code leaked within a second here; the fixed code must hold for all of it
+RACE_SECONDS = 3.0  # today's code leaked within a second here; the fixed code must hold for all of it
 
 # swaps two names in a tight loop: renameat2(RENAME_EXCHANGE), or two renames where it is missing
 _SWAPPER = """

@@ -221,3 +221,25 @@ def test_a_stopped_worker_is_named_once_by_rank_and_pid_and_the_run_goes_on(tmp_
     assert proc.returncode == 0 and stdout.strip() == "[(0, 0), (1, 1)]", lines
     assert len(lines) == 1 and f"worker rank 1 (pid {pid}) is stopped" in lines[0], lines  # once, and not its waiting peer
     assert 0.9 < reported_after < 5
+
+
+def test_a_library_caller_run_as_python_m_keeps_its_own_package_for_the_workers(tmp_path: Path) -> None:
+    """N1's fix leaves the user's own code importable: ``python -m mytools.run`` from its project folder runs its
+    module-level job in 2 local workers (was: ModuleNotFoundError in the workers once the current folder was dropped)."""
+    project = tmp_path / "proj"
+    (project / "mytools").mkdir(parents=True)
+    (project / "mytools" / "__init__.py").write_text("")
+    (project / "mytools" / "jobs.py").write_text("def fn(job, rank, nproc, group):\n    return rank * 10\n")
+    (project / "mytools" / "run.py").write_text(
+        "import mytools.jobs\n"
+        "from fsdp_convert._local_workers import run_local\n"
+        "from fsdp_convert.launch import start_worker_server\n"
+        "if __name__ == '__main__':\n"
+        "    start_worker_server()\n"
+        "    print(sorted(run_local(mytools.jobs.fn, None, 2).items()))\n"
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "mytools.run"], cwd=project, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[(0, 0), (1, 10)]"

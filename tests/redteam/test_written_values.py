@@ -76,6 +76,15 @@ def _same(a: Any, b: Any) -> None:
         assert a == b
 
 
+def _dcp_train_rng(folder: Path) -> Any:
+    """``train.rng`` as ``dcp.load`` reads it from ``folder``."""
+    target: dict[str, Any] = {"model": {"w": torch.empty(4, 3)}, "train": {"rng": None, "epoch": None}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, checkpoint_id=folder, no_dist=True)
+    return target["train"]["rng"]
+
+
 def test_tuple_of_tensors_in_a_pt_loads_weights_only(tmp_path: Path) -> None:
     """The repro: a tuple of tensors in the train state; the .pt loads with weights_only=True, equal, views kept."""
     ckpt = _save(tmp_path / "ckpt", _state())
@@ -132,16 +141,12 @@ def test_reshard_keeps_the_tensors(tmp_path: Path) -> None:
     """reshard to DCP: dcp.load reads the same tensors back, and the output consolidates to a weights_only file."""
     ckpt = _save(tmp_path / "ckpt", _state())
     fsdp_convert.reshard(ckpt, tmp_path / "out", world_size=2)
-    target: dict[str, Any] = {"model": {"w": torch.empty(4, 3)}, "train": {"rng": None, "epoch": None}}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(target, checkpoint_id=tmp_path / "out", no_dist=True)
-    _same(target["train"]["rng"], _rng())
+    _same(_dcp_train_rng(tmp_path / "out"), _rng())
     fsdp_convert.consolidate(tmp_path / "out", tmp_path / "again.pt", nproc=1)
     _same(torch.load(tmp_path / "again.pt", weights_only=True)["train"]["rng"], _rng())
 
 
-def test_the_pt_written_is_read_back_by_verify_inspect_and_reshard(tmp_path: Path) -> None:
+def test_the_pt_written_is_read_back_by_verify_and_reshard(tmp_path: Path) -> None:
     """The .pt written from such a value is a source like any other: --verify passes, verify and reshard read it bit for bit."""
     ckpt = _save(tmp_path / "ckpt", _state())
     out = tmp_path / "full.pt"
@@ -149,11 +154,7 @@ def test_the_pt_written_is_read_back_by_verify_inspect_and_reshard(tmp_path: Pat
     assert result.code == 0, result.stderr
     assert fsdp_convert.verify(ckpt, out).equal
     fsdp_convert.reshard(out, tmp_path / "again", world_size=2)
-    target: dict[str, Any] = {"model": {"w": torch.empty(4, 3)}, "train": {"rng": None, "epoch": None}}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(target, checkpoint_id=tmp_path / "again", no_dist=True)
-    _same(target["train"]["rng"], _rng())
+    _same(_dcp_train_rng(tmp_path / "again"), _rng())
 
 
 def test_a_pt_source_with_a_tensor_it_cannot_write_inside_a_value_is_refused(tmp_path: Path) -> None:
