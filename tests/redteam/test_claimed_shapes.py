@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+import fsdp_convert
 from fsdp_convert.errors import UnsupportedTransformError
 from fsdp_convert.transform.unstack import MAX_EMPTY_SPLIT, check_split
 
@@ -71,8 +72,7 @@ def test_qwen3_expert_split_of_a_claimed_empty_stack_is_refused(tmp_path: Path) 
 def test_a_few_empty_layers_still_unstack(tmp_path: Path) -> None:
     """A zero-size stacked tensor of a few layers (a real model's empty buffer) is still split, one empty tensor per layer."""
     ckpt = _megatron(tmp_path / "ckpt", (3, 0, 2))
-    result = attack(["consolidate", ckpt, tmp_path / "out.pt", "--unstack-layers"])
-    assert result.code == 0, result.stderr
+    fsdp_convert.consolidate(ckpt, tmp_path / "out.pt", options=fsdp_convert.TransformOptions(unstack_layers=True))
     model = torch.load(tmp_path / "out.pt", weights_only=True)["model"]
     assert [tuple(model[f"decoder.layers.{i}.mlp.linear_fc2.weight"].shape) for i in range(3)] == [(0, 2)] * 3
 

@@ -80,6 +80,15 @@ def _consolidate_in_process(source: Path, out: Path) -> None:
     assert time.monotonic() - start < SECONDS_BOUND
 
 
+def _refused_in_process(source: Path, out: Path, why: str) -> None:
+    """consolidate and verify of ``source`` each refuse it in one line naming the file and ``'extra'`` (exit code 1)."""
+    with pytest.raises(CorruptChunkError, match=f"'extra'.*{why}") as refused:
+        fsdp_convert.consolidate(source, out)
+    assert refused.value.exit_code == 1 and source.name in str(refused.value) and "\n" not in str(refused.value)
+    with pytest.raises(CorruptChunkError, match=why):
+        fsdp_convert.verify(source, source)
+
+
 def _check_bounds(run: Any) -> None:
     assert run.seconds < SECONDS_BOUND + 5, run  # start-up (torch's import) dominates on a slow machine
     assert run.max_rss_bytes < RSS_BOUND_BYTES, run
@@ -148,22 +157,12 @@ def test_deep_pt_value_refused_in_one_line(tmp_path: Path, depth: int) -> None:
         (line,) = run.error_lines
         assert "deep.pt" in line and "'extra'" in line and "nested more than" in line, line
         _check_bounds(run)
-    with pytest.raises(CorruptChunkError, match="'extra'.* nested more than") as refused:
-        fsdp_convert.consolidate(source, tmp_path / "out.pt")
-    assert refused.value.exit_code == 1 and "deep.pt" in str(refused.value)
-    with pytest.raises(CorruptChunkError, match="nested more than"):
-        fsdp_convert.verify(source, source)
+    _refused_in_process(source, tmp_path / "out.pt", "nested more than")
 
 
 def test_pt_value_that_holds_itself_refused_in_one_line(tmp_path: Path) -> None:
-    source = _save_pt(tmp_path / "loop.pt", _holds_itself())
-    run = attack(["consolidate", source, tmp_path / "out.pt"], timeout=30)
-    assert run.code == 1, run.stderr
-    (line,) = run.error_lines
-    assert "loop.pt" in line and "'extra'" in line and "contains itself" in line, line
-    _check_bounds(run)
-    with pytest.raises(CorruptChunkError, match="contains itself"):
-        fsdp_convert.verify(source, source)
+    source = _save_pt(tmp_path / "loop.pt", _holds_itself())  # the CLI's exit code: the DCP case below
+    _refused_in_process(source, tmp_path / "out.pt", "contains itself")
 
 
 def test_dcp_value_that_holds_itself_refused_in_one_line(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.planner_helpers import _create_write_item_for_bytesio
 
 import fsdp_convert
+from fsdp_convert.errors import CheckpointError
 
 from ._attack import RSS_BOUND_BYTES, SECONDS_BOUND, attack
 
@@ -150,8 +151,7 @@ def test_the_pt_written_is_read_back_by_verify_and_reshard(tmp_path: Path) -> No
     """The .pt written from such a value is a source like any other: --verify passes, verify and reshard read it bit for bit."""
     ckpt = _save(tmp_path / "ckpt", _state())
     out = tmp_path / "full.pt"
-    result = attack(["consolidate", ckpt, out, "--verify"])
-    assert result.code == 0, result.stderr
+    fsdp_convert.consolidate(ckpt, out, verify_output=True)
     assert fsdp_convert.verify(ckpt, out).equal
     fsdp_convert.reshard(out, tmp_path / "again", world_size=2)
     _same(_dcp_train_rng(tmp_path / "again"), _rng())
@@ -160,9 +160,9 @@ def test_the_pt_written_is_read_back_by_verify_and_reshard(tmp_path: Path) -> No
 def test_a_pt_source_with_a_tensor_it_cannot_write_inside_a_value_is_refused(tmp_path: Path) -> None:
     """A sparse tensor inside a tuple cannot be written back: refused in one line naming the key, nothing written."""
     torch.save({"model": {"w": torch.ones(2)}, "train": {"rng": (torch.ones(2).to_sparse(), 1)}}, tmp_path / "src.pt")
-    result = attack(["reshard", tmp_path / "src.pt", tmp_path / "out", "--world-size", "2"])
-    assert result.code not in (0, 70) and len(result.error_lines) == 1, result.stderr
-    assert "train.rng" in result.error_lines[0] and "cannot write" in result.error_lines[0]
+    with pytest.raises(CheckpointError, match=r"train\.rng.*cannot write") as refused:
+        fsdp_convert.reshard(tmp_path / "src.pt", tmp_path / "out", world_size=2)
+    assert refused.value.exit_code not in (0, 70) and "\n" not in str(refused.value)
     assert not (tmp_path / "out").exists()
 
 
