@@ -302,11 +302,11 @@ class _Root:
     base_real: str
     below: tuple[str, ...]
     users: int = 0  # walks in progress (any thread), under ``_lock``: the last one closes a root no block holds
+    what: str = ""  # what it is, for messages; a folder below it is reached from it only if of the same kind
 
     def close(self) -> None:
-        if self.base != self.fd:
-            os.close(self.base)
-        os.close(self.fd)
+        for fd in {self.base, self.fd}:
+            os.close(fd)
 
     def refuse(self, path: Path, what: str) -> UnsafeContentError:
         refused = f"{path} is a symbolic link that leads outside {what} ({self.named}); refused. If it links into a shared store,"
@@ -391,10 +391,10 @@ def _root(root: Path, what: str) -> Iterator[_Root]:
     with _lock:
         held = _held.get(key)
         if held is None:
-            # a folder below a held root (accelerate's subfolders, OLMo-core's model_and_optim) is reached from it
-            above = next((h for k, h in _held.items() if key.startswith(k.rstrip("/") + "/") and h.fd == h.base), None)
-            below = None if above is None else above.walk(Path(root), what, open_last=False)
-            held = _open_root(Path(root), key, what, below)
+            # a format's folder below its held root (accelerate's) is reached from it; --hf-assets is a root of its own
+            above = [h for k, h in _held.items() if key.startswith(k.rstrip("/") + "/") and h.fd == h.base and h.what == what]
+            held = _open_root(Path(root), key, what, above[0].walk(Path(root), what, open_last=False) if above else None)
+            held.what = what
             if _scopes:
                 _held[key] = held
                 st = os.fstat(held.fd)

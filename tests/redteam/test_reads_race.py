@@ -225,3 +225,23 @@ def test_a_root_walked_by_another_thread_outlives_the_block_that_held_it(tmp_pat
     walk.__exit__(None, None, None)
     with pytest.raises(OSError):
         os.fstat(held.base)  # closed by its last walk, once
+
+
+def test_a_linked_assets_folder_inside_the_checkpoint_is_a_root_of_its_own(tmp_path: Path) -> None:
+    """``--hf-assets ck/tokenizer`` where ``tokenizer`` links into a shared store reads as it does alone (a root may be a
+    link), even after the checkpoint's own root is held; a format's own subfolder linked out of the checkpoint does not."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "tok.json").write_text("{}")
+    root = tmp_path / "ck"
+    root.mkdir()
+    (root / "x").write_text("x")
+    (root / "tokenizer").symlink_to(shared)
+    for what in ("the --hf-assets folder", "the checkpoint"):
+        with following_symlinks(None):
+            assert read_inside(root, root / "x", 10) == b"x"  # the checkpoint's root is held from here
+            if what == "the checkpoint":  # a subfolder of the checkpoint's format: reached from its root, not followed out
+                with pytest.raises(UnsafeContentError, match="leads outside"):
+                    read_inside(root / "tokenizer", root / "tokenizer" / "tok.json", 10, what=what)
+            else:
+                assert read_inside(root / "tokenizer", root / "tokenizer" / "tok.json", 10, what=what) == b"{}"
