@@ -27,11 +27,10 @@ from fsdp_convert.formats.index import (
     CheckpointIndex,
     ObjPath,
     Url,
-    ValueShapeError,
-    check_value,
     flatten_with_paths,
     holds,
 )
+from fsdp_convert.formats.reader import checked_value
 from fsdp_convert.location import read_inside
 from fsdp_convert.producers import detect_producer, merged_files
 from fsdp_convert.remote import read_bytes, size_of
@@ -204,10 +203,7 @@ def _load_merged(where: Path | Url, root: Path | Url) -> dict[str, Any]:
         raise CorruptChunkError(f"{where}: does not load as a torch.save file ({e})") from e
     if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
         raise CorruptChunkError(f"{where}: expected a dict with string keys (Lightning's meta.pt), got {type(meta).__name__}")
-    try:
-        check_value(meta)  # the walks below and the writers recurse: a bounded depth, no value holding itself
-    except ValueShapeError as e:
-        raise CorruptChunkError(f"{where}: {e}; this tool does not read it") from None
+    checked_value(meta, str(where))  # the walks below and the writers recurse: a bounded depth, no value holding itself
     for key, value in meta.items():
         why = _unmergeable(value)
         if why is not None:

@@ -240,7 +240,7 @@ def write_torch_save_headers(
     except ValueError:  # a tensor inside a value: its storages get records of their own, keys after the items'
         pickled, storages = dumps_with_storages(state, len(items))
     extra = [(key, storage.nbytes()) for key, storage in storages.items()]
-    image = _container(slots, pickled, extra) if extra else _container(slots, pickled)
+    image = _container(slots, pickled, extra)
     if _data_offsets(image, len(items)) != list(data_offsets):
         raise ValueError("torch.save storage offsets changed between planning and writing")
     at = _storage_offsets(image)

@@ -115,13 +115,15 @@ def _as_reference(obj: Any) -> Any:
     return obj
 
 
-def _torch_container(entries: Sequence[TensorSlot | None], pickled: bytes) -> _HeaderImage:
+def _torch_container(entries: Sequence[TensorSlot | None], pickled: bytes, extra: Sequence[tuple[str, int]] = ()) -> _HeaderImage:
     """``writers.torch_save._container`` as it was: torch's own zip writer, CRC-32s left 0."""
     image = _HeaderImage()
     writer = open_torch_save_writer(image, compute_crc32=False)  # type: ignore[arg-type]
     for j, slot in enumerate(entries):
         if slot is not None:
             reserve_record(writer, f"data/{j}", slot.nbytes)
+    for key, nbytes in extra:
+        reserve_record(writer, f"data/{key}", nbytes)
     records = [("data.pkl", pickled), (".format_version", b"1"), (".storage_alignment", str(storage_alignment()).encode())]
     for name, raw in [*records, ("byteorder", sys.byteorder.encode())]:
         writer.write_record(name, raw, len(raw))
