@@ -4,8 +4,9 @@
 no torch), so a worker whose job needs no torch starts in milliseconds. They meet in a ``PipeGroup``
 (a socket pair between rank 0 and each other rank, JSON records only, never a peer's pickle) and
 count progress in one small file every worker maps (``FileCounter``). The parent watches every
-worker's sentinel: one that dies fails the job at once, its peers stopped. ``launch`` keeps torch's
-elastic launcher and gloo for many nodes and torchrun; the error records (``failure``) serve both.
+worker's sentinel: one that dies fails the job at once, its peers stopped, and the workers' error
+records name the cause (``_worker_failures``). Many nodes and torchrun use torch's elastic
+launcher and gloo instead (``launch``, ``_gloo_workers``).
 """
 
 from __future__ import annotations
@@ -26,15 +27,14 @@ import struct
 import sys
 import tempfile
 import threading
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fsdp_convert import errors
-from fsdp_convert.errors import CheckpointError, TerminatedError, WorkerFailedError
+from fsdp_convert._worker_failures import PEER_LOST, error_record, failure, first_line
+from fsdp_convert.errors import TerminatedError
 from fsdp_convert.signals import hold_signals, raise_or_defer
 from fsdp_convert.stall import StallWatch
 from fsdp_convert.syspath import clean_sys_path, file_modules, import_file_modules
@@ -48,7 +48,6 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_LOCAL_WORKERS",
     "LIGHT_WORKER_PRELOAD",
-    "PEER_LOST",
     "WorkerGroup",
     "PipeGroup",
     "PeerLostError",
@@ -56,14 +55,11 @@ __all__ = [
     "LAUNCHER_VARS",
     "take_callers_environ",
     "prefix_worker_logs",
-    "error_record",
-    "failure",
     "run_local",
 ]
 
 # what the torch-free forkserver imports once, before it forks any worker (launch.start_worker_server)
 LIGHT_WORKER_PRELOAD = ("__main__", "fsdp_convert._local_workers")
-PEER_LOST = "lost its connection to a peer worker"
 STOP_WAIT_S = 5.0  # a worker told to stop (SIGTERM) is killed (SIGKILL) after this many seconds
 
 
@@ -72,7 +68,7 @@ class WorkerGroup:
 
     Every worker writes its own tensors straight into the output files, so what rank 0 needs from
     the others is a list of ``(offset, length, CRC-32)`` per worker. Two kinds: ``PipeGroup`` (local
-    workers) and ``launch.GlooGroup`` (torch's gloo: many nodes, the user's torchrun).
+    workers) and ``_gloo_workers.GlooGroup`` (torch's gloo: many nodes, the user's torchrun).
 
     Attributes:
         counter: the job's progress counters, where the group carries them (None: ``launch.worker_bars``
@@ -232,69 +228,6 @@ def prefix_worker_logs(rank: int) -> None:
         logger_.handlers[:] = [handler]
         logger_.propagate = False
     logging.captureWarnings(True)
-
-
-def error_record(error_dir: str, rank: int, e: BaseException, message: str) -> int:
-    """Write worker ``rank``'s record of ``e`` as ``<error_dir>/rank<N>.json`` for ``failure``; the exit code to end with.
-
-    ``message`` is the one line for an error that is not a CheckpointError (a CheckpointError's own is used).
-    """
-    checkpoint_error = isinstance(e, CheckpointError)
-    record = {
-        "rank": rank,
-        "type": type(e).__name__ if checkpoint_error else None,
-        "message": str(e) if checkpoint_error else message,
-        "cli_message": e.cli_text() if isinstance(e, CheckpointError) else None,  # the CLI's wording (flags)
-        "traceback": traceback.format_exc(),
-    }
-    Path(error_dir, f"rank{rank}.json").write_text(json.dumps(record))
-    return e.exit_code if isinstance(e, CheckpointError) else 1
-
-
-def first_line(text: str) -> str:
-    """The first line of ``text``, stripped."""
-    return text.strip().splitlines()[0] if text.strip() else ""
-
-
-def describe_exit(code: int) -> str:
-    """A worker's exit code in words: ``killed by SIGKILL``, ``exit code 1``."""
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def failure(error_dir: Path, exit_codes: dict[int, int], ranks: range | None = None) -> CheckpointError:
-    """The root cause of a failed launch, from the workers' error records and exit codes.
-
-    ``ranks``: every rank of the job when this node holds them all (one node), so a worker that
-    died without a word is named even when the launcher reported only the peers it broke.
-    """
-    records = sorted((json.loads(p.read_text()) for p in error_dir.glob("rank*.json")), key=lambda r: r["rank"])
-    # a CheckpointError is the root cause; the others are peers torn down after it
-    for record in records:
-        cls = getattr(errors, record["type"] or "", None)
-        if isinstance(cls, type) and issubclass(cls, CheckpointError):
-            err = cls(record["message"], cli_message=record.get("cli_message"))
-            err.__notes__ = [f"worker rank {record['rank']}:\n{record['traceback']}"]
-            return err
-    # a worker that died without a word (SIGKILL, out of memory) broke the others' connections
-    reported = {r["rank"] for r in records}
-    for rank, code in sorted(exit_codes.items()):
-        if rank not in reported:
-            return WorkerFailedError(f"worker rank {rank} died without a report ({describe_exit(code)}; out of memory?)")
-    silent = [rank for rank in ranks or () if rank not in reported]
-    if records and len(silent) == 1 and all(r["message"].startswith(PEER_LOST) for r in records):
-        # the launcher saw the peers fail first; the one worker that said nothing is the one that died
-        return WorkerFailedError(f"worker rank {silent[0]} died without a report (its peers lost their connections to it)")
-    if records:  # the first worker's own error, before the peers that lost their connection to it
-        first = next((r for r in records if not r["message"].startswith(PEER_LOST)), records[0])
-        err = WorkerFailedError(f"worker rank {first['rank']} failed: {first['message']}")
-        err.__notes__ = [first["traceback"]]
-        return err
-    return WorkerFailedError("the workers failed without a report")
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,11 +6,9 @@ from whichever chunks hold them (any tiling: FSDP's dim-0 chunks, tensor-paralle
 ``move_derived`` writes a ``derive.Derived`` output: per block of output rows, each input's rows
 (the span its row map covers, at most about a block plus, for a head permutation, one head), the
 ``combine`` function, a cast, one ``pwrite``. Memory: the block's inputs and output, sized from
-the mover's buffers; inputs read whole (``rows=None``) are held for the tensor. ``segment_runs``
-finds the derived tensors that need none of that: row segments of their inputs, no ``combine``,
-no cast (a stacked expert weight split per expert, experts stacked back, a fused QKV weight cut
-or joined), as byte ranges of the inputs' dim-0 chunks that the mover copies as it copies a
-plain tensor.
+the mover's buffers; inputs read whole (``rows=None``) are held for the tensor. A derived tensor
+that needs none of that (row segments of its inputs, no ``combine``, no cast) is copied as byte
+ranges of its inputs' dim-0 chunks instead (``chunk_rows.segment_runs``).
 """
 
 from __future__ import annotations
@@ -21,7 +19,8 @@ import threading
 from typing import TYPE_CHECKING
 
 from fsdp_convert._pagecache import PageCache
-from fsdp_convert.derive import Derived, Input, SegmentRun, box, concat, row_span, rows_of, segment_runs
+from fsdp_convert.chunk_rows import box, rows_of
+from fsdp_convert.derive import Derived, Input, concat, row_span
 from fsdp_convert.dtypes import DType
 from fsdp_convert.errors import CorruptChunkError, ShapeMismatchError
 from fsdp_convert.formats import Reader
@@ -37,13 +36,9 @@ __all__ = [
     "ChunkReads",
     "ChunkSource",
     "pwrite_all",
-    "rows_of",
-    "box",
     "check_crc",
     "read_rows",
     "move_derived",
-    "SegmentRun",
-    "segment_runs",
 ]
 
 COMPUTE_ITEMSIZE = 12  # a combine function's intermediates per element: three fp32 live at once (LoRA: W, B @ A, their sum)

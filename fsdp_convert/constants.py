@@ -1,4 +1,4 @@
-"""Format constants shared by readers and writers: file names, suffixes, the safetensors dtype table and shape rule.
+"""Format constants shared by readers and writers: the safetensors dtype table and shape rule (file names: ``output_table``).
 
 A leaf, torch-free until a torch table is first used: the tables keyed by torch dtypes are built
 then (``__getattr__``), so reading a checkpoint's index imports no torch. DCP's own names come
@@ -12,18 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from fsdp_convert.dtypes import CAST_NAMES, SAFETENSORS_NAMES, UNCASTABLE, VALUES_PER_ELEMENT, DType
-from fsdp_convert.suffixes import SAFETENSORS_SUFFIXES, TORCH_SAVE_SUFFIXES
 
 __all__ = [
-    "METADATA_FILENAME",
-    "HF_INDEX_FILENAME",
-    "HF_SINGLE_FILENAME",
-    "OPTIMIZER_FILENAME",
-    "EXTRA_STATE_FILENAME",
-    "ADAPTER_WEIGHTS_FILENAME",
-    "ADAPTER_CONFIG_FILENAME",
-    "TORCH_SAVE_SUFFIXES",
-    "SAFETENSORS_SUFFIXES",
     "SAFETENSORS_DTYPES",
     "SAFETENSORS_TO_TORCH",
     "SAFETENSORS_VALUES_PER_ELEMENT",
@@ -38,14 +28,6 @@ __all__ = [
     "WORKER_PRELOAD",
     "quiet_workers",
 ]
-
-METADATA_FILENAME = ".metadata"  # DCP's pickled Metadata, FileSystemWriter.finish
-HF_INDEX_FILENAME = "model.safetensors.index.json"  # weight_map of a sharded Hugging Face folder
-HF_SINGLE_FILENAME = "model.safetensors"  # an unsharded Hugging Face folder's one file
-OPTIMIZER_FILENAME = "optimizer.pt"  # beside HF shards, as transformers' Trainer names it
-EXTRA_STATE_FILENAME = "extra_state.pt"
-ADAPTER_WEIGHTS_FILENAME = "adapter_model.safetensors"  # a PEFT adapter folder's: peft.utils.constants.SAFETENSORS_WEIGHTS_NAME
-ADAPTER_CONFIG_FILENAME = "adapter_config.json"  # peft.utils.constants.CONFIG_NAME
 
 # every torch dtype a pickle may name (``GLOBAL torch <name>``), aliases included, to its canonical
 # name (``str(dtype)`` without ``torch.``), for .metadata's torch-free unpickler (formats/_dcp_records.py);

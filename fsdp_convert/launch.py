@@ -1,17 +1,16 @@
-"""Launch stage: the only module that starts workers or touches a process group.
+"""Launch stage: the one module through which the operations start workers or join a process group.
 
 ``run_workers`` starts N workers. On one node they are forked from a torch-free forkserver and
 joined by pipes (``_local_workers``: a worker that needs no torch starts in milliseconds); across
 nodes they are started by torch's elastic launcher (``torch.distributed.launcher.api``, the
-machinery behind ``torchrun``), each joining a gloo process group on CPU (``GlooGroup``), as are
-the user's own torchrun workers (``run_in_place``). A ``WorkerGroup`` carries the small records
+machinery behind ``torchrun``), each joining a gloo process group on CPU (``_gloo_workers``), as
+are the user's own torchrun workers (``run_in_place``). A ``WorkerGroup`` carries the small records
 rank 0 gathers (CRC-32s and sizes); every worker writes its own bytes into the output, so no
 tensor crosses the group. torch is imported only where the gloo path runs.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import multiprocessing
 import os
@@ -30,32 +29,21 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
 
-from fsdp_convert._local_workers import (
-    LIGHT_WORKER_PRELOAD,
-    MAX_LOCAL_WORKERS,
-    PEER_LOST,
-    WorkerGroup,
-    error_record,
-    failure,
-    first_line,
-    prefix_worker_logs,
-    run_local,
-    take_callers_environ,
-)
+from fsdp_convert._gloo_workers import WorkerCall, run_in_place, worker_main
+from fsdp_convert._local_workers import LIGHT_WORKER_PRELOAD, MAX_LOCAL_WORKERS, WorkerGroup, prefix_worker_logs, run_local
+from fsdp_convert._worker_failures import failure
 from fsdp_convert.constants import WORKER_PRELOAD, quiet_workers
 from fsdp_convert.errors import InvalidOptionError, TerminatedError, WorkerFailedError
 from fsdp_convert.progress import Bars
-from fsdp_convert.syspath import clean_sys_path, file_modules, import_file_modules
+from fsdp_convert.syspath import clean_sys_path, file_modules
 
 __all__ = [
     "WorkerGroup",
-    "GlooGroup",
     "start_worker_server",
     "prefix_worker_logs",
     "Cluster",
     "run_workers",
     "launched_by_torchrun",
-    "run_in_place",
     "run_ranks",
     "job_world_size",
     "shared_tag",
@@ -66,9 +54,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 Job = TypeVar("Job")
-
-
-_PEER_LOST, _failure = PEER_LOST, failure  # their names here before they moved to _local_workers
 
 
 def start_worker_server(*modules: str) -> None:
@@ -102,36 +87,6 @@ def _main_script_imports() -> list[str]:
         return []
     names = [getattr(v, "__name__" if isinstance(v, ModuleType) else "__module__", None) for v in vars(main).values()]
     return [n for n in names if isinstance(n, str) and n in sys.modules and n not in ("__main__", "__mp_main__", "builtins")]
-
-
-class GlooGroup(WorkerGroup):
-    """The job's gloo process group (many nodes, the user's torchrun): a ``WorkerGroup`` over torch.distributed."""
-
-    def gather(self, obj: Any) -> list[Any] | None:
-        """As ``WorkerGroup.gather``: the JSON goes in a uint8 tensor, its length first."""
-        import torch
-        import torch.distributed as dist
-
-        data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-        if dist.get_rank() != 0:
-            dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst=0)
-            dist.send(data, dst=0)
-            return None
-        out = [obj]
-        for src in range(1, dist.get_world_size()):
-            length = torch.zeros(1, dtype=torch.int64)
-            dist.recv(length, src=src)
-            # received into a bytearray this process owns: no NumPy (not a dependency) to read it back
-            raw = bytearray(int(length.item()))
-            dist.recv(torch.frombuffer(raw, dtype=torch.uint8), src=src)
-            out.append(json.loads(raw))
-        return out
-
-    def barrier(self) -> None:
-        """As ``WorkerGroup.barrier``."""
-        import torch.distributed as dist
-
-        dist.barrier()
 
 
 class JobCounter:
@@ -197,91 +152,6 @@ class Cluster:
 def launched_by_torchrun() -> bool:
     """True when this process is a worker of the user's own launcher (torchrun sets these)."""
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
-
-
-def run_in_place(fn: Callable[[Job, int, int, WorkerGroup], Any], job: Job) -> tuple[int, Any]:
-    """Run ``fn`` as this process's rank of a job the user's launcher started (``torchrun ... -m fsdp_convert``).
-
-    Joins the gloo group from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
-    ``MASTER_PORT``), runs ``fn(job, rank, world_size, group)``, and leaves the group.
-
-    Returns:
-        This process's rank and ``fn``'s return value.
-
-    Raises:
-        WorkerFailedError: the connection to a peer was lost (that worker died), so the job failed
-            as a launch of ours whose worker died does (a resumable output's temporary is kept).
-    """
-    import torch.distributed as dist
-
-    if dist.is_initialized():  # called from a training script that already joined its group
-        return dist.get_rank(), _peers_lost_fail(fn, job, dist.get_rank(), dist.get_world_size())
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    prefix_worker_logs(rank)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    result = _peers_lost_fail(fn, job, rank, world_size)
-    dist.destroy_process_group()  # only on success: after a failure a peer may be gone
-    return rank, result
-
-
-def _peers_lost_fail(fn: Callable[[Job, int, int, WorkerGroup], Any], job: Job, rank: int, world_size: int) -> Any:
-    """``fn(job, rank, world_size, group)``; a lost peer or group (``torch.distributed.DistError``) is a WorkerFailedError."""
-    import torch.distributed as dist
-
-    try:
-        return fn(job, rank, world_size, GlooGroup())
-    except RuntimeError as e:  # gloo's errors (torch.distributed.DistError is one)
-        described = _describe(e)
-        if described.startswith(PEER_LOST):
-            raise WorkerFailedError(f"worker rank {rank} {described}") from e
-        if isinstance(e, dist.DistError):  # any other failure of the group (a timeout, a store gone)
-            raise WorkerFailedError(f"worker rank {rank} lost its process group: {described}") from e
-        raise
-
-
-@dataclass(frozen=True, slots=True)
-class _WorkerCall:
-    fn: Callable[[Any, int, int, WorkerGroup], Any]
-    job: bytes  # pickled: unpickled after file_modules are imported (the user's adapter, from its file)
-    file_modules: dict[str, tuple[str, bool]]  # syspath.file_modules() of the caller
-    error_dir: str
-    environ: dict[str, str]  # the caller's environment when it launched
-
-
-def _worker_main(call: _WorkerCall) -> Any:
-    """Entry point of one worker process: join the gloo group, run the job, report errors."""
-    # the launcher turns SIGINT/SIGTERM into exceptions in its process: a worker takes them as
-    # a fresh interpreter does (SIGTERM ends it; the launcher reports the exit)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    take_callers_environ(call.environ)
-    rank = int(os.environ["RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    prefix_worker_logs(rank)
-    try:
-        import_file_modules(call.file_modules)
-        job = pickle.loads(call.job)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        result = call.fn(job, rank, world_size, GlooGroup())
-        # only on success: after a failure a peer may be gone and teardown could wait on it
-        dist.destroy_process_group()
-        return result
-    except BaseException as e:  # report, then exit quietly: the parent prints the one line
-        raise SystemExit(error_record(call.error_dir, rank, e, _describe(e))) from None
-
-
-def _describe(e: BaseException) -> str:
-    """One line for a worker's unexpected error; a gloo connection lost to a peer says so."""
-    text = str(e)
-    if "gloo" in text and any(s in text for s in ("Connection reset", "Connection closed", "Broken pipe", "Read error")):
-        m = re.search(r"\[([0-9a-fA-F.:]+)\]:(\d+)", text)
-        peer = f" at {m.group(1)}:{m.group(2)}" if m else ""
-        return f"{PEER_LOST}{peer} (that worker, or its node, died)"
-    return f"{type(e).__name__}: {first_line(text)}"
 
 
 def run_workers(
@@ -357,10 +227,10 @@ def _run_elastic(
     # already: cli._run_options.start_worker_server, the same two steps)
     os.environ["PYTHONWARNINGS"] = quiet_workers(os.environ.get("PYTHONWARNINGS", ""))
     multiprocessing.set_forkserver_preload(list(WORKER_PRELOAD))
-    call = _WorkerCall(fn, pickle.dumps(job), file_modules(), str(error_dir), dict(os.environ))
+    call = WorkerCall(fn, pickle.dumps(job), file_modules(), str(error_dir), dict(os.environ))
     try:
         with clean_sys_path():  # the workers (and a forkserver started here) get sys.path without the current folder
-            results = elastic_launch(config, _worker_main)(call)
+            results = elastic_launch(config, worker_main)(call)
     except ChildFailedError as e:
         ranks = range(nproc) if cluster.nnodes == 1 else None
         raise failure(error_dir, {rank: f.exitcode for rank, f in e.failures.items()}, ranks) from None

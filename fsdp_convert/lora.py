@@ -24,12 +24,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from fsdp_convert.constants import ADAPTER_CONFIG_FILENAME
 from fsdp_convert.derive import Derived, Input, TensorInfo, copy_of
 from fsdp_convert.errors import InvalidOptionError, UnsupportedTransformError
 from fsdp_convert.formats.index import CheckpointIndex
-from fsdp_convert.roles import classify
-from fsdp_convert.transform import OutputItem, TransformOptions, clean_fqn
+from fsdp_convert.item import OutputItem
+from fsdp_convert.output_table import ADAPTER_CONFIG_FILENAME
+from fsdp_convert.producers import classify
+from fsdp_convert.transform import TransformOptions, clean_fqn
 
 if TYPE_CHECKING:
     import torch

@@ -19,66 +19,36 @@ range in its output file, and whichever worker owns the tensor writes it there w
   place (casting if asked); the block is then written with one ``pwrite``. Memory: two buffers,
   or one row of the tensor if a row is larger.
 - A derived tensor that is row segments of its inputs, no combine, no cast (an expert split,
-  ``derive.segment_runs``): each input chunk's byte range copied as a dim-0 chunk's is.
+  ``chunk_rows.segment_runs``): each input chunk's byte range copied as a dim-0 chunk's is.
 - A chunk that cannot be located (a remote source, a stream-transformed payload, a view) is
   decoded with ``Reader.read_chunk`` and held until its last row is written: memory then also
   holds that chunk.
 
-Every write is reported as a ``Piece`` (output offset, length, CRC-32), so rank 0 fills in the
-output's CRC-32 fields (``formats.crc.combine``) without reading the data back.
+Every write is reported as a ``pieces.Piece`` (output offset, length, CRC-32), so rank 0 fills in
+the output's CRC-32 fields (``pieces.range_crc``) without reading the data back.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from fsdp_convert.blocks import (
-    COPY_BYTES,
-    MIN_HINTED_BYTES,
-    ChunkReads,
-    ChunkSource,
-    box,
-    check_crc,
-    move_derived,
-    pwrite_all,
-    rows_of,
-    segment_runs,
-)
+from fsdp_convert.blocks import COPY_BYTES, MIN_HINTED_BYTES, ChunkReads, ChunkSource, check_crc, move_derived, pwrite_all
+from fsdp_convert.chunk_rows import box, rows_of, segment_runs
 from fsdp_convert.derive import Derived
 from fsdp_convert.dtypes import DType, as_dtype
 from fsdp_convert.formats import Reader
-from fsdp_convert.formats.crc import combine, crc32
+from fsdp_convert.formats.crc import crc32
 from fsdp_convert.formats.index import ChunkEntry, TensorEntry
 from fsdp_convert.formats.reader import StoredBytes
+from fsdp_convert.pieces import Piece
 from fsdp_convert.writers.buffer import byte_view, dense
 
-if TYPE_CHECKING:
-    pass
-
-__all__ = ["Piece", "MoveJob", "Mover", "move_all", "pwrite_all", "pieces_crc", "range_crc", "JOIN_POLL_S"]
+__all__ = ["MoveJob", "Mover", "move_all", "pwrite_all", "JOIN_POLL_S"]
 
 JOIN_POLL_S = 0.2  # how often, in seconds, the main thread looks up from waiting on movers (signals land then)
-
-
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """One contiguous run written to an output file.
-
-    Attributes:
-        file: index of the output file (``WorkPlan.files``).
-        offset: start in the file, in bytes.
-        nbytes: length, in bytes.
-        crc32: CRC-32 of the bytes written.
-    """
-
-    file: int
-    offset: int
-    nbytes: int
-    crc32: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +165,7 @@ class Mover(ChunkReads):
         return self._move_row_blocks(job, chunks)
 
     def _move_segments(self, job: MoveJob) -> list[Piece] | None:
-        """A derived tensor that is row segments of its inputs (``derive.segment_runs``), copied as byte ranges.
+        """A derived tensor that is row segments of its inputs (``chunk_rows.segment_runs``), copied as byte ranges.
 
         Located chunks are streamed as ``_move_dim0`` streams them (each located once per thread,
         ``ChunkReads.locate``); others (a safetensors file's tensor) are decoded a buffer's worth
@@ -316,38 +286,6 @@ class Mover(ChunkReads):
             self._wrote(len(out))
             pieces.append(Piece(job.file, dst_offset, len(out), crc32(out)))
         return pieces
-
-
-def pieces_crc(pieces: Sequence[Piece]) -> int | None:
-    """CRC-32 of pieces written back to back (in order), without reading them; None without any ``crc32_combine``."""
-    return combine((p.crc32, p.nbytes) for p in pieces)
-
-
-def range_crc(fd: int, by_offset: dict[int, Piece], offset: int, nbytes: int) -> int:
-    """CRC-32 of bytes ``[offset, offset + nbytes)`` of an output file, from the pieces written there.
-
-    Args:
-        fd: the output file, open for reading (read back only without any ``crc32_combine``).
-        by_offset: the pieces written to that file, by their offset in bytes.
-        offset: start of the range, in bytes.
-        nbytes: its length, in bytes.
-
-    Raises:
-        RuntimeError: the pieces do not tile the range (a planning bug).
-    """
-    parts, at = [], offset
-    while at < offset + nbytes:
-        piece = by_offset.get(at)
-        if piece is None:
-            raise RuntimeError(f"no worker wrote byte {at} of a tensor at [{offset}, {offset + nbytes})")
-        parts.append(piece)
-        at += piece.nbytes
-    crc = pieces_crc(parts)
-    if crc is None:  # no crc32_combine at all: hash the bytes back
-        crc = 0
-        for at in range(offset, offset + nbytes, 16 << 20):
-            crc = crc32(os.pread(fd, min(16 << 20, offset + nbytes - at), at), crc)
-    return crc
 
 
 def _pool_worker(

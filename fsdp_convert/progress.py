@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Protocol
+from typing import Literal, Protocol
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
@@ -54,17 +54,20 @@ PUSH_BYTES = 64 << 20  # a worker adds its bytes to the shared counter once it h
 PUSH_S = 0.2  # ...or this many seconds after its last add
 
 
-def human_bytes(n: float) -> str:
-    """A byte count in binary units: ``1536`` -> ``"1.5 KiB"``, ``512`` -> ``"512 B"``.
+def human_bytes(n: float, *, units: Literal["binary", "decimal"] = "binary") -> str:
+    """A byte count for people: ``1536`` -> ``"1.5 KiB"``, ``512`` -> ``"512 B"``.
 
     Args:
         n: bytes (a rate in bytes per second works too).
+        units: ``binary`` (KiB = 1024 B, as the progress bar and the temporary's note show sizes),
+            or ``decimal`` (kB = 1000 B, as ``df -H`` shows free space: ``3_400_000_000`` -> ``"3.4 GB"``).
     """
+    step, names = (1024, ("B", "KiB", "MiB", "GiB", "TiB")) if units == "binary" else (1000, ("B", "kB", "MB", "GB", "TB"))
     size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
+    for unit in names:
+        if size < step or unit == names[-1]:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
+        size /= step
     raise AssertionError("unreachable")
 
 

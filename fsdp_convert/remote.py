@@ -173,7 +173,7 @@ def upload_in_waves(folder: Path, url: Url, waves: Iterable[tuple[Callable[[], T
     it, ``/``-separated). Once ``write`` returns, one background thread uploads those files to
     ``url / name`` (``put_file``, in parts as the backend does it) and deletes them; the next
     wave's ``write`` runs meanwhile, and its upload starts once the previous one has finished.
-    So local disk holds at most two waves (``plan.staging_bytes``), and what is left in ``folder``
+    So local disk holds at most two waves (``plan.consolidate.staging_bytes``), and what is left in ``folder``
     (an index, ``.metadata``) is uploaded last by the caller. If a wave fails (its ``write`` or an
     upload, Ctrl-C included), the objects already uploaded are removed again, best effort, so no
     part of the output is left at ``url``.

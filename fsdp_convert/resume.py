@@ -1,6 +1,6 @@
 """Resume stage: a plan's record map and fingerprint, and what every worker does on a resumable output.
 
-The output is laid out before any read (``plan``, ``reshard_plan``), so a record (a tensor's data
+The output is laid out before any read (``plan``, ``plan.reshard``), so a record (a tensor's data
 in a consolidation, a payload's tensor bytes in a reshard) has the same byte range in every run
 of the same plan, whatever the number of workers or nodes: ``consolidate_record_map`` and
 ``reshard_record_map`` list them (``writers.transaction.RecordMap``), and the fingerprints say
@@ -27,16 +27,17 @@ import logging
 import math
 from pathlib import Path
 
-from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.errors import CheckpointNotFoundError
 from fsdp_convert.formats.index import CheckpointIndex
+from fsdp_convert.held_roots import open_inside
+from fsdp_convert.item import OutputItem
 from fsdp_convert.launch import WorkerGroup
-from fsdp_convert.location import open_inside
-from fsdp_convert.move import MoveJob, Piece, range_crc
-from fsdp_convert.plan import WorkPlan
+from fsdp_convert.move import MoveJob
+from fsdp_convert.output_table import METADATA_FILENAME
+from fsdp_convert.pieces import Piece, range_crc
+from fsdp_convert.plan.consolidate import WorkPlan
+from fsdp_convert.plan.reshard import ReshardPlan
 from fsdp_convert.progress import OFF, Bars
-from fsdp_convert.reshard_plan import ReshardPlan
-from fsdp_convert.transform import OutputItem
 from fsdp_convert.writers.dcp import rank_filename
 from fsdp_convert.writers.transaction import (
     Fingerprint,
@@ -106,7 +107,7 @@ def source_digest(index: CheckpointIndex, items: tuple[OutputItem, ...]) -> Sour
     meta = b""
     root = index.checkpoint_id
     if isinstance(root, Path) and root.is_dir():
-        try:  # read as the index was, from the folder this run first opened (location.open_inside)
+        try:  # read as the index was, from the folder this run first opened (held_roots.open_inside)
             fd = open_inside(root, root / METADATA_FILENAME)
         except FileNotFoundError:
             fd = -1  # a format without .metadata
@@ -265,7 +266,7 @@ class RecordLogger:
             self.record(job, range_crc(job.fd, {p.offset: p for p in pieces}, job.offset, job.nbytes))
 
     def record(self, job: MoveJob, crc32: int) -> None:
-        """Log ``job`` as a record whose bytes' CRC-32 the caller has already combined (``move.range_crc``)."""
+        """Log ``job`` as a record whose bytes' CRC-32 the caller has already combined (``pieces.range_crc``)."""
         if job.nbytes:
             self._log.append(Record(self._names[job.file], job.offset, job.nbytes), crc32, job.fd, job.entry.fqn)  # thread-safe
 

@@ -1,12 +1,14 @@
 """Roles stage: what each checkpoint entry is (model, optimizer state, param group field, other).
 
-Pure functions over a ``CheckpointIndex``; no I/O. Which producer wrote a checkpoint is
-``producers``'; nesting paths back into a state dict (``unflatten``) is the index's own
-(``formats/index.py``), so the writers need nothing from here.
+Pure functions over a ``CheckpointIndex``; no I/O. The layouts every producer shares are read
+here; a producer's own key layout (Megatron-Core's flat optimizer keys) is a rule its record gives
+(``producers.Producer.entry_role``, passed to ``classify``). Nesting paths back into a state dict
+(``unflatten``) is the index's own (``formats/index.py``), so the writers need nothing from here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -17,6 +19,7 @@ __all__ = [
     "GROUPS",
     "Role",
     "EntryRole",
+    "EntryRule",
     "NON_MODEL_TOPS",
     "group_of_top",
     "classify",
@@ -35,9 +38,6 @@ OPTIM_TOPS = ("optim", "optimizer")
 NON_MODEL_TOPS = frozenset(
     {*OPTIM_TOPS, "lr_scheduler", "lr_schedulers", "scheduler", "train_state", "dataloader", "extra_state", "rng_state"}
 )
-
-
-MEGATRON_OPTIM_PREFIX = "optimizer.state."
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,16 +70,17 @@ def flat_layout(index: CheckpointIndex) -> bool:
     return all(e.path[0] != MODEL_TOP for e in index.entries)
 
 
-def _classify_entry(entry: Entry, flat: bool) -> EntryRole:
+# A producer's own key layout: an entry's role, or None where the shared layouts below read it.
+EntryRule = Callable[[Entry], EntryRole | None]
+
+
+def _classify_entry(entry: Entry, flat: bool, rules: Sequence[EntryRule]) -> EntryRole:
+    for rule in rules:
+        role = rule(entry)
+        if role is not None:
+            return role
     path = entry.path
     top = path[0]
-    if len(path) == 1 and isinstance(top, str) and top.startswith(MEGATRON_OPTIM_PREFIX):
-        # Megatron-Core's one flat key per optimizer tensor: "optimizer.state.<name>.<model key>"
-        name, _, param = top.removeprefix(MEGATRON_OPTIM_PREFIX).partition(".")
-        if name and param:
-            return EntryRole("optim_state", param=param, key=name)
-    if len(path) == 1 and isinstance(top, str) and top.startswith("optimizer."):
-        return EntryRole("other")  # Megatron's distributed optimizer buckets ("optimizer.distributed.…"): never weights
     if top in OPTIM_TOPS and len(path) >= 2:
         second = path[1]
         if second == "state" and len(path) >= 4:
@@ -103,18 +104,22 @@ def _classify_entry(entry: Entry, flat: bool) -> EntryRole:
     return EntryRole("other")
 
 
-def classify(index: CheckpointIndex) -> tuple[EntryRole, ...]:
+def classify(index: CheckpointIndex, rules: Sequence[EntryRule]) -> tuple[EntryRole, ...]:
     """The ``EntryRole`` of every entry of ``index``, in order.
 
     Layouts understood: ``{"model": ..., "optim"|"optimizer": {"state": {param: {name: value}},
     "param_groups": [...]}}`` (FSDP2 ``get_state_dict``, FSDP1 ``FSDP.optim_state_dict``,
-    accelerate, Lightning); Megatron-Core's flat keys (model keys at the top level, optimizer
-    state as ``optimizer.state.<name>.<model key>``); model weights at the top level next to ``optimizer``,
+    accelerate, Lightning); model weights at the top level next to ``optimizer``,
     ``lr_scheduler``, ``train_state``, ``dataloader`` (torchtitan) with torch's flattened optimizer
     state dict (``StateDictOptions(flatten_optimizer_state_dict=True)``). Anything else is ``other``.
+
+    Args:
+        index: the checkpoint's index.
+        rules: producers' own key layouts (``producers.entry_rules``: Megatron-Core's flat keys),
+            asked first, in order; the first role one gives is the entry's.
     """
     flat = flat_layout(index)
-    return tuple(_classify_entry(e, flat) for e in index.entries)
+    return tuple(_classify_entry(e, flat, rules) for e in index.entries)
 
 
 def group_of_top(top: str | int) -> Group:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OUTPUT", "SELECTION", "CASTING", "ADAPTERS", "LORA", "PERFORMANCE", "SAFETY", "MULTI_NODE", "Choice", "OnlyChoice",
-    "FormatChoice", "OptimKeysChoice", "LayoutChoice", "DtypeChoice", "choice_option", "parse_size", "CheckpointArg",
+    "OptimKeysChoice", "LayoutChoice", "DtypeChoice", "choice_option", "parse_size", "CheckpointArg",
     "OutputArg", "JsonOpt", "MemoryBudgetOpt", "ProgressOpt", "NoCrcOpt", "FollowSymlinksOpt", "OptimKeysOpt", "LayoutOpt",
     "KeepWrapperNamesOpt", "UnstackLayersOpt", "DequantizeOpt", "QuantizeOpt", "RenameOpt", "IncludeOpt", "ExcludeOpt",
     "DtypeOpt", "OptimDtypeOpt", "transform_options", "AdapterOpt", "ModelConfigOpt", "AdapterOptionOpt", "with_adapter",
@@ -73,14 +73,6 @@ class OnlyChoice(Choice):
     all = "all"
     model = "model"
     optim = "optim"
-
-
-class FormatChoice(Choice):
-    """``consolidate --format``: the writer, or ``auto`` by OUT's suffix."""
-
-    auto = "auto"
-    torch = "torch"
-    safetensors = "safetensors"
 
 
 class OptimKeysChoice(Choice):

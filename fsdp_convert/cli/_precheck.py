@@ -1,14 +1,15 @@
-"""The command line's own checks that need no torch: option values, OUT's suffix, which paths exist.
+"""The command line's own checks that need no torch: option values, OUT's kind, which paths exist.
 
 They run before torch is imported (seconds on a cold cache), so a usage mistake is told at once.
 Each repeats a rule the library applies again later, in the same words, for callers of the
-library: ``transform.parse_dtype`` (``constants.DTYPE_NAMES``) and ``transform.parse_rename``; ``outputs.output_kind`` (an
-auto format, by OUT's suffix) and ``OutputKind.groups``; the ``--lora-only`` checks of
-``ops.consolidate``; ``formats.dcp.read_dcp_index`` and ``ops.verify.open_source`` (a missing
-input). OUT itself is checked by the library's own function, ``writers.check_output``
-(not an input or around one, no link, free, a folder replaced only if it is this tool's or with
-``--force``), which imports no torch. tests/cli/test_precheck.py checks that each pair agrees. An
-fsspec URL (``scheme://``) is left to the library, but for ``check_output``; ``file://`` is local.
+library: ``transform.parse_dtype`` (``constants.DTYPE_NAMES``) and ``transform.parse_rename``;
+``formats.dcp.read_dcp_index`` and ``ops.verify.open_source`` (a missing input). OUT's kind and
+what it refuses are the library's own functions, which import no torch: the outputs table's
+``output_table.choose_row`` (which ``outputs.output_kind`` calls), ``check_only`` and
+``check_verifiable``; OUT itself is checked by ``writers.check_output`` (not an input or around one,
+no link, free, a folder replaced only if it is this tool's or with ``--force``).
+tests/cli/test_precheck.py checks that each pair agrees. An fsspec URL (``scheme://``) is left to
+the library, but for ``check_output``; ``file://`` is local.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import re
 from pathlib import Path
 
 from fsdp_convert.errors import CheckpointNotFoundError, InvalidOptionError
-from fsdp_convert.suffixes import SAFETENSORS_SUFFIXES, TORCH_SAVE_SUFFIXES
+from fsdp_convert.output_table import check_only, check_verifiable, choose_row
+from fsdp_convert.outputs import own_files  # the tables, without torch
 from fsdp_convert.writers import check_output
 
 __all__ = [
@@ -111,22 +113,6 @@ def _local(location: str) -> Path | None:
     return Path(location.removeprefix("file://"))
 
 
-def _auto_format(output: Path) -> str:
-    """``outputs.output_kind(output, "auto").name`` for the built-in kinds: ``torch_save``, ``safetensors`` or ``hf_dir``."""
-    suffix = output.suffix.lower()
-    if suffix in TORCH_SAVE_SUFFIXES:
-        return "torch_save"
-    if suffix in SAFETENSORS_SUFFIXES:
-        return "safetensors"
-    if suffix == "" or output.is_dir():
-        return "hf_dir"
-    known = ", ".join(TORCH_SAVE_SUFFIXES + SAFETENSORS_SUFFIXES)
-    raise InvalidOptionError(
-        f"{output}: unknown output suffix {output.suffix!r}; use one of {known} or a folder name, "
-        "or --format torch to write a torch.save file under this name"
-    )
-
-
 def check_checkpoint(checkpoint: str) -> None:
     """Check that a local checkpoint path exists (``formats.dcp.read_dcp_index``'s first check).
 
@@ -153,10 +139,11 @@ def check_consolidate(
 ) -> None:
     """What ``ops.consolidate.consolidate`` checks first, in its order, without reading the checkpoint.
 
-    The checkpoint exists; with ``--format auto``, OUT's suffix names a format, ``--lora-only``
-    has a folder OUT and ``--only`` fits that format; OUT passes ``check_output`` (with
-    ``--resume``, whether OUT is free is left to the library). An explicit ``--format`` is left
-    to the library, which decides which names it takes.
+    The checkpoint exists; with ``--format auto``, OUT's suffix names a kind
+    (``output_table.choose_row``: ``--lora-only`` has a folder OUT), which ``--verify`` reads back
+    and whose groups ``--only`` names; OUT passes ``check_output`` (with ``--resume``, whether OUT
+    is free is left to the library). An explicit ``--format`` is left to the library, which
+    checks OUT once it is known free.
 
     Raises:
         CheckpointNotFoundError: no such local checkpoint path.
@@ -171,18 +158,21 @@ def check_consolidate(
     out = _local(output)
     directory = None
     if out is not None and output_format == "auto":
-        fmt = _auto_format(out)
-        if lora_only and fmt != "hf_dir":
-            raise InvalidOptionError(f"{out}: --lora-only writes a PEFT adapter folder; name OUT without a suffix")
-        if lora_only and verify_output:
-            raise InvalidOptionError("--verify does not read a PEFT adapter folder back; load it with PeftModel.from_pretrained")
-        if fmt == "safetensors" and only == "optim":
-            raise InvalidOptionError(
-                "a .safetensors file holds model weights only; use a .pt file or a folder for optimizer state"
-            )
-        directory = fmt == "hf_dir"
+        row = choose_row(out, output_format, lora_only=lora_only)
+        if verify_output:
+            check_verifiable(row)
+        check_only(row, only)
+        directory = row.folder
     # with --resume the library decides whether OUT is free (a run's temporary beside OUT, its lock)
-    check_output(output, (checkpoint, hf_assets), overwrite=overwrite, force=force, directory=directory, free=not resume)
+    check_output(
+        output,
+        (checkpoint, hf_assets),
+        overwrite=overwrite,
+        force=force,
+        directory=directory,
+        free=not resume,
+        own_files=own_files(),  # the output kinds' files and the producers' beside them, from the tables
+    )
 
 
 def check_reshard(checkpoint: str, output: str, *, overwrite: bool, resume: bool, force: bool = False) -> None:
@@ -195,7 +185,7 @@ def check_reshard(checkpoint: str, output: str, *, overwrite: bool, resume: bool
             folder not this tool's, without ``--force``.
     """
     check_checkpoint(checkpoint)
-    check_output(output, (checkpoint,), overwrite=overwrite, force=force, directory=True, free=not resume)
+    check_output(output, (checkpoint,), overwrite=overwrite, force=force, directory=True, free=not resume, own_files=own_files())
 
 
 def check_verify(a: str, b: str) -> None:

@@ -18,7 +18,6 @@ from fsdp_convert.cli._options import (
     DtypeOpt,
     ExcludeOpt,
     FollowSymlinksOpt,
-    FormatChoice,
     IncludeOpt,
     JsonOpt,
     KeepWrapperNamesOpt,
@@ -62,7 +61,8 @@ from fsdp_convert.cli._run_options import (
     workers,
 )
 from fsdp_convert.cli._verbosity import QuietOpt, VerboseOpt, set_verbosity, show_progress
-from fsdp_convert.location import following_symlinks
+from fsdp_convert.held_roots import following_symlinks
+from fsdp_convert.output_table import check_format, format_names
 
 if TYPE_CHECKING:
     from fsdp_convert.ops.consolidate import ConsolidateResult
@@ -96,15 +96,34 @@ MaxShardSizeOpt = Annotated[
         rich_help_panel=OUTPUT,
     ),
 ]
-FormatOpt = Annotated[
-    FormatChoice,
-    choice_option(
-        FormatChoice,
+
+
+def _format_option() -> Any:
+    """``--format``: a name of the outputs table (``output_table.format_names``), checked when the command runs.
+
+    ``--help`` lists the names the table holds when this module is imported; the value is checked
+    against the table at each call (``output_table.check_format``), so a row added since is taken.
+    A bad value is one line, ``error: --format 'x': use auto, torch or safetensors``, exit code 2.
+    """
+
+    def parse(value: str) -> str:
+        with handle_errors():
+            return check_format(value)
+
+    def complete(incomplete: str) -> list[str]:
+        return [name for name in format_names() if name.startswith(incomplete)]
+
+    return typer.Option(
         "--format",
+        metavar="[" + "|".join(format_names()) + "]",
+        parser=parse,
+        autocompletion=complete,
         help="auto: by OUT's suffix. torch or safetensors override the suffix (e.g. Lightning's .ckpt).",
         rich_help_panel=OUTPUT,
-    ),
-]
+    )
+
+
+FormatOpt = Annotated[str, _format_option()]
 OnlyOpt = Annotated[
     OnlyChoice,
     choice_option(
@@ -217,7 +236,7 @@ def consolidate_command(
     checkpoint: CheckpointArg,
     output: OutputArg,
     only: OnlyOpt = OnlyChoice.all,
-    output_format: FormatOpt = FormatChoice.auto,
+    output_format: FormatOpt = "auto",
     layout: LayoutOpt = LayoutChoice.producer,
     optim_keys: OptimKeysOpt = OptimKeysChoice.names,
     max_shard_size: MaxShardSizeOpt = "50GB",
@@ -273,7 +292,7 @@ def consolidate_command(
         check_consolidate(
             checkpoint,
             output,
-            output_format=output_format.value,
+            output_format=output_format,
             only=only.value,
             lora_only=lora_only,
             verify_output=verify_output,
@@ -306,7 +325,7 @@ def consolidate_command(
             nproc=nproc,
             only=only.value,
             transform=transform,
-            output_format=output_format.value,
+            output_format=output_format,
             overwrite=overwrite,
             force=force,
             resume=resume,

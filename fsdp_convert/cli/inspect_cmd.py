@@ -18,8 +18,8 @@ from fsdp_convert.cli._output import command_help, console, human_bytes, print_j
 from fsdp_convert.cli._precheck import check_checkpoint
 from fsdp_convert.cli._terminal import escape_controls
 from fsdp_convert.cli._verbosity import QuietOpt, VerboseOpt, set_verbosity
-from fsdp_convert.constants import METADATA_FILENAME
-from fsdp_convert.location import following_symlinks
+from fsdp_convert.held_roots import following_symlinks
+from fsdp_convert.output_table import METADATA_FILENAME
 
 if TYPE_CHECKING:
     from fsdp_convert.ops.inspect import EntrySummary, InspectResult

@@ -53,7 +53,7 @@ from fsdp_convert.cli._run_options import (
     workers,
 )
 from fsdp_convert.cli._verbosity import QuietOpt, VerboseOpt, set_verbosity, show_progress
-from fsdp_convert.location import following_symlinks
+from fsdp_convert.held_roots import following_symlinks
 
 if TYPE_CHECKING:
     from fsdp_convert.ops.reshard import ReshardResult

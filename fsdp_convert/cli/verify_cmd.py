@@ -35,7 +35,7 @@ from fsdp_convert.cli._run_options import (
 )
 from fsdp_convert.cli._terminal import escape_controls
 from fsdp_convert.cli._verbosity import QuietOpt, VerboseOpt, set_verbosity, show_progress
-from fsdp_convert.location import following_symlinks
+from fsdp_convert.held_roots import following_symlinks
 
 if TYPE_CHECKING:
     from fsdp_convert.ops.verify import VerifyOptions, VerifyResult

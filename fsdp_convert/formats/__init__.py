@@ -12,10 +12,10 @@ builds a ``CheckpointIndex`` (``formats/index.py``, the data model, no I/O) and 
   their first bytes, whatever the name), or a Hugging Face or PEFT folder: every output of
   ``consolidate``, which ``consolidate``, ``reshard`` and ``verify`` take besides the sharded formats.
 
-``FORMATS`` is the one ordered table of source formats (each row: ``detect``, ``read_index``, its
-``Reader`` class); ``open_checkpoint`` is the one place that decides what a path is: it returns a
-``Source`` (format row + index) that operations, movers and workers take, so nothing detects a
-format twice. Submodules are imported where used, so that importing ``formats.index`` loads
+``FORMATS`` is the one ordered table of source formats (each row a ``source.SourceFormat``:
+``detect``, ``read_index``, its ``Reader`` class); ``open_checkpoint`` is the one place that decides
+what a path is: it returns a ``source.Source`` (format row + index) that operations, movers and
+workers take, so nothing detects a format twice. Submodules are imported where used, so that importing ``formats.index`` loads
 nothing else.
 
 Every local file a format opens is checked to lie inside the checkpoint (``location.open_inside``):
@@ -28,20 +28,16 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any
 
-from fsdp_convert.constants import METADATA_FILENAME
-from fsdp_convert.errors import CorruptChunkError, MissingDataFileError
-from fsdp_convert.location import following_symlinks, open_inside
+from fsdp_convert.formats.source import Reader, Source, SourceFormat, SourceFormatName, check_data_files
+from fsdp_convert.held_roots import following_symlinks
+from fsdp_convert.output_table import METADATA_FILENAME
+from fsdp_convert.remote import as_location
 
 if TYPE_CHECKING:
-    import torch
-
-    from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Location, TensorEntry
-    from fsdp_convert.formats.reader import StoredBytes
+    from fsdp_convert.formats.index import CheckpointIndex, Location
 
 __all__ = [
     "FORMATS",
@@ -57,136 +53,6 @@ __all__ = [
     "source_format",
     "source_format_named",
 ]
-
-SourceFormatName = Literal["dcp", "rank_files", "hf_storage", "full_file"]
-
-
-class Reader(Protocol):
-    """What every source format's reader offers: chunks, full tensors, boxes and values of its index.
-
-    Shapes and offsets are in elements; tensors come back on CPU in the entry's dtype. Use as a
-    context manager; one reader per thread.
-    """
-
-    def read_chunk(self, entry: TensorEntry, chunk: ChunkEntry) -> torch.Tensor:
-        """One stored chunk of ``entry``: shape ``chunk.sizes``, dtype ``entry.dtype``."""
-        ...
-
-    def read_tensor(self, entry: TensorEntry) -> torch.Tensor:
-        """The full tensor of ``entry``, contiguous, shape ``entry.shape``."""
-        ...
-
-    def locate(self, entry: TensorEntry, chunk: ChunkEntry) -> StoredBytes | None:
-        """Where ``chunk``'s elements lie in its data file, to move them undecoded; None to use ``read_chunk``."""
-        ...
-
-    def read_box(self, entry: TensorEntry, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
-        """The box ``[offsets, offsets + sizes)`` of ``entry``, contiguous, shape ``sizes``."""
-        ...
-
-    def read_value(self, entry: BytesEntry) -> Any:
-        """The plain Python value of a bytes entry."""
-        ...
-
-    def read_raw(self, entry: BytesEntry) -> bytes:
-        """A bytes entry as DCP stores it: a torch.save payload."""
-        ...
-
-    def close(self) -> None:
-        """Release open files."""
-        ...
-
-    def __enter__(self) -> Reader: ...
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class SourceFormat:
-    """One row of the source format table: how a path of the format is recognised, indexed and read.
-
-    A row pickles by name and unpickles as the same row of ``FORMATS`` (a ``Source`` travels to
-    workers in jobs).
-
-    Attributes:
-        name: ``dcp``, ``rank_files``, ``hf_storage`` or ``full_file``.
-        detect: True when a path (``remote.as_location``) holds this format, from file names
-            (and safetensors headers) alone; asked in table order, the first yes wins.
-        read_index: the ``CheckpointIndex`` of such a path; no tensor data is read.
-        reader: the format's ``Reader`` class, called as ``reader(checkpoint_id, check_crc=...)``.
-        full: a full (unsharded) checkpoint, asked only when full files are accepted.
-    """
-
-    name: SourceFormatName
-    detect: Callable[[Location], bool]
-    read_index: Callable[[Location], CheckpointIndex]
-    reader: Callable[..., Reader]
-    full: bool = False
-
-    def __reduce__(self) -> tuple[Callable[[str], SourceFormat], tuple[str]]:
-        return source_format_named, (self.name,)
-
-    def open(
-        self, checkpoint_id: str | os.PathLike[str] | Location, *, check_crc: bool = True, follow_symlinks: bool | None = None
-    ) -> Source:
-        """Read the index of ``checkpoint_id`` as this format, without detecting it again.
-
-        Args:
-            checkpoint_id: a path of this format (local or fsspec URL).
-            check_crc: as for ``Source``.
-            follow_symlinks: as for ``read_index``; the ``Source`` keeps it for its readers.
-
-        Raises:
-            As ``read_index``.
-        """
-        from fsdp_convert.remote import as_location
-
-        with following_symlinks(follow_symlinks):
-            index = self.read_index(as_location(checkpoint_id))
-        return Source(format=self, index=index, check_crc=check_crc, follow_symlinks=follow_symlinks)
-
-
-@dataclass(frozen=True, slots=True)
-class Source:
-    """A checkpoint whose format is decided and whose index is read: what operations, movers and workers take.
-
-    Picklable (it travels to workers in jobs): its format by name, its index as data.
-
-    Attributes:
-        format: its row of the format table (``FORMATS``).
-        index: its index (``formats.index.CheckpointIndex``).
-        check_crc: readers check the CRC-32s the format stores (DCP payloads' zip records) on every read.
-        follow_symlinks: readers read files that symbolic links lead to outside the checkpoint;
-            None: the process's setting (``location.following_symlinks``) where the reader is made.
-    """
-
-    format: SourceFormat
-    index: CheckpointIndex
-    check_crc: bool = True
-    follow_symlinks: bool | None = None
-
-    @property
-    def checkpoint_id(self) -> Location:
-        """Where the checkpoint is (its index's ``checkpoint_id``)."""
-        return self.index.checkpoint_id
-
-    def open_reader(self) -> Reader:
-        """A reader of this checkpoint's bytes, of its format's reader class (one per thread; close it, or use ``with``).
-
-        Raises:
-            As the format's reader; for a full file, as ``formats.full_file.open_full_file``.
-        """
-        with following_symlinks(self.follow_symlinks):
-            return self.format.reader(self.index.checkpoint_id, check_crc=self.check_crc)
-
-    def check_data_files(self) -> None:
-        """Check that every data file the index names exists, is readable, and lies inside the checkpoint.
-
-        Raises:
-            MissingDataFileError: naming the first missing or unreadable file.
-            UnsafeContentError: a data file is a symbolic link out of the checkpoint (``location.open_inside``).
-        """
-        check_data_files(self.index, follow_symlinks=self.follow_symlinks)
 
 
 def _lazy(module: str, attr: str) -> Callable[..., Any]:
@@ -265,9 +131,11 @@ def source_format(checkpoint_id: str | os.PathLike[str] | Location, *, full_file
         NotADcpCheckpointError: the folder cannot be listed, or holds rank files of two saves.
         MissingDataFileError: a rank file is missing.
     """
-    from fsdp_convert.remote import as_location
+    return _format_of(as_location(checkpoint_id), full_files)
 
-    root = as_location(checkpoint_id)
+
+def _format_of(root: Location, full_files: bool) -> SourceFormat:
+    """``source_format`` of a path already made a ``Location``."""
     return next((f for f in FORMATS if (full_files or not f.full) and f.detect(root)), _FALLBACK)
 
 
@@ -287,7 +155,7 @@ def detect_format(checkpoint_id: str | os.PathLike[str], *, full_files: bool = F
 
 
 def open_checkpoint(
-    checkpoint_id: str | os.PathLike[str] | Location,
+    checkpoint_id: Location,
     *,
     full_files: bool = False,
     check_crc: bool = True,
@@ -296,8 +164,9 @@ def open_checkpoint(
     """The one place a path's format is decided: its row of ``FORMATS``, and its index read as that format.
 
     Args:
-        checkpoint_id: a DCP folder (local or fsspec URL), accelerate's checkpoint folder, a
-            folder of per-rank torch.save files, or of ``HuggingFaceStorageWriter`` shards.
+        checkpoint_id: a DCP folder (local or fsspec URL, as ``remote.as_location`` makes it from
+            what the user gave), accelerate's checkpoint folder, a folder of per-rank torch.save
+            files, or of ``HuggingFaceStorageWriter`` shards.
         full_files: also take a full checkpoint (``formats.full_file.file_index``: one chunk
             per tensor, no data files); otherwise such a path is refused as not a DCP checkpoint.
         check_crc: the readers check the CRC-32s the format stores (``Source.check_crc``).
@@ -316,8 +185,9 @@ def open_checkpoint(
         MissingDataFileError, CorruptChunkError: a rank file or safetensors header is missing or broken.
     """
     with following_symlinks(follow_symlinks):
-        fmt = source_format(checkpoint_id, full_files=full_files)
-    return fmt.open(checkpoint_id, check_crc=check_crc, follow_symlinks=follow_symlinks)
+        fmt = _format_of(checkpoint_id, full_files)
+        index = fmt.read_index(checkpoint_id)
+    return Source(format=fmt, index=index, check_crc=check_crc, follow_symlinks=follow_symlinks)
 
 
 def read_index(
@@ -333,7 +203,7 @@ def read_index(
     Raises:
         As ``open_checkpoint``.
     """
-    return open_checkpoint(checkpoint_id, full_files=full_files, follow_symlinks=follow_symlinks).index
+    return open_checkpoint(as_location(checkpoint_id), full_files=full_files, follow_symlinks=follow_symlinks).index
 
 
 def open_reader(
@@ -358,31 +228,3 @@ def open_reader(
     """
     with following_symlinks(follow_symlinks):
         return source_format(checkpoint_id, full_files=full_files).reader(checkpoint_id, check_crc=check_crc)
-
-
-def check_data_files(index: CheckpointIndex, *, follow_symlinks: bool | None = None) -> None:
-    """Check that every data file the index names exists, is readable, and lies inside the checkpoint.
-
-    Args:
-        index: the checkpoint's index.
-        follow_symlinks: as for ``read_index``.
-
-    Raises:
-        MissingDataFileError: naming the first missing or unreadable file.
-        UnsafeContentError: a data file is a symbolic link out of the checkpoint (``location.open_inside``).
-    """
-    from fsdp_convert.formats.index import Url
-    from fsdp_convert.remote import size_of
-
-    for name in index.data_files:
-        path = index.checkpoint_id / name
-        if isinstance(path, Url):
-            if size_of(path) is None:
-                raise MissingDataFileError(f"{path} is missing; .metadata names it as a data file")
-            continue
-        try:  # opened as the readers open it (location.open_inside), not checked by name
-            os.close(open_inside(Path(index.checkpoint_id), path, follow_symlinks=follow_symlinks))
-        except PermissionError as e:
-            raise MissingDataFileError(f"{path} is not readable (permission denied)") from e
-        except (OSError, CorruptChunkError) as e:  # gone, or not a regular file
-            raise MissingDataFileError(f"{path} is missing; .metadata names it as a data file") from e

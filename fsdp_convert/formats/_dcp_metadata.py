@@ -19,15 +19,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.errors import NotADcpCheckpointError, UnsafeContentError
 from fsdp_convert.formats import _dcp_classes as records
 from fsdp_convert.formats._dcp_classes import MEM_FORMAT_ENCODING, torch_dtype
-from fsdp_convert.formats._dcp_payloads import BOTH_OPTIONS_HINT, ReadAt, SizeOf, is_raw_chunk, place_raw_chunks
+from fsdp_convert.formats._dcp_payloads import BOTH_OPTIONS_HINT, ReadAt, is_raw_chunk, place_raw_chunks
 from fsdp_convert.formats._dcp_records import CALL_BY_ID, RECORD_BY_ID, UNCHECKED_FIELDS, record_state, unknown_global
 from fsdp_convert.formats._dcp_records import CALLS as _CALLS
 from fsdp_convert.formats._dcp_records import RECORDS as _RECORDS
 from fsdp_convert.formats._safe_pickle import MalformedError, RefusedError, SafeUnpickler, described, shown
+from fsdp_convert.formats._stream_transforms import SizeOf
 from fsdp_convert.formats.index import (
     DTYPE_ITEMSIZES,
     BytesEntry,
@@ -40,6 +40,7 @@ from fsdp_convert.formats.index import (
     readable_name,
     readable_path,
 )
+from fsdp_convert.output_table import METADATA_FILENAME
 
 __all__ = [
     "METADATA_MAX_BYTES",

@@ -47,7 +47,8 @@ from fsdp_convert.formats._dcp_classes import (
     torch_layout,
     torch_size,
 )
-from fsdp_convert.formats._safe_pickle import VETTED_CALLS, MalformedError, shown
+from fsdp_convert.formats._safe_pickle import MalformedError, shown
+from fsdp_convert.formats._torch_globals import VETTED_CALLS
 
 __all__ = [
     "RECORDS",

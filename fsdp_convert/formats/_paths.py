@@ -28,7 +28,7 @@ def readable_name(value: object) -> TypeGuard[str]:
 
     ``str.isprintable``: no newline, NUL, escape or other control character, no lone surrogate. The
     DCP reader (``formats._dcp_metadata``) refuses any other, and ``reshard`` refuses to write one
-    (``writers.dcp.DcpFolder.check_keys``), so what it writes its own ``inspect`` and ``verify`` read.
+    (``outputs.DcpFolder.check_keys``), so what it writes its own ``inspect`` and ``verify`` read.
     """
     return isinstance(value, str) and value.isprintable()
 

@@ -22,16 +22,8 @@ from typing import Any
 import torch
 
 from fsdp_convert.errors import CorruptChunkError, UnsafeContentError
-from fsdp_convert.formats._safe_pickle import (
-    TORCH_DTYPES,
-    VETTED_CALLS,
-    MalformedError,
-    RefusedError,
-    SafeUnpickler,
-    described,
-    shown,
-    torch_size,
-)
+from fsdp_convert.formats._safe_pickle import MalformedError, RefusedError, SafeUnpickler, described, shown
+from fsdp_convert.formats._torch_globals import TORCH_DTYPES, VETTED_CALLS, torch_size
 from fsdp_convert.formats.index import ObjPath
 from fsdp_convert.signals import torch_call
 from fsdp_convert.torch_compat import REBUILD_TENSOR_V2

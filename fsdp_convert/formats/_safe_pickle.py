@@ -25,11 +25,9 @@ import pickletools
 import reprlib
 import struct
 from collections import Counter, OrderedDict
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 __all__ = ["RefusedError", "MalformedError", "SafeUnpickler", "shown", "described"]
-__all__ += ["TORCH_DTYPES", "TORCH_LAYOUTS", "VETTED_CALLS", "torch_size"]  # torch's, for rank files' unpickler
 
 _OPCODE_NAMES = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opcodes}
 # opcodes that call or look up code (classes, the copyreg registry, persistent_load): refused as
@@ -41,24 +39,6 @@ _unpack_from = struct.unpack_from
 _shortrepr = reprlib.Repr()
 _shortrepr.maxstring = _shortrepr.maxother = 80
 _shortrepr.maxlong = 40
-
-
-if TYPE_CHECKING:  # names are looked up in these tables, never with getattr(torch, name): torch.__getattr__ imports modules
-    import torch
-
-    TORCH_DTYPES: dict[str, torch.dtype]
-    TORCH_LAYOUTS: dict[str, torch.layout]
-
-
-def __getattr__(name: str) -> Any:
-    """``TORCH_DTYPES`` and ``TORCH_LAYOUTS``, built with torch at first use (.metadata's unpickler needs no torch)."""
-    if name not in ("TORCH_DTYPES", "TORCH_LAYOUTS"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import torch
-
-    globals()["TORCH_DTYPES"] = {n: v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
-    globals()["TORCH_LAYOUTS"] = {f"torch.{n}": v for n, v in vars(torch).items() if isinstance(v, torch.layout)}
-    return globals()[name]
 
 
 class RefusedError(pickle.UnpicklingError):
@@ -76,36 +56,6 @@ def shown(value: Any) -> str:
     except Exception:
         text = f"<{type(value).__name__}>"
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-def torch_size(dims: Any) -> torch.Size:
-    """``torch.Size(dims)`` of a tuple or list of 64-bit ints; else MalformedError, TypeError or ValueError."""
-    if type(dims) is not tuple and type(dims) is not list:
-        raise MalformedError("a torch.Size of something other than a sequence")
-    import torch
-
-    return torch.Size(dims)  # TypeError or ValueError unless every item is a 64-bit int
-
-
-def _layout(name: Any) -> torch.layout:
-    layouts: dict[str, torch.layout] = globals().get("TORCH_LAYOUTS") or __getattr__("TORCH_LAYOUTS")
-    if type(name) is not str or name not in layouts:
-        raise MalformedError("an unknown torch layout")
-    return layouts[name]
-
-
-def _ordered_dict(*args: Any) -> OrderedDict[Any, Any]:
-    if args:
-        raise MalformedError("an OrderedDict with arguments")  # pickled as OrderedDict() then SETITEMS
-    return OrderedDict()
-
-
-# Calls torch's pickles make, with their arguments checked; each returns a fresh object.
-VETTED_CALLS: dict[tuple[str, str], Callable[..., Any]] = {
-    ("torch", "Size"): torch_size,
-    ("torch.serialization", "_get_layout"): _layout,  # a layout pickles as _get_layout("torch.strided")
-    ("collections", "OrderedDict"): _ordered_dict,
-}
 
 
 def described(obj: Any) -> str:
@@ -146,7 +96,7 @@ class SafeUnpickler:
     def build(self, obj: Any, state: Any) -> None:
         """BUILD: set the state of an object this load created; refuses by default.
 
-        An ``OrderedDict`` (only ``VETTED_CALLS`` makes one, fresh) may get a dict of attributes,
+        An ``OrderedDict`` (only ``_torch_globals.VETTED_CALLS`` makes one, fresh) may get a dict of attributes,
         as ``state_dict()``'s ``_metadata``: it is dropped.
         """
         if type(obj) is OrderedDict and type(state) is dict and all(type(k) is str for k in state):

@@ -1,10 +1,11 @@
 """DCP folders (``FileSystemWriter``): index from ``.metadata``, payloads by byte range, CRC-32s checked.
 
-Index: ``.metadata`` is unpickled safely and checked field by field (``_dcp_metadata``);
-accelerate's FSDP checkpoint folder (``pytorch_model_fsdp_0/`` + ``optimizer_0/``, two DCP folders
-side by side) is read as one checkpoint whose data file names carry their subfolder, as is
-OLMo-core's ``stepN/`` (its ``model_and_optim/``), torchtune's ``output/`` folder as its newest
-``dist_epoch_<n>/``, and Lightning Fabric's ``meta.pt`` beside ``.metadata`` names the producer.
+Index: ``.metadata`` is unpickled safely and checked field by field (``_dcp_metadata``). A
+folder that holds DCP folders (``_dcp_folders``) is read as one checkpoint whose data file names
+carry their subfolder: accelerate's FSDP checkpoint folder (``pytorch_model_fsdp_0/`` +
+``optimizer_0/``), OLMo-core's ``stepN/`` (its ``model_and_optim/``); torchtune's ``output/`` is
+read as its newest ``dist_epoch_<n>/``. The names beside the data are recorded (``producers``
+decides what they mean).
 
 Reads: each payload (a torch.save zip, ``torch/distributed/checkpoint/filesystem.py``
 ``_write_item``) is decoded with ``torch.load(weights_only=True)`` from a ``ByteRangeFile`` over
@@ -22,15 +23,13 @@ byte range.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import pickle
 import re
 import sys
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, NoReturn, cast
+from typing import IO, Any, NoReturn, cast
 
-from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.errors import (
     CheckpointNotFoundError,
     CorruptChunkError,
@@ -38,51 +37,31 @@ from fsdp_convert.errors import (
     NotADcpCheckpointError,
     UnsafeContentError,
 )
-from fsdp_convert.formats._dcp_metadata import build_index, load_metadata, records_from_bytes
-from fsdp_convert.formats._dcp_payloads import (
-    BOTH_OPTIONS_HINT,
-    DecodedPayload,
-    bytes_limit_bytes,
-    chunk_limit_bytes,
-    decode_payload,
-    is_raw_chunk,
-    payload_formats,
+from fsdp_convert.formats._dcp_folders import (
+    ACCELERATE_DIR_RE,
+    OLMO_CORE_DIRNAME,
+    dcp_folders_in,
+    merge_indexes,
+    metadata_subfolders,
 )
+from fsdp_convert.formats._dcp_metadata import build_index, load_metadata, records_from_bytes
+from fsdp_convert.formats._dcp_payloads import BOTH_OPTIONS_HINT, is_raw_chunk, payload_formats
 from fsdp_convert.formats._payload_pickle import plain_value, read_payload_tensor, whole_storage
 from fsdp_convert.formats._range import ByteRangeFile, PayloadEdges, RecordHash
-from fsdp_convert.formats.index import MAX_ENTRIES, BytesEntry, CheckpointIndex, ChunkEntry, Entry, Location, TensorEntry, Url
+from fsdp_convert.formats._stream_transforms import DecodedPayload, bytes_limit_bytes, chunk_limit_bytes, decode_payload
+from fsdp_convert.formats.index import MAX_ENTRIES, BytesEntry, CheckpointIndex, ChunkEntry, Location, TensorEntry, Url
 from fsdp_convert.formats.reader import ChunkedReader, StoredBytes, check_payload, checked_value, read_bare_chunk
-from fsdp_convert.location import inside, mapped_inside, open_inside, stat_inside
+from fsdp_convert.held_roots import inside, open_inside, stat_inside
+from fsdp_convert.location import mapped_inside
+from fsdp_convert.output_table import METADATA_FILENAME
 from fsdp_convert.remote import as_location, read_bytes, read_range, size_of
 from fsdp_convert.signals import torch_call
 from fsdp_convert.zip_records import ZipFormatError, ZipRecord, read_records
 
-if TYPE_CHECKING:  # torch only where a payload is loaded: inspect reads .metadata alone
-    pass
-
 __all__ = ["read_dcp_index", "load_metadata", "metadata_subfolders", "DcpReader", "payload_formats"]
-__all__ += ["LIGHTNING_META_FILENAME", "OLMO_CORE_DIRNAME"]
+__all__ += ["ACCELERATE_DIR_RE", "DCP_FILE_RE", "OLMO_CORE_DIRNAME"]
 
-# accelerate's FSDP checkpoint folder: one DCP folder for the model, one per optimizer
-_ACCELERATE_DIR_RE = re.compile(r"^(pytorch_model_fsdp|optimizer)_\d+$")
-LIGHTNING_META_FILENAME = "meta.pt"  # Lightning Fabric's FSDP strategy: user metadata beside .metadata
-OLMO_CORE_DIRNAME = "model_and_optim"  # OLMo-core's stepN/: its DCP folder, beside train/ and config.json
-# torchtune's DistributedCheckpointer: output/dist_epoch_<n>/, one DCP folder per epoch
-_TORCHTUNE_DIR_RE = re.compile(r"dist_epoch_(\d+)")
-
-logger = logging.getLogger(__name__)
-
-
-def metadata_subfolders(root: Path) -> list[Path]:
-    """The folders directly in ``root`` that hold a ``.metadata`` (checkpoints one level down), sorted.
-
-    Raises:
-        NotADcpCheckpointError: ``root`` cannot be listed.
-    """
-    try:
-        return sorted(d for d in root.iterdir() if (d / METADATA_FILENAME).is_file())
-    except OSError as e:
-        raise NotADcpCheckpointError(f"{root} cannot be listed ({e.strerror})") from e
+DCP_FILE_RE = re.compile(r"\.metadata|__\d+_\d+\.distcp")  # the files of a DCP folder (a whole name)
 
 
 def read_dcp_index(checkpoint_id: str | os.PathLike[str]) -> CheckpointIndex:
@@ -101,7 +80,7 @@ def read_dcp_index(checkpoint_id: str | os.PathLike[str]) -> CheckpointIndex:
         NotADcpCheckpointError: no ``.metadata`` in the folder, or it is malformed; two torchtune
             folders of the newest epoch.
         UnsafeContentError: ``.metadata`` would run code when unpickled, or a file the index
-            reads (``.metadata``, ``meta.pt``, a data file) is a symbolic link out of the folder
+            reads (``.metadata``, a data file) is a symbolic link out of the folder
             (``location.inside``; the process's ``following_symlinks`` setting allows it).
         MissingDataFileError, CorruptChunkError: a data file holding safetensors-stored chunks
             is missing, or its safetensors header is unreadable.
@@ -120,19 +99,25 @@ def read_dcp_index(checkpoint_id: str | os.PathLike[str]) -> CheckpointIndex:
     meta_path = root / METADATA_FILENAME
     if not meta_path.is_file():
         return _read_parent_folder(root)
-    index = _build(_load_records(root, root), root)
-    if (root / LIGHTNING_META_FILENAME).is_file():
-        inside(root, root / LIGHTNING_META_FILENAME)  # read later (items.read_merged), copied by reshard
-        index = dataclasses.replace(index, producer="lightning")
-    elif root.name == OLMO_CORE_DIRNAME and (root.parent / ".metadata.json").is_file():  # OLMo-core's, passed alone
-        index = dataclasses.replace(index, producer="olmo-core")
-    return index
+    return _with_beside(_build(_load_records(root, root), root))
 
 
-def _metadata_path(root: Path, folder: Path) -> Path:
-    """``folder``'s ``.metadata``, checked to lie inside ``root`` (``location.inside``)."""
-    inside(root, folder / METADATA_FILENAME)
-    return folder / METADATA_FILENAME
+def _with_beside(index: CheckpointIndex) -> CheckpointIndex:
+    """``index`` with the names beside its data in its folder (``beside``, ``links_out``); none where it cannot be listed."""
+    root = index.checkpoint_id
+    assert isinstance(root, Path)
+    known = {*index.folders, *index.data_files}
+    try:
+        beside = frozenset(n for n in os.listdir(root) if n not in known and not DCP_FILE_RE.fullmatch(n))
+    except OSError:
+        return index
+    links_out = set()
+    for name in beside:  # as the process's setting allows (location.inside)
+        try:
+            inside(root, root / name)
+        except UnsafeContentError:
+            links_out.add(name)
+    return dataclasses.replace(index, beside=beside, links_out=frozenset(links_out))
 
 
 def _load_records(root: Path, folder: Path) -> Any:
@@ -176,83 +161,11 @@ def _build(metadata: Any, folder: Location) -> CheckpointIndex:
 
 
 def _read_parent_folder(root: Path) -> CheckpointIndex:
-    """A folder without ``.metadata``: accelerate's checkpoint folder, or a hint one level down."""
-    subs = metadata_subfolders(root)
-    parts = [d for d in subs if _ACCELERATE_DIR_RE.match(d.name)]
-    if parts:
-        indexes = [_build(_load_records(root, d), d) for d in parts]
-        return _merge_indexes(root, indexes, "accelerate")
-    if (root / OLMO_CORE_DIRNAME / METADATA_FILENAME).is_file():  # read as one checkpoint, as accelerate's
-        olmo = root / OLMO_CORE_DIRNAME
-        return _merge_indexes(root, [_build(_load_records(root, olmo), olmo)], "olmo-core")
-    newest = _newest_torchtune_epoch(root, subs)
-    if newest is not None:
-        logger.info("%s: reading %s, the newest dist_epoch_<n> (the one torchtune resumes from)", root, newest.name)
-        return read_dcp_index(_metadata_path(root, newest).parent)
-    if not subs:  # OLMo-core's save folder: stepN/ folders, each a checkpoint (its DCP folder one level down)
-        subs = sorted(d.parent for d in root.glob(f"*/{OLMO_CORE_DIRNAME}") if (d / METADATA_FILENAME).is_file())
-    if len(subs) == 1:
-        raise NotADcpCheckpointError(f"{root} has no {METADATA_FILENAME}, but {subs[0]} has: pass that folder")
-    if subs:
-        newest = max(subs, key=lambda d: (len(d.name), d.name))  # step-10 after step-9
-        names = ", ".join(d.name for d in subs[:5]) + (", ..." if len(subs) > 5 else "")
-        raise NotADcpCheckpointError(
-            f"{root} has no {METADATA_FILENAME}; it holds {len(subs)} checkpoints ({names}): pass one, e.g. {newest}"
-        )
-    raise NotADcpCheckpointError(f"{root} has no {METADATA_FILENAME}; not a DCP checkpoint")
-
-
-def _newest_torchtune_epoch(root: Path, subs: list[Path]) -> Path | None:
-    """The ``dist_epoch_<n>/`` of the largest ``n`` in torchtune's ``output/``; None unless all its DCP folders are such.
-
-    The folder torchtune's ``DistributedCheckpointer._get_latest_intermediate_checkpoint`` resumes from.
-
-    Raises:
-        NotADcpCheckpointError: two folders are of that epoch (``dist_epoch_2``, ``dist_epoch_02``).
-    """
-    epochs = {d: int(m.group(1)) for d in subs if (m := _TORCHTUNE_DIR_RE.fullmatch(d.name))}
-    if not epochs or len(epochs) != len(subs):
-        return None
-    last = max(epochs.values())
-    newest = [d for d, n in epochs.items() if n == last]
-    if len(newest) > 1:
-        names = ", ".join(d.name for d in newest)
-        raise NotADcpCheckpointError(f"{root} has no {METADATA_FILENAME}; its newest epoch {last} is in {names}: pass one")
-    return newest[0]
-
-
-def _merge_indexes(root: Path, parts: list[CheckpointIndex], producer: str) -> CheckpointIndex:
-    """One index over several DCP folders inside ``root``; data file paths become relative to ``root``.
-
-    Raises:
-        NotADcpCheckpointError: two folders hold the same key.
-    """
-    entries: list[Entry] = []
-    owner: dict[str, Location] = {}
-    files: list[str] = []
-    for part in parts:
-        prefix = part.checkpoint_id.name
-        for e in part.entries:
-            if e.fqn in owner:
-                raise NotADcpCheckpointError(f"{e.fqn} is in both {owner[e.fqn]} and {part.checkpoint_id}")
-            owner[e.fqn] = part.checkpoint_id
-            if isinstance(e, TensorEntry):
-                chunks = tuple(
-                    c if c.relative_path is None else dataclasses.replace(c, relative_path=f"{prefix}/{c.relative_path}")
-                    for c in e.chunks
-                )
-                entries.append(dataclasses.replace(e, chunks=chunks))
-            else:
-                entries.append(dataclasses.replace(e, relative_path=f"{prefix}/{e.relative_path}"))
-        files += [f"{prefix}/{f}" for f in part.data_files]
-    return CheckpointIndex(
-        checkpoint_id=root,
-        entries=tuple(entries),
-        data_files=tuple(sorted(files)),
-        version=parts[0].version,
-        save_id=parts[0].save_id,
-        producer=producer,
-    )
+    """A folder without ``.metadata``: the DCP folders inside it (``_dcp_folders.dcp_folders_in``) read as one checkpoint."""
+    folders = dcp_folders_in(root)
+    if isinstance(folders, Path):  # torchtune's newest epoch: the checkpoint itself
+        return read_dcp_index(folders)
+    return _with_beside(merge_indexes(root, [_build(_load_records(root, d), d) for d in folders]))
 
 
 class DcpReader(ChunkedReader):

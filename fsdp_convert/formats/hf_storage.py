@@ -20,11 +20,12 @@ from typing import Any
 
 import torch
 
-from fsdp_convert.constants import SAFETENSORS_SUFFIXES, SAFETENSORS_TO_TORCH, torch_shape
+from fsdp_convert.constants import SAFETENSORS_TO_TORCH, torch_shape
 from fsdp_convert.errors import CorruptChunkError, NotADcpCheckpointError, ShapeMismatchError
+from fsdp_convert.formats.file_reads import read_safetensors_header as read_header
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Entry, TensorEntry
 from fsdp_convert.formats.reader import ChunkedReader, StoredBytes
-from fsdp_convert.formats.reader import read_safetensors_header as read_header
+from fsdp_convert.output_table import SAFETENSORS_SUFFIXES
 
 __all__ = [
     "SHARDING_INFO_KEY",
@@ -150,7 +151,7 @@ def describe_safetensors_dcp(root: Path) -> CheckpointIndex:
         checkpoint_id=root,
         entries=tuple(entries),
         data_files=tuple(p.name for p in files),
-        producer="hf_storage" if sharded else "safetensors",
+        marks=frozenset({"safetensors", "dcp_sharding_info"} if sharded else {"safetensors"}),
         ranks=len(writers) if writers else 1,
     )
 

@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +46,7 @@ __all__ = [
     "BytesEntry",
     "Entry",
     "CheckpointIndex",
+    "Mark",
     "dtype_name",
     "DTYPE_ITEMSIZES",
     "dcp_key",
@@ -66,6 +67,13 @@ __all__ = [
 ]
 
 _DATA_FILE_RE = re.compile(r"^__(\d{1,9})_(\d+)\.distcp$")  # a rank past 10^9 is not one
+
+# What a source format saw in the files that tells their writers apart (``CheckpointIndex.marks``):
+# ``rank_files``: per-rank torch.save files, not DCP (``formats/rank_files.py``); ``sharded_tensor``:
+# one of them holds torch's ``ShardedTensor`` values; ``safetensors``: safetensors files read as DCP
+# chunks (``formats/hf_storage.py``); ``dcp_sharding_info``: a header of theirs carries
+# ``DCP_SHARDING_INFO`` (torch's ``HuggingFaceStorageWriter``).
+Mark = Literal["rank_files", "sharded_tensor", "safetensors", "dcp_sharding_info", "weights_alone"]
 
 # Caps far above real checkpoints. A 1T-parameter MoE with its experts unstacked and Adam holds
 # about 200k entries; on 2048 ranks FSDP stores 2048 chunks of each tensor, split on dim 0 (tensor
@@ -220,10 +228,21 @@ class CheckpointIndex:
         data_files: the data files that hold at least one payload, sorted.
         version: DCP's metadata version string, if recorded.
         save_id: DCP's save id, if recorded.
-        producer: the producer when the folder's files name it (``accelerate``, ``lightning``,
-            ``verl``, ``hf_storage``...), else None; ``producers.detect_producer`` gives the record.
         ranks: the producer's world size when the data file names do not follow DCP's
             ``__<rank>_<n>.distcp`` (per-rank torch.save files, safetensors shards).
+        folders: the DCP folders inside ``checkpoint_id`` that this one index joins, by name,
+            sorted (a folder holding no ``.metadata`` of its own); data file paths start with
+            their folder. Empty when ``checkpoint_id`` holds the data itself.
+        beside: the names of the other entries of a local DCP checkpoint's folder, as listed when
+            it was indexed: neither ``.metadata``, a data file nor one of ``folders``. Empty for
+            the other formats, a remote folder (not listed) and one that cannot be listed.
+        links_out: those of ``beside`` that are symbolic links leading out of the folder, where
+            the process's setting (``location.following_symlinks``) refused such links when it was
+            indexed; a later stage that reads one of them refuses it (``location.inside``).
+        marks: what the format saw in the files that tells their writers apart (``Mark``).
+
+    The format reports these facts and nothing more: which producer wrote the checkpoint is
+    decided from them, and from the keys, by ``producers.detect_producer``.
     """
 
     checkpoint_id: Location
@@ -231,8 +250,11 @@ class CheckpointIndex:
     data_files: tuple[str, ...]
     version: str | None = None
     save_id: str | None = None
-    producer: str | None = None
     ranks: int | None = None
+    folders: tuple[str, ...] = ()
+    beside: frozenset[str] = frozenset()
+    links_out: frozenset[str] = frozenset()
+    marks: frozenset[Mark] = frozenset()
     _writer_ranks: tuple[int, ...] = field(init=False, repr=False, compare=False)  # parsed once: asked per entry
 
     def __post_init__(self) -> None:

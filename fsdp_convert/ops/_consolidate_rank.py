@@ -16,11 +16,12 @@ from typing import Any
 
 from fsdp_convert.formats import Reader, Source
 from fsdp_convert.formats.index import BytesEntry, TensorEntry
+from fsdp_convert.item import OutputItem
 from fsdp_convert.launch import WorkerGroup, worker_bars
-from fsdp_convert.move import MoveJob, Piece, move_all, range_crc
-from fsdp_convert.plan import FilePlan, WorkPlan
+from fsdp_convert.move import MoveJob, move_all
+from fsdp_convert.pieces import Piece, range_crc
+from fsdp_convert.plan.consolidate import FilePlan, WorkPlan
 from fsdp_convert.resume import ResumeState, begin_share
-from fsdp_convert.transform import OutputItem
 from fsdp_convert.writers.transaction import writing
 
 __all__ = ["ConsolidateJob", "consolidate_rank"]

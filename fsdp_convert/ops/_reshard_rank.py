@@ -18,14 +18,14 @@ from typing import Any
 from fsdp_convert.formats import Source
 from fsdp_convert.formats.index import BytesEntry, TensorEntry, dcp_key
 from fsdp_convert.launch import WorkerGroup, worker_bars
-from fsdp_convert.move import MoveJob, Piece, move_all, pwrite_all, range_crc
-from fsdp_convert.plan import DEFAULT_MEMORY_BUDGET_BYTES, mover_buffers
-from fsdp_convert.reshard_plan import PayloadPlan, ReshardPlan
+from fsdp_convert.move import MoveJob, move_all, pwrite_all
+from fsdp_convert.pieces import Piece, range_crc
+from fsdp_convert.plan.consolidate import DEFAULT_MEMORY_BUDGET_BYTES, mover_buffers
+from fsdp_convert.plan.reshard import PayloadPlan, ReshardPlan
 from fsdp_convert.resume import ResumeState, begin_share
-from fsdp_convert.writers._dcp_pickle import is_plain, value_payload
 from fsdp_convert.writers.dcp import StoredChunk, rank_filename
 from fsdp_convert.writers.torch_save import TensorSlot, write_tensor_payload_headers
-from fsdp_convert.writers.transaction import writing
+from fsdp_convert.writers.transaction import is_plain, value_payload, writing
 
 __all__ = ["ReshardJob", "reshard_rank"]
 

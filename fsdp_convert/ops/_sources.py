@@ -1,10 +1,11 @@
-"""Sides of ``verify``: a checkpoint of any format found once, then seen as flat keys whose values load one at a time.
+"""Sides of ``verify``: two checkpoints of any formats, each found once, seen as flat keys whose values load one at a time.
 
-A side is found once (``find_side``: its format decided and its index read by
-``formats.open_checkpoint``'s table), and travels to verify's workers as is. Each process then
-sees it as flat keys (``open_view``): a DCP checkpoint (or, seen through transforms, any
-checkpoint) through ``transform`` items read with its ``Source``'s reader; torch.save files,
-safetensors files and Hugging Face folders through ``formats.full_file``.
+A side is found once (``find_source``: ``formats.open_checkpoint`` decides its format, full files
+included, and reads its index) and read as ``consolidate`` reads its input: its items built by
+``plan.items.prepare_items``, each value read with its ``Source``'s reader. ``Side`` says how a side is
+seen (its transforms, a ``model.`` prefix for weights standing alone, the key a folder's optimizer
+state is shown under); it travels to verify's workers as is, and each process opens a
+``SideView`` of it.
 """
 
 from __future__ import annotations
@@ -13,72 +14,71 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from fsdp_convert.dtypes import as_dtype
-from fsdp_convert.errors import CheckpointNotFoundError
-from fsdp_convert.formats import Source, source_format
-from fsdp_convert.formats.full_file import open_full_file
-from fsdp_convert.formats.index import BytesEntry, Location, TensorEntry, Url, check_coverage, dcp_key
-from fsdp_convert.items import prepare_items
-from fsdp_convert.remote import is_url
-from fsdp_convert.roles import GROUPS
-from fsdp_convert.transform import OutputItem, TransformOptions
+from fsdp_convert.formats import Reader, Source, open_checkpoint
+from fsdp_convert.formats.index import BytesEntry, TensorEntry, check_coverage, dcp_key
+from fsdp_convert.item import OutputItem
+from fsdp_convert.plan.items import prepare_items
+from fsdp_convert.remote import as_location
+from fsdp_convert.roles import GROUPS, Group, group_of_top
+from fsdp_convert.transform import TransformOptions
 
-__all__ = ["FlatView", "ItemsView", "Side", "find_side", "open_view", "open_source"]
+if TYPE_CHECKING:
+    pass
+
+__all__ = ["MODEL_PREFIX", "Side", "SideView", "find_source", "key_group", "open_sides", "open_source", "open_views"]
+
+MODEL_PREFIX = "model."  # consolidate writes model weights as model.<FQN>
+_AS_SAVED = TransformOptions(keep_wrapper_names=True)  # items named as stored: no wrapper name removed, nothing renamed
 
 
-class FlatView(Protocol):
-    """A checkpoint seen as flat keys; values are loaded on demand, one at a time."""
-
-    @property
-    def path(self) -> Location:
-        """Where the checkpoint is."""
-        ...
-
-    kind: str  # "dcp", "torch_save", "safetensors" or "hf_dir"
-    model_only: bool  # holds model weights only (the safetensors formats)
-
-    def keys(self) -> list[str]:
-        """Every flat key, in the checkpoint's order."""
-        ...
-
-    def get(self, key: str) -> Any:
-        """The value of ``key``: a CPU tensor, or a plain Python value."""
-        ...
-
-    def close(self) -> None:
-        """Release open files."""
-        ...
+def key_group(key: str) -> Group:
+    """The group of a flat key, by its top-level key (``model``, ``optim``/``optimizer``, anything else)."""
+    return group_of_top(key.split(".", 1)[0])
 
 
 @dataclass(frozen=True, slots=True)
 class Side:
-    """One side of ``verify``, found once; picklable (it travels to verify's workers).
+    """How one side of ``verify`` is seen; picklable (it travels to verify's workers).
 
     Attributes:
-        path: the path as given (a ``Url`` for a remote checkpoint).
-        source: its format and index, when it is read through ``transform`` items (any sharded
-            checkpoint; a full file seen through transforms); None: a full file read whole
-            (``formats.full_file.open_full_file``).
-        optimizer_key: the top-level key a Hugging Face folder's ``optimizer.pt`` is read under
-            (``optim``; ``verify`` sets the other side's, as ``optimizer.pt`` holds no key).
+        source: the checkpoint, found once (``find_source``).
+        transform: the transforms its items are built with, as ``consolidate`` builds them
+            (nested layout); None: its keys as saved, in its own order (what torch's
+            ``dcp_to_torch_save`` gives for a DCP checkpoint).
+        weights_alone: it holds safetensors weights named by FQN alone (a file, a folder without
+            ``optimizer.pt``, a PEFT adapter): seen as ``model.`` + FQN, and only model weights compared.
+        optimizer_key: the top-level key its ``optim`` state is shown under (a Hugging Face
+            folder's ``optimizer.pt`` compared with a checkpoint that keeps ``optimizer``); None: as indexed.
+        items: its items, in the order its keys come, once built (``SideView``: workers take them
+            as built, and read no param group value again); None: not yet.
     """
 
-    path: Location
-    source: Source | None
-    optimizer_key: str = "optim"
+    source: Source
+    transform: TransformOptions | None = None
+    weights_alone: bool = False
+    optimizer_key: str | None = None
+    items: tuple[OutputItem, ...] | None = None
+
+    @property
+    def classified(self) -> bool:
+        """Its groups are ``consolidate``'s classification (a sharded checkpoint, or one seen through transforms).
+
+        A full checkpoint read as saved (an output of ``consolidate``) is grouped by its top-level keys.
+        """
+        return self.transform is not None or not self.source.format.full
 
 
-def find_side(path: str | os.PathLike[str] | Source, *, check_crc: bool = True, through_items: bool = False) -> Side:
-    """Decide a side's format and read its index, once; its data files are checked to exist.
+def find_source(checkpoint: str | os.PathLike[str] | Source, *, check_crc: bool = True) -> Source:
+    """A side's ``Source``, its format decided and its index read once; its data files are checked to exist.
 
     Args:
-        path: a DCP folder (local or fsspec URL), any other sharded checkpoint, a torch.save or
+        checkpoint: a DCP folder (local or fsspec URL), any other sharded checkpoint, a torch.save or
             safetensors file, or a Hugging Face or PEFT folder; or its ``Source``, already found
-            (``consolidate``'s ``verify_output`` compares with its own input: not read again).
+            (not read again; its readers then check CRC-32s as ``check_crc`` says).
         check_crc: its readers check CRC-32s of DCP payloads.
-        through_items: a full file too is read through ``transform`` items (its index read now).
 
     Raises:
         CheckpointNotFoundError: the path does not exist.
@@ -86,56 +86,128 @@ def find_side(path: str | os.PathLike[str] | Source, *, check_crc: bool = True, 
         UnsafeContentError: a pickle that would run code, or a file linked from outside the folder.
         MissingDataFileError: a data file the index names is missing.
     """
-    if isinstance(path, Source):
-        source: Source | None = dataclasses.replace(path, check_crc=check_crc)
-        if path.format.full and not through_items:
-            source = None  # a full file, read whole
-        elif source is not None:
-            source.check_data_files()
-        return Side(path.checkpoint_id, source)
-    if is_url(path):  # a remote DCP checkpoint
-        root: Location = Url(str(path).rstrip("/"))
+    if isinstance(checkpoint, Source):
+        source = dataclasses.replace(checkpoint, check_crc=check_crc)
     else:
-        root = Path(path)
-        if not root.exists():
-            raise CheckpointNotFoundError(f"{root} does not exist")
-    fmt = source_format(root, full_files=True)
-    if fmt.full and not through_items:
-        return Side(root, None)
-    source = fmt.open(root, check_crc=check_crc)  # a full file too, when it is seen through transforms
+        source = open_checkpoint(as_location(checkpoint), full_files=True, check_crc=check_crc)
     source.check_data_files()
-    return Side(root, source)
+    return source
 
 
-class ItemsView:
-    """A checkpoint seen through ``transform`` items, read with its ``Source``'s reader.
+def _weights_alone(source: Source) -> bool:
+    """True for a full checkpoint of safetensors weights named by FQN alone, as ``model.state_dict()`` names them.
 
-    Keys are the nested layout's (wrapper names removed, ``optimizer`` as ``optim``, flattened
-    optimizer state nested); with no transform, the keys as saved (what torch's
-    ``dcp_to_torch_save`` gives).
+    A fact its format recorded (``formats.full_file.file_index``: ``weights_alone`` in the index's
+    marks): a safetensors file, or a folder of weights without ``optimizer.pt`` or ``extra_state.pt``.
+    """
+    return "weights_alone" in source.index.marks
+
+
+def _sides(a: Source, b: Source, transform: TransformOptions | None, files_too: bool) -> tuple[Side, Side]:
+    """How each side is seen: a sharded one through ``transform``, a full one as saved (A through it too with ``files_too``).
+
+    When one side holds weights alone and the other is sharded, with no transform, the sharded side
+    is seen as ``consolidate`` names the weights (``model.`` + FQN, wrapper names kept), a full A
+    too with ``files_too``.
+    """
+    alone = (_weights_alone(a), _weights_alone(b))
+    if transform is None and any(alone) and not (a.format.full and b.format.full):
+        transform = _AS_SAVED
+    through = (not a.format.full or (files_too and transform is not None), not b.format.full)
+    side_a, side_b = (
+        Side(source, transform if seen else None, weights_alone=weights and not seen)
+        for source, seen, weights in zip((a, b), through, alone, strict=True)
+    )
+    return side_a, side_b
+
+
+def _built(side: Side, reader: Reader) -> tuple[OutputItem, ...]:
+    """``side``'s items (``plan.items.prepare_items``): as saved in the checkpoint's order, through transforms in the output's.
+
+    The param group values they need are read with ``reader``, the side's own, already open: a
+    full file is not loaded again for them.
+
+    Raises:
+        As ``plan.items.prepare_items``.
+    """
+    as_saved = side.transform is None
+    items = prepare_items(side.source, side.transform or _AS_SAVED, GROUPS, keep_layout=as_saved, reader=reader)
+    if not as_saved:
+        return items
+    position = {id(entry): i for i, entry in enumerate(side.source.index.entries)}
+    return tuple(sorted(items, key=lambda item: position.get(id(item.entry), len(position))))
+
+
+class SideView:
+    """A side seen as flat keys: its items, each value read on demand with its ``Source``'s reader.
+
+    Keys are ``formats.index.dcp_key`` of each item's path (``model.layers.0.attn.wq.weight``,
+    ``optim.state.<fqn>.exp_avg``, ``optim.param_groups.0.lr``), after the side's prefix and
+    optimizer key. Close it (it holds the reader's open files).
 
     Args:
-        side: the side (``side.source`` set).
-        transform: the transforms; None: the keys as saved.
+        side: the side; its items are built here unless it carries them (``Side.items``).
+
+    Raises:
+        As ``plan.items.prepare_items`` and the side's ``Source.open_reader``.
     """
 
-    kind = "dcp"
-    model_only = False
+    def __init__(self, side: Side) -> None:
+        self._reader = side.source.open_reader()
+        try:
+            self.side = side if side.items is not None else dataclasses.replace(side, items=_built(side, self._reader))
+        except BaseException:
+            self._reader.close()
+            raise
+        self._items = self._keyed()
 
-    def __init__(self, side: Side, transform: TransformOptions | None) -> None:
-        assert side.source is not None  # find_side made it so
-        self.path = side.path
-        source = side.source
-        # no transform: the keys as saved (what torch's dcp_to_torch_save gives); else as consolidate writes them
-        raw = TransformOptions(keep_wrapper_names=True)
-        items = prepare_items(source, transform or raw, GROUPS, keep_layout=transform is None)  # read with its reader
-        self._items: dict[str, OutputItem] = {dcp_key(item.path): item for item in items}
-        self._reader = source.open_reader()
+    def _keyed(self) -> dict[str, OutputItem]:
+        prefix, shown = MODEL_PREFIX if self.side.weights_alone else "", self.side.optimizer_key
+        keyed: dict[str, OutputItem] = {}
+        for item in self.side.items or ():
+            key = prefix + dcp_key(item.path)
+            top, dot, rest = key.partition(".")
+            keyed[shown + dot + rest if shown is not None and top == "optim" else key] = item
+        return keyed
+
+    @property
+    def model_only(self) -> bool:
+        """It holds model weights alone (``Side.weights_alone``)."""
+        return self.side.weights_alone
+
+    def show_optimizer_as(self, key: str) -> None:
+        """Show the ``optim`` state under the top-level key ``key`` from now on (``Side.optimizer_key``)."""
+        self.side = dataclasses.replace(self.side, optimizer_key=key)
+        self._items = self._keyed()
 
     def keys(self) -> list[str]:
+        """Every flat key: as saved, in the checkpoint's order; through transforms, in the output's."""
         return list(self._items)
 
+    def item(self, key: str) -> OutputItem:
+        """``key``'s item: its group as classified (torchtitan's top-level weights are ``model``), its bytes as read."""
+        return self._items[key]
+
+    def group(self, key: str) -> Group | None:
+        """``key``'s group as ``consolidate`` classifies it (``Side.classified``); None for a full checkpoint as saved."""
+        return self._items[key].group if self.side.classified else None
+
+    def was_cast(self, key: str) -> bool:
+        """True when ``key``'s tensor is read in another dtype than stored (``--dtype``/``--optim-dtype``)."""
+        item = self._items[key]
+        return isinstance(item.entry, TensorEntry) and item.dtype not in (None, item.entry.dtype)
+
+    def tensor_bytes(self, key: str) -> int:
+        """Bytes of ``key``'s tensor as ``get`` gives it, from the index (0 for a plain value)."""
+        item = self._items[key]
+        return item.nbytes if item.is_tensor else 0
+
     def get(self, key: str) -> Any:
+        """The value of ``key``: a new CPU tensor (cast as the transforms ask), or a plain Python value.
+
+        Raises:
+            As the reader's ``read_tensor`` and ``read_value``; CoverageError: a tensor's chunks leave a gap.
+        """
         item = self._items[key]
         if item.constant:
             return item.value
@@ -155,29 +227,58 @@ class ItemsView:
         # scalar path); NaN bits still vary by torch's code path, so a cast key compares NaNs as NaNs
         return tensor.reshape(-1).to(item.dtype.torch).reshape(tensor.shape)
 
-    def item(self, key: str) -> OutputItem:
-        """``key``'s item: its group as classified (torchtitan's top-level weights are ``model``), its bytes as read."""
-        return self._items[key]
-
-    def was_cast(self, key: str) -> bool:
-        """True when ``key``'s tensor is read in another dtype than stored (``--dtype``/``--optim-dtype``)."""
-        item = self._items[key]
-        return isinstance(item.entry, TensorEntry) and item.dtype not in (None, item.entry.dtype)
-
     def close(self) -> None:
+        """Release the reader's open files."""
         self._reader.close()
 
 
-def open_view(side: Side, transform: TransformOptions | None) -> FlatView:
-    """``side`` seen as flat keys: through ``transform`` items (``ItemsView``), or a full file read whole.
+def open_views(sides: tuple[Side, Side]) -> tuple[SideView, SideView]:
+    """Both sides opened, A first (A is closed again when B cannot be opened).
 
     Raises:
-        As ``formats.full_file.open_full_file`` and ``items.prepare_items``.
+        As ``SideView``.
     """
-    if side.source is not None:
-        return ItemsView(side, transform)
-    assert isinstance(side.path, Path)  # find_side: a full file is local
-    return open_full_file(side.path, optimizer_key=side.optimizer_key)
+    view_a = SideView(sides[0])
+    try:
+        return view_a, SideView(sides[1])
+    except BaseException:
+        view_a.close()
+        raise
+
+
+def _optimizer_tops(view: SideView) -> set[str]:
+    """The top-level keys of ``view``'s optimizer state (``optim``, ``optimizer``)."""
+    return {key.split(".", 1)[0] for key in view.keys() if key_group(key) == "optim"}
+
+
+def open_sides(
+    a: Source, b: Source, transform: TransformOptions | None, *, files_too: bool = False
+) -> tuple[tuple[Side, Side], tuple[SideView, SideView]]:
+    """Both sides, as seen (``Side``) and opened; each index as found, not read again.
+
+    A sharded side is seen through ``transform`` (None: its keys as saved), a full checkpoint as
+    saved (A through ``transform`` too with ``files_too``: ``consolidate``'s own input). When one
+    side holds weights alone (safetensors, HF, PEFT: no group) and the other is sharded, with no
+    transform, the sharded side is seen as ``consolidate`` names the weights (``model.`` + FQN,
+    whether it nests them or saved them flat: a reshard of such a file). A Hugging Face folder's
+    ``optimizer.pt`` (read as ``optim``: it holds the optimizer state dict itself) is shown under
+    the other side's optimizer key when that is another (``optimizer``: Lightning, accelerate,
+    torchtitan, Megatron-Core keep their producer's key).
+
+    Returns:
+        The sides as seen, and their open views (close them).
+
+    Raises:
+        As ``SideView``.
+    """
+    views = open_views(_sides(a, b, transform, files_too))
+    tops = [_optimizer_tops(view) for view in views]
+    for i, view in enumerate(views):
+        root, other = view.side.source.checkpoint_id, tops[1 - i]
+        folder = view.side.transform is None and view.side.source.format.full and isinstance(root, Path) and root.is_dir()
+        if folder and tops[i] == {"optim"} and len(other) == 1 and other != {"optim"}:
+            view.show_optimizer_as(next(iter(other)))
+    return (views[0].side, views[1].side), views
 
 
 def open_source(
@@ -186,20 +287,21 @@ def open_source(
     check_crc: bool = True,
     options: TransformOptions | None = None,
     transform_files: bool = False,
-) -> FlatView:
-    """Open a checkpoint of any supported format by what the path holds (``find_side`` then ``open_view``).
+) -> SideView:
+    """Open one checkpoint of any supported format as flat keys (``find_source``, then a ``SideView``).
 
     A folder with ``.metadata`` is DCP; a folder with ``model.safetensors.index.json`` or
-    ``model.safetensors`` is a Hugging Face folder; ``.pt``/``.pth``/``.bin`` is torch.save
-    (loaded with ``weights_only=True, mmap=True``); ``.safetensors`` is one safetensors file.
-    A DCP checkpoint's keys are as saved (as torch's ``dcp_to_torch_save`` gives them), or, with
-    ``options``, those ``consolidate`` writes under them; a Hugging Face folder's
-    ``optimizer.pt`` and ``extra_state.pt`` come in as ``optim.*`` and their own keys. With
-    ``transform_files``, a full file is seen through ``options`` too (the source of a
-    ``consolidate --verify`` whose input was a file).
+    ``model.safetensors`` is a Hugging Face folder; a file is torch.save or safetensors, told by
+    its first bytes. A sharded checkpoint's keys are as saved (as torch's ``dcp_to_torch_save``
+    gives them), or, with ``options``, those ``consolidate`` writes under them; a full checkpoint's
+    as saved (with ``transform_files``, through ``options`` too); safetensors weights alone as
+    ``model.`` + FQN; a Hugging Face folder's ``optimizer.pt`` and ``extra_state.pt`` come in as
+    ``optim.*`` and their own keys. Close it.
 
     Raises:
-        As ``find_side`` and ``open_view``.
+        As ``find_source`` and ``SideView``.
     """
-    side = find_side(path, check_crc=check_crc, through_items=transform_files and options is not None)
-    return open_view(side, options)
+    source = find_source(path, check_crc=check_crc)
+    seen = options is not None and (transform_files or not source.format.full)
+    alone = not seen and _weights_alone(source)
+    return SideView(Side(source, options if seen else None, weights_alone=alone))

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_convert.launch import Cluster, run_ranks
-from fsdp_convert.plan import WAVE_BYTES, WorkPlan, group_waves, output_bytes, staging_bytes, wave_plans
+from fsdp_convert.plan.consolidate import WAVE_BYTES, WorkPlan, group_waves, output_bytes, staging_bytes, wave_plans
+from fsdp_convert.plan.reshard import ReshardPlan, rank_file_bytes, wave_plan
 from fsdp_convert.remote import Url, upload_in_waves
-from fsdp_convert.reshard_plan import ReshardPlan, rank_file_bytes, wave_plan
 from fsdp_convert.writers.dcp import rank_filename
 
 __all__ = ["consolidate_in_waves", "consolidate_staging_bytes", "reshard_in_waves", "reshard_staging_bytes"]
@@ -31,7 +31,7 @@ Plans = tuple[tuple[str, ReshardPlan], ...]  # reshard's (folder relative to the
 
 
 def consolidate_staging_bytes(plan: WorkPlan) -> int:
-    """Local bytes ``consolidate_in_waves`` needs for ``plan``: two waves (``plan.staging_bytes``)."""
+    """Local bytes ``consolidate_in_waves`` needs for ``plan``: two waves (``plan.consolidate.staging_bytes``)."""
     return staging_bytes([output_bytes(wave) for wave in wave_plans(plan, WAVE_BYTES)])
 
 
@@ -74,7 +74,7 @@ class _RankWave:
 
 
 def _rank_waves(plans: Plans, wave_bytes: int) -> list[_RankWave]:
-    """Every folder's rank files, in order, cut into waves (``plan.group_waves``); each wave's payloads balanced anew."""
+    """Every folder's rank files, in order, cut into waves (``plan.consolidate.group_waves``), each balanced anew."""
     sizes = [rank_file_bytes(plan) for _, plan in plans]
     files = [(p, rank) for p, size in enumerate(sizes) for rank in sorted(size)]
     waves = []
@@ -94,7 +94,7 @@ def _rank_waves(plans: Plans, wave_bytes: int) -> list[_RankWave]:
 
 
 def reshard_staging_bytes(plans: Plans) -> int:
-    """Local bytes ``reshard_in_waves`` needs for ``plans``: two waves of rank files (``plan.staging_bytes``)."""
+    """Local bytes ``reshard_in_waves`` needs for ``plans``: two waves of rank files (``plan.consolidate.staging_bytes``)."""
     return staging_bytes([wave.nbytes for wave in _rank_waves(plans, WAVE_BYTES)])
 
 

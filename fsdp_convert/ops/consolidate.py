@@ -19,18 +19,20 @@ from typing import Any
 from fsdp_convert.errors import InvalidOptionError, VerificationError
 from fsdp_convert.formats import Source, open_checkpoint
 from fsdp_convert.formats.index import Location
-from fsdp_convert.items import leave_out_model_keys, prepare_items
+from fsdp_convert.held_roots import following_symlinks
+from fsdp_convert.item import OutputItem
 from fsdp_convert.launch import job_world_size, run_ranks, shared_tag
-from fsdp_convert.location import following_symlinks
 from fsdp_convert.lora import lora_only
 from fsdp_convert.ops._consolidate_rank import ConsolidateJob, consolidate_rank
 from fsdp_convert.ops._waves import consolidate_in_waves, consolidate_staging_bytes
 from fsdp_convert.ops.options import ConsolidateOptions
 from fsdp_convert.outputs import OutputKind, last_files, output_kind
-from fsdp_convert.plan import WorkPlan, output_bytes, plan_consolidate
+from fsdp_convert.plan.consolidate import WorkPlan, output_bytes, plan_consolidate
+from fsdp_convert.plan.items import leave_out_model_keys, prepare_items
+from fsdp_convert.remote import as_location
 from fsdp_convert.resume import consolidate_fingerprint
 from fsdp_convert.roles import Group
-from fsdp_convert.transform import OutputItem, TransformOptions
+from fsdp_convert.transform import TransformOptions
 from fsdp_convert.writers.hf_assets import HfAssets, open_hf_assets, tied_output_keys
 from fsdp_convert.writers.safetensors import safetensors_name
 from fsdp_convert.writers.transaction import LeaveToOwner, OutputTransaction
@@ -77,84 +79,25 @@ def consolidate(
 ) -> ConsolidateResult:
     """Write a DCP checkpoint as one full (unsharded) state dict: a file, or a folder of shards.
 
-    Stages, numbered in the body: (1) the options, checked whole (``ops.options.ConsolidateOptions``);
-    (2) OUT checked and, for a URL, staged (``writers.transaction.OutputTransaction``); (3) the
-    source opened, its format decided once (``formats.open_checkpoint``); (4) the output's kind
-    chosen from OUT and ``--format`` (``outputs.output_kind``), which says what it holds; (5) the
-    items: entries classified by role, wrapper names removed, renames, filters, optimizer
-    re-keying, casts; (6) the plan: coverage checked, every output file placed by the kind,
-    tensors striped over the workers by bytes; (7) space, lock and the temporary sibling of
-    ``output``; (8) every worker moves its tensors' bytes into place, rank 0 finishes each file
-    (headers, pickle) and the folder's index; (9) the kind finishes the folder (adapter config,
-    HF assets), ``verify_output`` reads it back; leaving the transaction renames it into place.
+    The stages are docs/architecture.md's, each marked in the body (``# N. stage:``).
 
     Args:
         checkpoint_id: the DCP checkpoint folder (or accelerate's parent folder of
             ``pytorch_model_fsdp_0/`` and ``optimizer_0/``), per-rank files, or any output of this
             tool: a torch.save file (any name), a safetensors file, a Hugging Face or PEFT folder.
-        output: ``.pt``/``.pth``/``.bin`` for torch.save of the nested state dict
-            (``{"model": {fqn: tensor}, "optim": {"state": {fqn: {...}}, "param_groups": [...]},
-            ...}``, as ``get_model_state_dict``/``get_optimizer_state_dict`` with
-            ``full_state_dict=True`` give it; with ``transform.layout`` ``producer``, the default,
-            the optimizer keeps its saved key, ``optimizer`` for Lightning, accelerate and
-            torchtitan, and Lightning's ``meta.pt`` entries are merged at the top level, as
-            Lightning's own ``consolidate_checkpoint`` writes it, so ``fabric.load`` reads it,
-            and Megatron-Core's ``common.pt`` into ``optimizer`` too; a tensor of such a file of at
-            most ``items.MERGED_TENSOR_MAX_BYTES`` (1 MiB; Megatron's 0-dim step) is written as
-            that tensor, dtype, shape and bits, by rank 0, in a storage record of its own);
-            ``.safetensors`` for the model weights in one file; a folder (no suffix) for the model
-            weights as Hugging Face safetensors shards with ``model.safetensors.index.json``, plus
-            ``optimizer.pt`` (the optimizer state dict) and ``extra_state.pt`` (other entries) when
-            ``only`` is ``all``.
-        options: a ``ConsolidateOptions`` (``ops.options``), or, as before it, a ``TransformOptions``
-            (its ``transform``); ``kwargs`` replace its fields.
-        **kwargs: ``ConsolidateOptions`` fields (an unknown one is an InvalidOptionError):
-            nproc: workers; 1 runs in this process, more start workers with torch's elastic
-                launcher (gloo on CPU). ``None``: ``plan.default_nproc`` (one per CPU core, at most
-                one per data file and 2 GiB).
-            only: ``all``, ``model`` or ``optim``: which groups to write.
-            transform: key and dtype transforms (``TransformOptions``); default: wrapper names removed,
-                optimizer state keyed by FQN, dtypes kept, the producer's layout. A ``lora.LoraAdapter``
-                of mode ``only`` (``--lora-only``) makes ``output`` a PEFT adapter folder:
-                ``adapter_model.safetensors`` (one file) and ``adapter_config.json`` (rank 0, last);
-                it refuses a file ``output`` and ``verify_output`` (InvalidOptionError).
-            output_format: ``auto`` (by suffix), ``torch`` (torch.save under any name but ``.safetensors``,
-                e.g. Lightning's ``.ckpt``) or ``safetensors`` (see ``outputs.output_kind``).
-            overwrite: replace an existing ``output`` (at the final rename only). ``output`` may not be the
-                checkpoint, inside it or one of its folders (nor ``hf_assets``), ``overwrite`` or not, and
-                a link at ``output`` is refused (``writers._output_check.check_output``, before anything is read).
-            force: with ``overwrite``, replace an existing folder that does not look like this tool's
-                output too (``writers._output_check.foreign_entry``).
-            memory_budget_bytes: buffers each process may hold, in bytes: peak memory per process is
-                the interpreter's plus this, whatever the largest tensor, when chunks are read in place
-                (local DCP or safetensors sources); a chunk that must be decoded (a remote source, a
-                stream-transformed payload) adds its own size.
-            max_shard_bytes: largest shard of a folder output, in bytes.
-            check_crc: check the CRC-32 of every zip record of every payload read (torch does not).
-                Sources without CRC-32s (safetensors shards, per-rank torch.save files, read through
-                their storage records) are read as they are.
-            verify_output: read the written output back and compare it with the checkpoint (through
-                the same transforms), key by key, before moving it into place.
-            space_check: before anything is read or created, check that the output's size from the plan
-                (``plan.output_bytes``; to a URL, what its local staging folder holds: two waves of a folder's
-                files, ``ops._waves``) fits where its temporary is written; ``--no-space-check`` turns it off.
-            progress: bars on stderr (``progress``: bytes of every worker, binary units, rate, time left),
-                drawn by rank 0's worker: ``write``, ``re-check`` first when resuming, ``verify`` last with
-                ``verify_output``.
-            cluster: torchrun's multi-node options; every node calls ``consolidate`` with the same
-                arguments and ``nproc`` workers per node, and the output (on storage every node
-                reaches) is written by rank 0's node. Under the user's own torchrun (``RANK`` and
-                ``WORLD_SIZE`` set) this process is one worker and ``nproc`` is ignored.
-            hf_assets: a folder (local or an fsspec URL) whose ``config.json``, generation config and
-                tokenizer files are copied beside a folder output's shards (``writers.hf_assets``), so
-                ``from_pretrained`` loads it; ``lm_head.weight`` is left out when the config ties it,
-                and the config's dtype follows the weights written.
-            resume: finish the interrupted run's temporary output (``resume``), on one node or many, whatever
-                the job id: its manifest must match this plan; records whose bytes read back with their CRC-32
-                are kept, the rest written.
-            follow_symlinks: read files of the checkpoint that are symbolic links out of its folder
-                (a shared store the step folder links into); by default such a link is refused
-                (UnsafeContentError). None: the process's setting (``--follow-symlinks``).
+        output: the output kind is chosen by its suffix (``output_table``): ``.pt``/``.pth``/``.bin``
+            for torch.save of the nested state dict (``{"model": {fqn: tensor}, "optim": {"state":
+            {fqn: {...}}, "param_groups": [...]}, ...}``, as ``get_model_state_dict`` /
+            ``get_optimizer_state_dict`` with ``full_state_dict=True`` give it; in the producer's
+            layout, the default, the optimizer keeps its saved key and a producer's merged file,
+            Lightning's ``meta.pt`` or Megatron-Core's ``common.pt``, is merged as its own loader
+            does); ``.safetensors`` for the model weights in one file; a folder (no suffix) for
+            Hugging Face safetensors shards with ``model.safetensors.index.json``, plus
+            ``optimizer.pt`` and ``extra_state.pt`` when ``only`` is ``all``.
+        options: a ``ConsolidateOptions`` (``ops.options``: each field's docstring is its reference,
+            with units and defaults), or, as before it, a ``TransformOptions`` (its ``transform``).
+        **kwargs: ``ConsolidateOptions`` fields; they replace those of ``options`` (an unknown one
+            is an InvalidOptionError).
 
     Returns:
         What was written (``owner`` False on the processes that did not write).
@@ -180,7 +123,7 @@ def consolidate(
     """
     opts = ConsolidateOptions.from_call(options, kwargs)  # 1. options: a bad value names its keyword
     with following_symlinks(opts.follow_symlinks):  # the setting travels in the environment: workers take it too
-        # 2. OUT checked before anything is read (not onto an input); a URL staged locally
+        # 2. output check: OUT checked before anything is read (not onto an input); a URL staged locally
         tx = OutputTransaction(
             output,
             inputs=(checkpoint_id, opts.hf_assets),
@@ -191,17 +134,17 @@ def consolidate(
         )
         owner, file_bytes, start = False, 0, time.monotonic()
         with tx:
-            # 3. the source, its format decided once: a sharded checkpoint, or any output of this tool
-            source = open_checkpoint(checkpoint_id, full_files=True, check_crc=opts.check_crc)
-            # 4. the output's kind, chosen once from OUT, --format and --lora-only; what it holds
+            # 3. source: its format decided once: a sharded checkpoint, or any output of this tool
+            source = open_checkpoint(as_location(checkpoint_id), full_files=True, check_crc=opts.check_crc)
+            # 4. output kind: chosen once from OUT, --format and --lora-only; what it holds
             kind = output_kind(tx.output, opts.output_format, lora=lora_only(opts.transform))
             groups = kind.groups(opts.only)
             assets = _open_assets(opts, kind, groups)
             tx.check_free(directory=kind.directory)
             source.check_data_files()
-            # 5. the items: names, filters, re-keying, casts; a tied lm_head left out for --hf-assets
+            # 5. items: names, filters, re-keying, casts; a tied lm_head left out for --hf-assets
             items, transform = _items(source, opts, groups, assets)
-            # 6. the plan: every file placed, tensors striped over the workers
+            # 6. plan: every file placed, tensors striped over the workers
             plan = plan_consolidate(
                 source.index,
                 items,
@@ -216,20 +159,20 @@ def consolidate(
             waves = tx.url is not None and len(plan.shards) > 1 and not opts.verify_output  # files go up in waves
             needed = (consolidate_staging_bytes(plan) if waves else output_bytes(plan)) if opts.space_check else None
             fingerprint = None if tx.url else consolidate_fingerprint(source.index, plan)  # a staged upload keeps none
-            # 7. space, lock, temporary (+ manifest)
+            # 7. transaction: space, lock, temporary (+ manifest)
             tmp, resumable = tx.begin(directory=kind.directory, needed_bytes=needed, fingerprint=fingerprint, resume=opts.resume)
-            # 8. every worker moves its tensors into place; rank 0 finishes each file and the index
+            # 8. move: every worker moves its tensors into place; rank 0 finishes each file and the index
             job = ConsolidateJob(
                 source=source, plan=plan, tmp_output=tmp, progress=opts.progress, check_crc=opts.check_crc, resume=resumable
             )
             owner, file_bytes = _move(job, tx, waves, opts)
             if not owner:
                 raise LeaveToOwner
-            # 9. the writing process finishes the folder (adapter config, assets), and reads it back
+            # 9. finish: the writing process finishes the folder (adapter config, assets), and reads it back
             file_bytes += kind.finish(tmp, index=source.index, items=plan.items, options=transform, assets=assets)
             if opts.verify_output:
                 _verify(source, tmp, Path(tx.output), opts, transform)
-    # 10. the result (another node's process, or a non-zero rank of the user's torchrun, wrote nothing)
+    # 10. result: what was written (another node's process, or a non-zero rank of the user's torchrun, wrote nothing)
     return _result(plan, tx.shown, file_bytes if owner else 0, owner, time.monotonic() - start)
 
 
@@ -246,9 +189,9 @@ def _items(
     """The output items, and the transforms ``--verify`` reads the checkpoint through.
 
     Raises:
-        InvalidOptionError: ``--verify`` with a computed tensor; as ``items.prepare_items``.
+        InvalidOptionError: ``--verify`` with a computed tensor; as ``plan.items.prepare_items``.
     """
-    items = prepare_items(source, opts.transform, groups, check_crc=opts.check_crc)
+    items = prepare_items(source, opts.transform, groups)  # read with the source's reader and its check_crc
     # verify recomputes an adapter's row maps exactly (derive.Derived.compute); a combine's float
     # arithmetic (a LoRA merge's B @ A) rounds by row block size, so its result is not compared
     computed = next((i for i in items if i.derived is not None and i.derived.combine is not None), None)
@@ -278,18 +221,20 @@ def _verify(source: Source, tmp: Path, output: Path, opts: ConsolidateOptions, t
     Raises:
         VerificationError: naming the first difference; nothing is moved into place.
     """
-    from fsdp_convert.ops.verify import verify  # torch: only when asked
+    from fsdp_convert.ops._sources import find_source  # torch: only when asked
+    from fsdp_convert.ops.options import VerifyOptions
+    from fsdp_convert.ops.verify import verify_sources
 
-    check = verify(
-        source.checkpoint_id,
-        tmp,
-        transform,
+    options = VerifyOptions(
+        transform=transform,
         only=opts.only,
         check_crc=opts.check_crc,
         in_process=True,
         progress=opts.progress,
         transform_files=True,  # a file input too is compared as its transforms made it
     )
+    # the checkpoint as already found, OUT found once
+    check = verify_sources(source, find_source(tmp, check_crc=opts.check_crc), options)
     if not check.equal:
         d = check.differences[0]
         raise VerificationError(

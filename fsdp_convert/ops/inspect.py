@@ -10,8 +10,9 @@ from typing import Any
 from fsdp_convert.formats import open_checkpoint
 from fsdp_convert.formats.dcp import payload_formats
 from fsdp_convert.formats.index import Location, TensorEntry
-from fsdp_convert.producers import detect_producer
-from fsdp_convert.roles import GROUPS, Group, classify
+from fsdp_convert.producers import classify, detect_producer
+from fsdp_convert.remote import as_location
+from fsdp_convert.roles import GROUPS, Group
 
 __all__ = ["EntrySummary", "InspectResult", "chunks_per_dim", "inspect_checkpoint"]
 
@@ -126,7 +127,7 @@ def inspect_checkpoint(checkpoint_id: str | os.PathLike[str], *, follow_symlinks
     Raises:
         CheckpointNotFoundError, NotADcpCheckpointError, UnsafeContentError: see ``formats.read_index``.
     """
-    source = open_checkpoint(checkpoint_id, follow_symlinks=follow_symlinks)  # the format decided once
+    source = open_checkpoint(as_location(checkpoint_id), follow_symlinks=follow_symlinks)  # the format decided once
     index = source.index
     rows = []
     for e, slot in zip(index.entries, classify(index), strict=True):

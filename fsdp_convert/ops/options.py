@@ -25,7 +25,8 @@ from fsdp_convert.errors import InvalidOptionError
 from fsdp_convert.launch import Cluster
 from fsdp_convert.lora import lora_only
 from fsdp_convert.ops._arguments import byte_count, choice, count, tolerance, transform_options
-from fsdp_convert.plan import DEFAULT_MAX_SHARD_BYTES, DEFAULT_MEMORY_BUDGET_BYTES, Only, RequestedFormat
+from fsdp_convert.output_table import PEFT_ROW, check_format, check_verifiable
+from fsdp_convert.plan.consolidate import DEFAULT_MAX_SHARD_BYTES, DEFAULT_MEMORY_BUDGET_BYTES, Only, RequestedFormat
 from fsdp_convert.transform import TransformOptions, parse_dtype
 from fsdp_convert.writers.dcp import require_zstd
 
@@ -89,7 +90,7 @@ class ConsolidateOptions:
 
     nproc: int | None = None
     """Workers; 1 runs in the calling process, more start workers with torch's elastic launcher (gloo on CPU).
-    None: ``plan.default_nproc`` (one per CPU core, at most one per data file and per 2 GiB)."""
+    None: ``plan.consolidate.default_nproc`` (one per CPU core, at most one per data file and per 2 GiB)."""
     only: Only = "all"
     """``all``, ``model`` or ``optim``: which groups to write."""
     transform: TransformOptions = field(default_factory=TransformOptions)
@@ -99,7 +100,8 @@ class ConsolidateOptions:
     ``adapter_config.json``); it refuses a file OUT and ``verify_output``."""
     output_format: RequestedFormat = "auto"
     """``auto`` (by OUT's suffix), ``torch`` (torch.save under any name but ``.safetensors``, e.g. Lightning's
-    ``.ckpt``) or ``safetensors`` (``outputs.output_kind``)."""
+    ``.ckpt``), ``safetensors``, or another row's ``--format`` name (``output_table.format_names``;
+    ``outputs.output_kind``)."""
     overwrite: bool = False
     """Replace an existing OUT, at the final rename only. OUT may never be the checkpoint (nor ``hf_assets``),
     inside it or one of its folders, nor a link."""
@@ -140,13 +142,13 @@ class ConsolidateOptions:
     def __post_init__(self) -> None:
         # the messages name the flags; str(e) words each as its keyword (errors.FLAG_KEYWORDS)
         _set(self, "only", choice("--only", self.only, get_args(Only)))
-        _set(self, "output_format", choice("--format", self.output_format, get_args(RequestedFormat)))
+        _set(self, "output_format", check_format(self.output_format))  # a name of the outputs table, at call time
         _set(self, "transform", transform_options(self.transform, keyword="transform"))
         _set(self, "nproc", None if self.nproc is None else count("--nproc", self.nproc))
         _set(self, "memory_budget_bytes", byte_count("--memory-budget", self.memory_budget_bytes))
         _set(self, "max_shard_bytes", byte_count("--max-shard-size", self.max_shard_bytes))
         if self.verify_output and lora_only(self.transform) is not None:
-            raise InvalidOptionError("--verify does not read a PEFT adapter folder back; load it with PeftModel.from_pretrained")
+            check_verifiable(PEFT_ROW)  # --lora-only writes a PEFT adapter folder, which --verify does not read back
 
     @classmethod
     def from_call(cls, options: object, kwargs: Mapping[str, Any]) -> ConsolidateOptions:
@@ -172,7 +174,7 @@ class ReshardOptions:
     """The target world size (ranks; one data file each, if it holds chunks). Required."""
     nproc: int | None = None
     """Workers, each moving its share of the chunks (balanced by bytes) into any rank file; None:
-    ``plan.default_nproc`` (one per CPU core, at most one per data file and per 2 GiB)."""
+    ``plan.consolidate.default_nproc`` (one per CPU core, at most one per data file and per 2 GiB)."""
     transform: TransformOptions = field(default_factory=TransformOptions)
     """Key and dtype transforms, as for ``consolidate``; the output keeps the source's nesting, so the
     producer's own loader reads it."""

@@ -3,7 +3,7 @@
 The plan gives every tensor chunk's torch.save payload a byte range in its target rank's data
 file and a worker, balanced by bytes. Each worker moves its chunks' bytes there (``move``) and
 writes each payload's zip headers around them; rank 0 appends the values (bytes entries) to its
-own file, and its process writes ``.metadata`` once every worker is done (``writers.dcp.DcpFolder``,
+own file, and its process writes ``.metadata`` once every worker is done (``outputs.DcpFolder``,
 the output kind). No tensor crosses between workers.
 
 The output keeps the source's folders, so the producer's own loader reads it: accelerate's
@@ -18,28 +18,30 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.formats import open_checkpoint
+from fsdp_convert.formats.dcp import DCP_FILE_RE
 from fsdp_convert.formats.index import CheckpointIndex, Location, Url, dcp_key
-from fsdp_convert.items import prepare_items
+from fsdp_convert.held_roots import following_symlinks
+from fsdp_convert.item import OutputItem
 from fsdp_convert.launch import job_world_size, shared_tag
-from fsdp_convert.location import following_symlinks
 from fsdp_convert.ops._reshard_rank import ReshardJob, reshard_rank
 from fsdp_convert.ops._waves import reshard_in_waves, reshard_staging_bytes
 from fsdp_convert.ops.options import ReshardOptions
-from fsdp_convert.outputs import RECORD_TAIL_BYTES
-from fsdp_convert.plan import default_nproc
+from fsdp_convert.output_table import METADATA_FILENAME
+from fsdp_convert.outputs import RECORD_TAIL_BYTES, last_files, own_files, reshard_kind
+from fsdp_convert.plan.consolidate import default_nproc
+from fsdp_convert.plan.items import prepare_items
+from fsdp_convert.plan.reshard import ReshardPlan, plan_reshard, split_by_folder
 from fsdp_convert.producers import Beside, Producer, detect_producer, sort_beside
-from fsdp_convert.reshard_plan import ReshardPlan, plan_reshard, split_by_folder
+from fsdp_convert.remote import as_location
 from fsdp_convert.resume import reshard_fingerprint
-from fsdp_convert.transform import OutputItem, TransformOptions
-from fsdp_convert.writers.dcp import DcpFolder, MetadataEntry, StoredChunk, rank_filename
+from fsdp_convert.transform import TransformOptions
+from fsdp_convert.writers.dcp import MetadataEntry, StoredChunk, rank_filename
 from fsdp_convert.writers.transaction import LeaveToOwner, OutputTransaction
 
 __all__ = ["ReshardResult", "reshard"]
@@ -79,7 +81,6 @@ class ReshardResult:
     notes: tuple[str, ...] = ()
 
 
-_DATA_FILE_RE = re.compile(r"^__\d+_\d+\.distcp$")  # a data file, even one .metadata names no payload in
 _METADATA_BYTES_PER_CHUNK = 512  # .metadata per chunk (its FQN, offsets, sizes, where it lies): about 250 bytes
 Plans = tuple[tuple[str, ReshardPlan], ...]
 
@@ -98,7 +99,7 @@ def _files_beside(index: CheckpointIndex, producer: Producer, plans: Plans) -> B
     entries = [
         (path.name, path.is_file(), path.is_dir())
         for path in sorted(root.iterdir())
-        if not (path.name in known or _DATA_FILE_RE.match(path.name))
+        if not (path.name in known or DCP_FILE_RE.fullmatch(path.name))  # a data file, even one .metadata names no payload in
         # hidden files are not the checkpoint's (locks, temporaries) unless the producer names them (.metadata.json)
         and not (path.name.startswith(".") and producer.side_file(path.name) is None)
     ]
@@ -212,12 +213,7 @@ def reshard(
     ``scaler.pt`` and ``custom_checkpoint_<n>.pkl``. accelerate's per-rank
     ``random_states_<r>.pkl`` and unknown files are left out; ``ReshardResult.notes`` says so.
 
-    Stages: 1. the options, checked; 2. the output transaction (OUT is not the input, a URL is
-    staged); 3. the source, opened once (``formats.open_checkpoint``), and its producer; 4. the
-    items, in the producer's nesting; 5. a plan per DCP folder, and the files beside; 6. the
-    transaction begun (space, lock, temporary, manifest); 7. the workers move every chunk
-    (``_reshard_rank``); 8. rank 0's process finishes each folder (``.metadata`` last) and copies
-    the files beside (``writers.dcp.DcpFolder``); leaving the transaction renames the output into place.
+    The stages are docs/architecture.md's, each marked in the body (``# N. stage:``).
 
     Args:
         checkpoint_id: the source: a DCP folder (or accelerate's parent folder), per-rank files, a
@@ -228,7 +224,7 @@ def reshard(
         **kwargs: ``ReshardOptions``'s fields as keywords, each replacing ``options``' own:
             world_size: the target world size.
             nproc: workers, each moving its share of the chunks (balanced by bytes) into any rank
-                file; default ``plan.default_nproc`` (one per CPU core, at most one per data file and 2 GiB).
+                file; default ``plan.consolidate.default_nproc`` (one per CPU core, at most one per data file and 2 GiB).
             transform: key and dtype transforms, as for ``consolidate``; the output keeps the source's
                 nesting (``{"model": ..., "optim": ...}``, torchtitan's top-level weights...), so the
                 producer's own loader reads it.
@@ -258,11 +254,10 @@ def reshard(
         the ``zstandard`` package, or an unknown keyword (``ReshardOptions.from_call``; before
         anything is read).
     """
-    opts = ReshardOptions.from_call(options, kwargs)  # 1. a Python caller's bad value names its keyword
-    kind = DcpFolder()
+    opts = ReshardOptions.from_call(options, kwargs)  # 1. options: a bad value names its keyword
     owner, file_bytes, start = False, 0, time.monotonic()
-    # the symlink setting travels in the environment, so workers take it too; 2. OUT checked
-    # before anything is read (not the input), a URL staged locally
+    # the symlink setting travels in the environment, so workers take it too
+    # 2. output check: OUT checked before anything is read (not the input), a URL staged locally
     with (
         following_symlinks(opts.follow_symlinks),
         OutputTransaction(
@@ -271,44 +266,48 @@ def reshard(
             overwrite=opts.overwrite,
             force=opts.force,
             tag=shared_tag(opts.cluster),
-            last=kind.last,
+            last=last_files(),
+            own_files=own_files(),  # the tables' names: a DCP folder, the producers' files beside
         ) as tx,
     ):
-        # 3. the source (a DCP-like folder, or a full file / HF folder), its format decided once
-        source = open_checkpoint(checkpoint_id, full_files=True, check_crc=opts.check_crc)
+        # 3. source: a DCP-like folder, or a full file / HF folder, its format decided once; its producer
+        source = open_checkpoint(as_location(checkpoint_id), full_files=True, check_crc=opts.check_crc)
         index, producer = source.index, detect_producer(source.index)
+        # 4. output kind: a DCP folder (a folder of them for accelerate's), the outputs table's reshard row
+        kind = reshard_kind()
         tx.check_free(directory=kind.directory)
         source.check_data_files()
-        # 4. the items, keeping the producer's nesting so that its own loader reads the output
+        # 5. items: the producer's nesting kept, so that its own loader reads the output
         items = prepare_items(source, opts.transform, kind.groups(), keep_layout=True)
         kind.check_keys(item.path for item in items)  # what its own reader would refuse, before anything is written
-        # 5. a plan per DCP folder; the files beside, by the producer's record
+        # 6. plan: one per DCP folder; the files beside, by the producer's record
         plans, workers = _plans(index, items, opts)
         beside = _files_beside(index, producer, plans)
         waves = tx.url if opts.compress is None else None  # object storage: rank files go up wave by wave
-        # 6. space, lock, temporary (resumable: a manifest; a staged upload keeps none)
+        # 7. transaction: space, lock, temporary (resumable: a manifest; a staged upload keeps none)
         tmp, resumable = tx.begin(
             directory=kind.directory,
             needed_bytes=_needed_bytes(plans, index, beside, waves) if opts.space_check else None,
             fingerprint=None if tx.url else reshard_fingerprint(index, plans, opts.compress),
             resume=opts.resume,
         )
-        # 7. the workers move every chunk into its rank file
+        # 8. move: the workers move every chunk into its rank file
         job = ReshardJob(
             source=source, plans=plans, tmp_output=tmp, check_crc=opts.check_crc, resume=resumable, progress=opts.progress
         )
         owner, values, uploaded = reshard_in_waves(reshard_rank, job, workers, opts.cluster, waves)
         if not owner:
             raise LeaveToOwner  # rank 0's process finishes the shared temporary
-        # 8. rank 0's process: each folder's .metadata, last; then the files beside
+        # 9. finish: rank 0's process writes each folder's .metadata, last; then the files beside
         for sub, plan in plans:
             entries, stored = _metadata_rows(plan)
             rows = stored + [StoredChunk.from_json(row) for row in values[sub]]
-            kind.finish_file(tmp / sub, entries, rows, index.version, compress=opts.compress == "zstd")
+            kind.finish_metadata(tmp / sub, entries, rows, index.version, compress=opts.compress == "zstd")
         if beside.copied:
             assert isinstance(index.checkpoint_id, Path)  # _files_beside: a local folder
             kind.finish_folder(tmp, source=index.checkpoint_id, beside=beside.copied)
         file_bytes = uploaded + sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
+    # 10. result: what was written (another node's process, or a non-zero rank of the user's torchrun, wrote nothing)
     for note in beside.notes:
         logger.info("%s", note)
     seconds = time.monotonic() - start

@@ -1,16 +1,15 @@
 """Operation ``verify``, the read stage on both sides: two checkpoints of any formats compared key by key.
 
-Each side is seen as flat keys, DCP's flattened keys (``model.layers.0.attn.wq.weight``,
-``optim.state.<fqn>.exp_avg``, ``optim.param_groups.0.lr``), whose values are loaded one at a time:
-DCP tensors are assembled from their chunks (through ``transform`` items), torch.save files are
-memory-mapped, safetensors are read per tensor (``formats.full_file``). With ``dtype``/``optim_dtype``
-both sides are compared after the cast ``consolidate --dtype``/``--optim-dtype`` applies.
+Each side is found once (``formats.open_checkpoint``) and read as ``consolidate`` reads its input,
+through its items and its ``Source``'s reader (``ops._sources``), as flat keys: DCP's flattened keys
+(``model.layers.0.attn.wq.weight``, ``optim.state.<fqn>.exp_avg``, ``optim.param_groups.0.lr``),
+whose values are loaded one at a time. With ``dtype``/``optim_dtype`` both sides are compared
+after the cast ``consolidate --dtype``/``--optim-dtype`` applies.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import reprlib
 from collections.abc import Sequence
@@ -21,18 +20,16 @@ import torch
 
 from fsdp_convert.constants import UNCASTABLE_DTYPES
 from fsdp_convert.formats import Source
-from fsdp_convert.formats.full_file import MODEL_PREFIX, SafetensorsFiles
 from fsdp_convert.formats.index import dtype_name, values_equal
+from fsdp_convert.held_roots import following_symlinks
 from fsdp_convert.launch import WorkerGroup, job_world_size, launched_by_torchrun, run_ranks, worker_bars
-from fsdp_convert.location import following_symlinks
-from fsdp_convert.ops._sources import FlatView, ItemsView, Side, find_side, open_source, open_view
+from fsdp_convert.ops._sources import Side, SideView, find_source, key_group, open_sides, open_source, open_views
 from fsdp_convert.ops.options import VerifyOptions
-from fsdp_convert.plan import Only
+from fsdp_convert.plan.consolidate import Only
 from fsdp_convert.progress import StepProgress
-from fsdp_convert.roles import Group, group_of_top
 from fsdp_convert.transform import TransformOptions, parse_dtype
 
-__all__ = ["FlatView", "open_source", "Difference", "VerifyOptions", "VerifyResult", "verify"]
+__all__ = ["SideView", "open_source", "Difference", "VerifyOptions", "VerifyResult", "verify", "verify_sources"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,10 +78,6 @@ class VerifyResult:
         }
 
 
-def _key_group(key: str) -> Group:
-    return group_of_top(key.split(".", 1)[0])
-
-
 def _element_bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of ``t`` as a ``(numel, itemsize)`` uint8 tensor, in element order (any dtype, 0-dim too).
 
@@ -101,27 +94,13 @@ def _values(t: torch.Tensor) -> torch.Tensor | None:
     return t.detach().to(torch.float64)
 
 
-def _was_cast(source: FlatView, key: str) -> bool:
-    return isinstance(source, ItemsView) and source.was_cast(key)
-
-
-def _tensor_sizes(source: FlatView, keys: tuple[str, ...]) -> tuple[int, ...]:
-    """Bytes of each key's tensor as ``source.get`` gives it (0 for a plain value), from metadata, headers or a memory map."""
-    known: dict[str, int] = {}  # a key not known here is a torch.save file's (memory-mapped: nothing is read)
-    if isinstance(source, ItemsView):
-        known = {key: source.item(key).nbytes if source.item(key).is_tensor else 0 for key in keys}
-    elif isinstance(source, SafetensorsFiles):
-        known = {MODEL_PREFIX + name: math.prod(shape) * dtype.itemsize for name, dtype, shape in source.tensors()}
-    values = {key: source.get(key) for key in keys if key not in known}
-    return tuple(known[k] if k in known else values[k].nbytes if isinstance(values[k], torch.Tensor) else 0 for k in keys)
-
-
-def _cast_dtype(key: str, sources: tuple[FlatView, FlatView], casts: tuple[torch.dtype | None, ...]) -> torch.dtype | None:
+def _cast_dtype(key: str, views: tuple[SideView, SideView], casts: tuple[torch.dtype | None, ...]) -> torch.dtype | None:
     """What ``consolidate`` casts ``key``'s floating tensor to (``casts``: dtype, optim_dtype), or None.
 
-    Model weights take the dtype, optimizer state (never ``step``) the optim_dtype; the group is a DCP side's, else the key's.
+    Model weights take the dtype, optimizer state (never ``step``) the optim_dtype; the group is the
+    first side's that ``consolidate`` classifies (``Side.classified``), else the key's.
     """
-    group = next((s.item(key).group for s in sources if isinstance(s, ItemsView)), None) or _key_group(key)
+    group = next((g for view in views if (g := view.group(key)) is not None), None) or key_group(key)
     parts = key.split(".")
     if group == "optim" and len(parts) > 2 and parts[1] == "state" and parts[-1] != "step":
         return casts[1]
@@ -219,8 +198,8 @@ def verify(
     cast as ``consolidate --dtype``/``--optim-dtype`` casts them, so a ``--dtype bf16`` output equals
     its fp32 checkpoint bit for bit (NaNs of a cast tensor compare as NaNs, whatever their bits).
 
-    Each side is found once (its format decided, its index read: ``ops._sources.find_side``);
-    workers get it as found. Compared in this process, each side is also opened once.
+    Each side is found once (its format decided, its index read: ``formats.open_checkpoint``), then
+    compared by ``verify_sources``; ``follow_symlinks`` holds for the whole call, workers included.
 
     Args:
         a: the reference checkpoint, or its ``Source`` when already found (not read again).
@@ -240,154 +219,100 @@ def verify(
         InvalidOptionError: an unknown keyword, or a bad value (``dtype`` naming no dtype, ...) naming its keyword.
     """
     opts = VerifyOptions.from_call(options, kwargs)
-    if opts.follow_symlinks is not None:  # the setting travels in the environment, so workers take it too
-        with following_symlinks(opts.follow_symlinks):
-            return verify(a, b, dataclasses.replace(opts, follow_symlinks=None))
-    sides, transform, views = _open_sides(a, b, opts)  # 1. each side found, read and opened once
+    with following_symlinks(opts.follow_symlinks):  # the setting travels in the environment, so workers take it too
+        source_a = find_source(a, check_crc=opts.check_crc)
+        source_b = find_source(b, check_crc=opts.check_crc)
+        result = verify_sources(source_a, source_b, opts)
+    return dataclasses.replace(result, a=source_a.checkpoint_id if isinstance(a, Source) else a, b=b)
+
+
+def verify_sources(a: Source, b: Source, opts: VerifyOptions) -> VerifyResult:
+    """``verify`` of two checkpoints already found (their data files checked: ``ops._sources.find_source``).
+
+    Each side is opened once here (``ops._sources.open_sides``: its items built, its reader opened);
+    workers take the items as built and open a reader each.
+    ``opts.follow_symlinks`` is ``verify``'s to apply: here the process's setting holds.
+
+    Raises:
+        As ``verify``, but for a side not found.
+    """
+    sides, views = open_sides(a, b, opts.transform, files_too=opts.transform_files)  # 1. each side opened once
     try:
         keys_a, keys_b = _compared_keys(views, opts.only)  # 2. the keys of the groups compared
         in_b, in_a = set(keys_b), set(keys_a)
-        job = _job(opts, sides, transform, tuple(k for k in keys_a if k in in_b), views[0])
+        job = _job(opts, sides, tuple(k for k in keys_a if k in in_b), views[0])
         world_size = 1 if opts.in_process else job_world_size(opts.nproc, opts.cluster) or 1
         here = opts.in_process or (world_size == 1 and not launched_by_torchrun())
         if here:  # 3. compare: here, with the sides already open
             owner, differing = True, _verify_rank(job, 0, 1, None, views)
     finally:
         _close(views)
-    if not here:  # 3. or in workers, each opening the sides as found
+    if not here:  # 3. or in workers, each opening the sides as seen here
         owner, differing = run_ranks(_verify_rank, job, world_size, opts.cluster)
     diffs = [Difference(key=k, kind="missing", detail="only in A") for k in keys_a if k not in in_b]  # 4. the result
     diffs += [Difference(key=k, kind="extra", detail="only in B") for k in keys_b if k not in in_a]
     diffs += [Difference(key=k, kind="differs", detail=d) for k, d in (differing or [])]
-    shown_a = a.checkpoint_id if isinstance(a, Source) else a
-    return VerifyResult(a=shown_a, b=b, compared=len(job.keys), differences=tuple(diffs), owner=owner)
+    shown_a, shown_b = a.checkpoint_id, b.checkpoint_id
+    return VerifyResult(a=shown_a, b=shown_b, compared=len(job.keys), differences=tuple(diffs), owner=owner)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _VerifyJob:
-    sides: tuple[Side, Side]  # A and B, as found (``find_side``)
+    sides: tuple[Side, Side]  # A and B, as seen, their items built (``ops._sources.Side``)
     keys: tuple[str, ...]
     atol: float | None
     rtol: float | None
-    transform: TransformOptions | None  # what an ``ItemsView`` side is seen through
     casts: tuple[torch.dtype | None, ...] = (None, None)  # verify's dtype, optim_dtype
     progress: bool = False
-    sizes: tuple[int, ...] = ()  # with progress: bytes of A's tensor of each key (``_tensor_sizes``)
+    sizes: tuple[int, ...] = ()  # with progress: bytes of A's tensor of each key (``SideView.tensor_bytes``)
 
 
-def _job(
-    opts: VerifyOptions, sides: tuple[Side, Side], transform: TransformOptions | None, keys: tuple[str, ...], view_a: FlatView
-) -> _VerifyJob:
-    """What every worker compares: ``keys`` of both sides as found; with progress, A's tensor bytes per key."""
+def _job(opts: VerifyOptions, sides: tuple[Side, Side], keys: tuple[str, ...], view_a: SideView) -> _VerifyJob:
+    """What every worker compares: ``keys`` of both sides as seen; with progress, A's tensor bytes per key."""
     return _VerifyJob(
         sides=sides,
         keys=keys,
         atol=opts.atol,
         rtol=opts.rtol,
-        transform=transform,
         casts=tuple(parse_dtype(d).torch if isinstance(d, str) else d for d in (opts.dtype, opts.optim_dtype)),
         progress=opts.progress,
-        sizes=_tensor_sizes(view_a, keys) if opts.progress else (),
+        sizes=tuple(view_a.tensor_bytes(key) for key in keys) if opts.progress else (),
     )
 
 
-def _open_sides(
-    a: str | os.PathLike[str] | Source, b: str | os.PathLike[str], opts: VerifyOptions
-) -> tuple[tuple[Side, Side], TransformOptions | None, tuple[FlatView, FlatView]]:
-    """Both sides found and opened, A through ``transform`` even as a file with ``transform_files``.
-
-    When one side holds weights alone (safetensors, HF, PEFT: no group) and the other is read
-    through items with no transform, that side is seen as ``consolidate`` names the weights
-    (``model.`` + FQN, whether it nests them or saved them flat: a reshard of such a file); its
-    index is not read again. A Hugging Face folder's ``optimizer.pt`` is read under the other
-    side's optimizer key (``_folder_optimizer``).
-
-    Returns:
-        The sides as found, the transform the items are seen through, and the open views (close them).
-    """
-    transform = opts.transform
-    side_a = find_side(a, check_crc=opts.check_crc, through_items=opts.transform_files and transform is not None)
-    views: list[FlatView] = [open_view(side_a, transform)]
-    try:
-        side_b = find_side(b, check_crc=opts.check_crc)
-        views.append(open_view(side_b, transform))
-        if transform is None and any(v.model_only for v in views) and any(isinstance(v, ItemsView) for v in views):
-            transform = TransformOptions(keep_wrapper_names=True)
-            if opts.transform_files and side_a.source is None:  # a file A is now seen through the transform too
-                side_a = find_side(a, check_crc=opts.check_crc, through_items=True)
-            for i, side in enumerate((side_a, side_b)):
-                if side.source is not None:  # seen again through the transform, from the index already read
-                    views[i].close()
-                    views[i] = open_view(side, transform)
-        sides = [side_a, side_b]
-        for i in _folder_optimizer(views):  # a folder's optimizer.pt read under the other side's key
-            views[i].close()
-            sides[i] = dataclasses.replace(sides[i], optimizer_key=_optimizer_tops(views[1 - i]).pop())
-            views[i] = open_view(sides[i], transform)
-    except BaseException:
-        _close(views)
-        raise
-    return (sides[0], sides[1]), transform, (views[0], views[1])
-
-
-def _optimizer_tops(view: FlatView) -> set[str]:
-    """The top-level keys of ``view``'s optimizer state (``optim``, ``optimizer``)."""
-    return {key.split(".", 1)[0] for key in view.keys() if _key_group(key) == "optim"}
-
-
-def _folder_optimizer(views: Sequence[FlatView]) -> list[int]:
-    """The side (none or one) that is a Hugging Face folder whose optimizer is compared under the other side's key.
-
-    A folder's ``optimizer.pt`` holds the optimizer state dict itself, read as ``optim``; the
-    checkpoint it was consolidated from may keep its producer's key (``optimizer``: Lightning,
-    accelerate, torchtitan, Megatron-Core), so the folder's is read under that key.
-    """
-    tops = [_optimizer_tops(view) for view in views]
-    return [
-        i
-        for i in (0, 1)
-        if isinstance(views[i], SafetensorsFiles) and tops[i] == {"optim"} and len(tops[1 - i]) == 1 and tops[1 - i] != {"optim"}
-    ]
-
-
-def _close(views: Sequence[FlatView]) -> None:
+def _close(views: Sequence[SideView]) -> None:
     """Close every view, B's first."""
     for view in reversed(views):
         view.close()
 
 
-def _compared_keys(views: tuple[FlatView, FlatView], only: Only) -> tuple[list[str], list[str]]:
+def _compared_keys(views: tuple[SideView, SideView], only: Only) -> tuple[list[str], list[str]]:
     """Each side's keys of the groups compared: ``only``'s, and ``model`` alone when a side holds weights alone."""
     wanted = [g for g in ("model" if any(v.model_only for v in views) else None, None if only == "all" else only) if g]
-    keys_a, keys_b = ([k for k in v.keys() if all(_key_group(k) == g for g in wanted)] for v in views)
+    keys_a, keys_b = ([k for k in v.keys() if all(key_group(k) == g for g in wanted)] for v in views)
     return keys_a, keys_b
 
 
 def _compare_keys(
-    job: _VerifyJob, positions: range, progress: StepProgress, views: tuple[FlatView, FlatView] | None = None
+    job: _VerifyJob, positions: range, progress: StepProgress, views: tuple[SideView, SideView] | None = None
 ) -> list[tuple[str, str]]:
     """``(key, detail)`` of every differing key of ``job.keys[positions]``, after the casts asked.
 
     ``views``: the sides already open (kept open); None: opened from ``job.sides`` here, and closed.
     """
     if views is None:
-        view_a = open_view(job.sides[0], job.transform)
+        opened = open_views(job.sides)
         try:
-            view_b = open_view(job.sides[1], job.transform)
-        except BaseException:
-            view_a.close()
-            raise
-        try:
-            return _compare_keys(job, positions, progress, (view_a, view_b))
+            return _compare_keys(job, positions, progress, opened)
         finally:
-            _close((view_a, view_b))
+            _close(opened)
     mine: list[tuple[str, str]] = []
     for i in positions:
         key = job.keys[i]
         target = _cast_dtype(key, views, job.casts)
         value_a, cast_a = _cast(views[0].get(key), target)
         value_b, cast_b = _cast(views[1].get(key), target)
-        any_nan = cast_a or cast_b or _was_cast(views[0], key) or _was_cast(views[1], key)
+        any_nan = cast_a or cast_b or views[0].was_cast(key) or views[1].was_cast(key)
         detail = _compare(value_a, value_b, job.atol, job.rtol, any_nan=any_nan)
         if detail is not None:
             mine.append((key, detail))
@@ -400,7 +325,7 @@ def _verify_rank(
     rank: int,
     world_size: int,
     group: WorkerGroup | None,
-    views: tuple[FlatView, FlatView] | None = None,
+    views: tuple[SideView, SideView] | None = None,
 ) -> list[tuple[str, str]] | None:
     """Compare keys ``rank, rank + world_size, ...``; rank 0 gathers every rank's differences.
 

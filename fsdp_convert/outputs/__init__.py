@@ -1,4 +1,4 @@
-"""Output kinds: what ``consolidate`` writes, one object per kind, chosen once from OUT and ``--format``.
+"""Output kinds: what ``consolidate`` and ``reshard`` write, one class per row of the outputs table.
 
 After torch DCP's ``StorageWriter`` (``HuggingFaceStorageWriter`` overrides ``write_data`` and
 ``finish``) and torchtitan's ``protocols/state_dict_adapter.py``: an ``OutputKind`` says which
@@ -6,32 +6,49 @@ groups the output holds (``groups``), how its files are placed from the items be
 read (names, shards, every tensor's byte offset: ``plan_files``), how each file is finished once
 the workers wrote its tensors (``FileKind.finish_file``: headers, pickle) and how the folder is
 finished (``write_index``: HF's weight map; ``finish``: adapter config, HF assets). The plan
-carries the object (``plan.WorkPlan.kind``), and neither ``plan.py`` nor ``ops/`` compares a
-kind's name. A written output is read back (``--verify``, or as an input) by
-``formats.full_file``, which knows each kind's files by their bytes and names.
+carries the object (``plan.WorkPlan.kind``), and neither ``plan/consolidate.py`` nor ``ops/`` compares a
+kind's name.
 
-To add an output kind: a class with the ``OutputKind`` members (a file output is its own
-``FileKind``; a folder's files are ``TorchSaveFile``/``SafetensorsFile`` or a new ``FileKind``)
-and one entry in ``OUTPUT_KINDS``, where ``output_kind`` takes the first kind that ``claims`` OUT:
-this module, plus the writer in ``writers/`` of a new byte format
-(``tests/unit/test_output_kind_extension.py`` adds two kinds in the test alone).
+What is known of a kind without torch is its row in ``output_table.OUTPUT_ROWS``: the
+``--format`` name and suffixes that choose it, whether it is a folder, the files it writes and
+how they are read back (``formats.full_file``). Each class here takes its name, folder flag and
+file names from its row (``RowKind``); ``output_kind`` asks the table for the row and returns the
+row's class from ``OUTPUT_KINDS``. To add an output kind: its row in ``output_table.py`` and its
+class with its entry in ``OUTPUT_KINDS`` (docs/architecture.md, "An output kind";
+``tests/unit/test_output_kind_extension.py`` adds two kinds in the test alone).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from fsdp_convert.errors import InvalidOptionError
+from fsdp_convert import output_table, producers
 from fsdp_convert.lora import LoraOptions
+from fsdp_convert.output_table import OutputRow, choose_row, last_files
+from fsdp_convert.outputs.dcp_folder import DcpFolder
 from fsdp_convert.outputs.files import RECORD_TAIL_BYTES, SafetensorsFile, TorchSaveFile
 from fsdp_convert.outputs.folders import HfFolder, PeftAdapterFolder, plan_shards
-from fsdp_convert.outputs.kind import FileKind, FilePlan, Only, OutputKind, RequestedFormat, stored_bytes, value_tensor
+from fsdp_convert.outputs.kind import (
+    FileKind,
+    FilePlan,
+    Only,
+    Output,
+    OutputKind,
+    RequestedFormat,
+    RowKind,
+    stored_bytes,
+    value_tensor,
+)
+from fsdp_convert.own_files import OwnFiles
 
 __all__ = [
     "Only",
     "RequestedFormat",
     "FilePlan",
     "FileKind",
+    "RowKind",
+    "Output",
     "OutputKind",
     "value_tensor",
     "stored_bytes",
@@ -39,58 +56,79 @@ __all__ = [
     "SafetensorsFile",
     "HfFolder",
     "PeftAdapterFolder",
+    "DcpFolder",
     "OUTPUT_KINDS",
+    "kind_of",
     "output_kind",
+    "reshard_kind",
+    "own_files",
     "last_files",
     "plan_shards",
     "RECORD_TAIL_BYTES",
 ]
 
 
-# The output kinds, in the order ``output_kind`` asks them whether they write OUT (the first that
-# claims it does). A new kind is one entry here.
-OUTPUT_KINDS: tuple[OutputKind, ...] = (TorchSaveFile(), SafetensorsFile(), HfFolder())
+# One instance per row of output_table.OUTPUT_ROWS (found by the row's name); a new kind is one entry here.
+OUTPUT_KINDS: tuple[OutputKind | DcpFolder, ...] = (
+    TorchSaveFile(),
+    SafetensorsFile(),
+    HfFolder(),
+    PeftAdapterFolder(),
+    DcpFolder(),
+)
+
+
+def kind_of(row: OutputRow) -> OutputKind | DcpFolder:
+    """The entry of ``OUTPUT_KINDS`` whose row is ``row`` (by name).
+
+    Raises:
+        LookupError: no class has that row (a row added to the table without its class).
+    """
+    kind = next((k for k in OUTPUT_KINDS if k.row.name == row.name), None)
+    if kind is None:
+        raise LookupError(f"the output row {row.name!r} has no class in outputs.OUTPUT_KINDS")
+    return kind
 
 
 def output_kind(output: Path, requested: RequestedFormat = "auto", *, lora: LoraOptions | None = None) -> OutputKind:
-    """The output kind OUT (and ``--format``, and ``--lora-only``) asks for: the first of ``OUTPUT_KINDS`` that claims it.
+    """The output kind OUT, ``--format`` and ``--lora-only`` ask for: the class of ``output_table.choose_row``'s row.
 
     ``auto``: ``.pt``/``.pth``/``.bin`` is one torch.save file; ``.safetensors`` one safetensors
     file; no suffix, or an existing folder, a Hugging Face folder (safetensors shards plus index).
     ``torch``: one torch.save file, whatever the name (Lightning's ``.ckpt``), unless it names a
     folder or a ``.safetensors`` file. ``safetensors``: a ``.safetensors`` file, or else a Hugging
-    Face folder. With ``lora`` (``--lora-only``), a folder is a PEFT adapter folder.
+    Face folder. With ``lora`` (``--lora-only``), a folder is a PEFT adapter folder holding ``lora``.
 
     Raises:
-        InvalidOptionError: an unknown suffix with ``auto`` (the message suggests ``--format
-            torch``), a name that contradicts ``requested``, or ``lora`` with a file OUT.
+        InvalidOptionError: an unknown ``--format``, an unknown suffix with ``auto`` (the message
+            suggests ``--format torch``), a name that contradicts ``requested``, or ``lora`` with a file OUT.
     """
-    if requested not in ("auto", "torch", "safetensors"):
-        raise InvalidOptionError(f"--format {requested!r}: use auto, torch or safetensors")
-    kind = next((k for k in OUTPUT_KINDS if k.claims(output, requested)), None)
-    if kind is None:
-        raise InvalidOptionError(_refusal(output, requested))
-    if lora is not None:
-        if not isinstance(kind, HfFolder):
-            raise InvalidOptionError(f"{output}: --lora-only writes a PEFT adapter folder; name OUT without a suffix")
-        return PeftAdapterFolder(lora=lora)
+    kind = kind_of(choose_row(output, requested, lora_only=lora is not None))
+    if isinstance(kind, DcpFolder):  # never: choose_row takes consolidate's rows only
+        raise LookupError(f"{kind.row.name!r} is reshard's output, not consolidate's")
+    if isinstance(kind, PeftAdapterFolder):  # the row --lora-only chose holds the adapter's options
+        return dataclasses.replace(kind, lora=lora)
     return kind
 
 
-def _refusal(output: Path, requested: RequestedFormat) -> str:
-    """Why no kind writes ``output`` under ``--format requested``."""
-    if requested == "torch":
-        what = "an existing folder" if output.is_dir() else f"a {output.suffix} name"
-        return f"{output}: --format torch writes one torch.save file, not {what}"
-    if requested == "safetensors":
-        return f"{output}: --format safetensors needs a .safetensors name or a folder, not {output.suffix!r}"
-    known = ", ".join(s for k in OUTPUT_KINDS for s in k.suffixes)
-    return (
-        f"{output}: unknown output suffix {output.suffix!r}; use one of {known} or a folder name, "
-        "or --format torch to write a torch.save file under this name"
-    )
+def own_files() -> OwnFiles:
+    """The names this tool writes in an output folder, read from the tables when called.
+
+    Every output kind's (``output_table.own_files``) and the files beside each producer's data that
+    ``reshard`` copies (``producers.own_files``). ``--overwrite`` replaces a folder holding only
+    these without ``--force`` (``writers.check_output``).
+    """
+    return output_table.own_files() | producers.own_files()
 
 
-def last_files() -> tuple[str, ...]:
-    """Every kind's files written last (``OutputKind.last``), for a transaction opened before OUT's kind is known."""
-    return tuple(dict.fromkeys(name for kind in OUTPUT_KINDS for name in kind.last))
+def reshard_kind() -> DcpFolder:
+    """``reshard``'s output kind: the class of the row ``reshard`` chooses (``output_table.DCP_ROW``).
+
+    Raises:
+        LookupError: the table has no such row, or its class is not a ``DcpFolder``.
+    """
+    row = next((r for r in output_table.OUTPUT_ROWS if r.chosen_by == "reshard"), None)
+    kind = None if row is None else kind_of(row)
+    if not isinstance(kind, DcpFolder):
+        raise LookupError("the outputs table has no DCP folder row for reshard")
+    return kind

@@ -9,10 +9,11 @@ from typing import Any
 
 from fsdp_convert.errors import InvalidOptionError
 from fsdp_convert.formats.index import CheckpointIndex
-from fsdp_convert.outputs.kind import CrcOf, FileKind, FilePlan, Only, RequestedFormat, ValueOf, value_tensor
+from fsdp_convert.item import OutputItem
+from fsdp_convert.output_table import SAFETENSORS_ROW, TORCH_SAVE_ROW, check_only
+from fsdp_convert.outputs.kind import CrcOf, FileKind, FilePlan, Only, RowKind, ValueOf, value_tensor
 from fsdp_convert.roles import GROUPS, Group
-from fsdp_convert.suffixes import SAFETENSORS_SUFFIXES, TORCH_SAVE_SUFFIXES
-from fsdp_convert.transform import OutputItem, TransformOptions
+from fsdp_convert.transform import TransformOptions
 from fsdp_convert.writers.hf_assets import HfAssets
 from fsdp_convert.writers.safetensors import safetensors_placement, write_safetensors_header
 from fsdp_convert.writers.torch_save import TensorSlot, torch_save_offsets, write_torch_save_headers
@@ -38,11 +39,8 @@ def check_tensors(items: Sequence[OutputItem]) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class _SingleFile:
-    """What a one-file output shares: no folder, no index, nothing beside it."""
-
-    directory = False
-    last = ()
+class _SingleFile(RowKind):
+    """What a one-file output shares: no index, nothing beside it."""
 
     def shards(self, files: Sequence[FilePlan]) -> tuple[FilePlan, ...]:
         """None: one file has no index."""
@@ -74,15 +72,7 @@ class TorchSaveFile(_SingleFile):
     last, with the CRC-32s the workers' bytes have.
     """
 
-    name = "torch_save"
-    suffixes = TORCH_SAVE_SUFFIXES
-
-    def claims(self, output: Path, requested: RequestedFormat) -> bool:
-        """``.pt``/``.pth``/``.bin`` with ``auto``; with ``torch`` any name but a folder or a ``.safetensors`` name."""
-        suffix = output.suffix.lower()
-        if requested == "torch":
-            return suffix not in SAFETENSORS_SUFFIXES and not output.is_dir()
-        return requested == "auto" and suffix in self.suffixes
+    row = TORCH_SAVE_ROW
 
     def groups(self, only: Only) -> tuple[Group, ...]:
         """Every group, or the one ``--only`` names."""
@@ -142,23 +132,15 @@ class SafetensorsFile(_SingleFile):
     Its header is known from the names, dtypes and shapes (``writers.safetensors.safetensors_placement``).
     """
 
-    name = "safetensors"
-    suffixes = SAFETENSORS_SUFFIXES
-
-    def claims(self, output: Path, requested: RequestedFormat) -> bool:
-        """A ``.safetensors`` name, with ``auto`` or ``safetensors``."""
-        return requested in ("auto", "safetensors") and output.suffix.lower() in self.suffixes
+    row = SAFETENSORS_ROW
 
     def groups(self, only: Only) -> tuple[Group, ...]:
         """The model weights only.
 
         Raises:
-            InvalidOptionError: ``--only optim``.
+            InvalidOptionError: ``--only optim`` (the row's ``optim_refusal``).
         """
-        if only == "optim":
-            raise InvalidOptionError(
-                "a .safetensors file holds model weights only; use a .pt file or a folder for optimizer state"
-            )
+        check_only(self.row, only)
         return ("model",)
 
     def plan_files(self, items: Sequence[OutputItem], *, max_shard_bytes: int) -> tuple[FilePlan, ...]:

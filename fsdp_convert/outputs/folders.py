@@ -6,29 +6,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_convert.constants import (
-    ADAPTER_WEIGHTS_FILENAME,
-    EXTRA_STATE_FILENAME,
-    HF_INDEX_FILENAME,
-    HF_SINGLE_FILENAME,
-    OPTIMIZER_FILENAME,
-    TORCH_SAVE_SUFFIXES,
-)
 from fsdp_convert.formats.index import CheckpointIndex
+from fsdp_convert.item import OutputItem
 from fsdp_convert.lora import LoraOptions, write_adapter_config
+from fsdp_convert.output_table import HF_INDEX_FILENAME, HF_ROW, HF_SHARD_FILENAME, HF_SINGLE_FILENAME, PEFT_ROW
 from fsdp_convert.outputs.files import SafetensorsFile, TorchSaveFile, check_tensors
-from fsdp_convert.outputs.kind import FilePlan, Only, RequestedFormat
+from fsdp_convert.outputs.kind import FilePlan, Only, RowKind
 from fsdp_convert.roles import GROUPS, Group
-from fsdp_convert.transform import OutputItem, TransformOptions
+from fsdp_convert.transform import TransformOptions
 from fsdp_convert.transform.fp8 import QUANTIZATION_CONFIG, dequantizes
 from fsdp_convert.writers.hf_assets import HfAssets, weights_dtype, write_hf_assets
 from fsdp_convert.writers.safetensors import ShardFile, write_hf_index
 from fsdp_convert.writers.transaction import writing
 
-__all__ = ["SIDE_FILES", "plan_shards", "HfFolder", "PeftAdapterFolder"]
-
-# a folder's torch.save files beside its shards: (group, file name, leading path elements dropped)
-SIDE_FILES: tuple[tuple[Group, str, int], ...] = (("optim", OPTIMIZER_FILENAME, 1), ("other", EXTRA_STATE_FILENAME, 0))
+__all__ = ["plan_shards", "HfFolder", "PeftAdapterFolder"]
 
 
 def plan_shards(items: Sequence[OutputItem], item_ids: Sequence[int], max_shard_bytes: int) -> tuple[FilePlan, ...]:
@@ -36,7 +27,7 @@ def plan_shards(items: Sequence[OutputItem], item_ids: Sequence[int], max_shard_
 
     A new shard starts when the next tensor would take the current one past ``max_shard_bytes``;
     a tensor larger than that gets a shard of its own. One shard is named ``model.safetensors``;
-    several ``model-0000i-of-0000n.safetensors``.
+    several ``model-0000k-of-0000n.safetensors`` (``output_table.HF_SHARD_FILENAME``).
     """
     groups: list[list[int]] = []
     size = 0
@@ -50,31 +41,21 @@ def plan_shards(items: Sequence[OutputItem], item_ids: Sequence[int], max_shard_
     n = len(groups)
     shard = SafetensorsFile()
     return tuple(
-        shard.place(items, tuple(g), HF_SINGLE_FILENAME if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors", 0)
+        shard.place(items, tuple(g), HF_SINGLE_FILENAME if n == 1 else HF_SHARD_FILENAME.format(k=k + 1, n=n), 0)
         for k, g in enumerate(groups)
     )
 
 
 @dataclass(frozen=True, slots=True)
-class HfFolder:
+class HfFolder(RowKind):
     """A Hugging Face folder: the weights as safetensors shards, optimizer state and the rest beside them.
 
-    The shards with ``model.safetensors.index.json`` when several, the optimizer state in
-    ``optimizer.pt``, other entries in ``extra_state.pt``, and ``--hf-assets``' config and
-    tokenizer files.
+    The shards with ``model.safetensors.index.json`` when several, then the row's torch.save
+    files (``OutputRow.folder_files``): the optimizer state in ``optimizer.pt``, other entries in
+    ``extra_state.pt``; and ``--hf-assets``' config and tokenizer files.
     """
 
-    name = "hf_dir"
-    directory = True
-    last = (HF_SINGLE_FILENAME, HF_INDEX_FILENAME)
-    suffixes = ()
-
-    def claims(self, output: Path, requested: RequestedFormat) -> bool:
-        """No suffix (or an existing folder) with ``auto``; with ``safetensors`` any name but a torch.save one."""
-        suffix = output.suffix.lower()
-        if requested == "safetensors":
-            return suffix not in TORCH_SAVE_SUFFIXES
-        return requested == "auto" and (suffix == "" or output.is_dir())
+    row = HF_ROW
 
     def groups(self, only: Only) -> tuple[Group, ...]:
         """Every group, or the one ``--only`` names."""
@@ -84,14 +65,18 @@ class HfFolder:
         return plan_shards(items, ids, max_shard_bytes)
 
     def plan_files(self, items: Sequence[OutputItem], *, max_shard_bytes: int) -> tuple[FilePlan, ...]:
-        """The weights' shards in shard order, then ``optimizer.pt`` and ``extra_state.pt`` (those with items)."""
+        """The weights' shards in shard order, then the row's torch.save files that have items.
+
+        Each torch.save file holds its group's items, their paths without its ``nest`` (``optimizer.pt``
+        holds the optimizer state dict itself, not ``{"optim": ...}``).
+        """
         check_tensors(items)
         model_ids = [i for i, item in enumerate(items) if item.group == "model"]
         files = self._weights(items, model_ids, max_shard_bytes) if model_ids else ()
-        for group, filename, strip in SIDE_FILES:
-            ids = tuple(i for i, item in enumerate(items) if item.group == group)
+        for side in (f for f in self.row.folder_files if f.content == "torch_save"):
+            ids = tuple(i for i, item in enumerate(items) if item.group == side.group)
             if ids:
-                files += (TorchSaveFile().place(items, ids, filename, strip),)
+                files += (TorchSaveFile().place(items, ids, side.name, len(side.nest)),)
         return files
 
     def shards(self, files: Sequence[FilePlan]) -> tuple[FilePlan, ...]:
@@ -145,10 +130,12 @@ class PeftAdapterFolder(HfFolder):
         lora: the LoRA options (``adapter_config.json``'s fields).
     """
 
+    row = PEFT_ROW
     lora: LoraOptions | None = None
 
     def _weights(self, items: Sequence[OutputItem], ids: list[int], max_shard_bytes: int) -> tuple[FilePlan, ...]:
-        return (SafetensorsFile().place(items, tuple(ids), ADAPTER_WEIGHTS_FILENAME, 0),)
+        weights = next(f.name for f in self.row.folder_files if f.content == "safetensors")  # adapter_model.safetensors
+        return (SafetensorsFile().place(items, tuple(ids), weights, 0),)
 
     def finish(
         self,

@@ -1,31 +1,48 @@
-"""Output kinds, the protocols: ``OutputKind`` (what ``consolidate`` writes), ``FileKind`` (one file's format), ``FilePlan``."""
+"""Output kinds, the protocols: ``Output`` and ``OutputKind`` (what ``consolidate`` writes), ``FileKind``, ``FilePlan``.
+
+Each kind's class takes its name, folder flag and last files from its row of the outputs table
+(``RowKind``, ``output_table.OutputRow``).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from fsdp_convert.dtypes import is_tensor
 from fsdp_convert.formats.index import CheckpointIndex
+from fsdp_convert.item import OutputItem
+from fsdp_convert.output_table import OutputRow, RequestedFormat  # RequestedFormat: re-exported
 from fsdp_convert.roles import Group
-from fsdp_convert.transform import OutputItem, TransformOptions
+from fsdp_convert.transform import TransformOptions
 from fsdp_convert.writers.hf_assets import HfAssets
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Only", "RequestedFormat", "CrcOf", "ValueOf", "FilePlan", "FileKind", "OutputKind", "value_tensor", "stored_bytes"]
+__all__ = [
+    "Only",
+    "RequestedFormat",
+    "CrcOf",
+    "ValueOf",
+    "FilePlan",
+    "FileKind",
+    "RowKind",
+    "Output",
+    "OutputKind",
+    "value_tensor",
+    "stored_bytes",
+]
 
 Only = Literal["all", "model", "optim"]
-RequestedFormat = Literal["auto", "torch", "safetensors"]
 CrcOf = Callable[[int, int], int]  # (offset, nbytes) in the file -> CRC-32 of those bytes, as the workers wrote them
 ValueOf = Callable[[OutputItem], Any]  # a plain value item -> its value, read from the checkpoint
 
 
 def value_tensor(item: OutputItem) -> torch.Tensor | None:
-    """A constant item's tensor, or None: a small tensor of a merged file (``items``: Megatron's 0-dim step).
+    """A constant item's tensor, or None: a small tensor of a merged file (``plan.items``: Megatron's 0-dim step).
 
     Rank 0 writes its bytes itself, as a storage record of its own, when it finishes the file
     (``FileKind.finish_file``); the workers move only the checkpoint's tensors.
@@ -109,15 +126,46 @@ class FileKind(Protocol):
         ...
 
 
-class OutputKind(Protocol):
-    """What ``consolidate`` writes: chosen once (``output_kind``), carried by the plan, finished by rank 0.
+class RowKind:
+    """What a kind's class takes from its row of the outputs table (``row``): its name, folder flag, last files.
+
+    A class sets ``row`` (``output_table.OutputRow``); ``outputs.output_kind`` finds the class of
+    the row it chose in ``OUTPUT_KINDS`` by the row's name.
+    """
+
+    __slots__ = ()
+    row: ClassVar[OutputRow]
+
+    @property
+    def name(self) -> str:
+        """The result's ``output_format`` (``OutputRow.output_format``); a ``FilePlan``'s format for a file kind."""
+        return self.row.output_format
+
+    @property
+    def directory(self) -> bool:
+        """Whether OUT is a folder (``OutputRow.folder``)."""
+        return self.row.folder
+
+    @property
+    def last(self) -> tuple[str, ...]:
+        """Files written last (``OutputRow.last``)."""
+        return self.row.last
+
+
+class Output(Protocol):
+    """What an operation writes, as its row says: ``OutputKind`` (``consolidate``) or ``outputs.DcpFolder`` (``reshard``).
 
     Instances are picklable values (they travel to the workers in the plan).
     """
 
     @property
+    def row(self) -> OutputRow:
+        """Its row of the outputs table (``output_table.OUTPUT_ROWS``)."""
+        ...
+
+    @property
     def name(self) -> str:
-        """The result's ``output_format``: ``torch_save``, ``safetensors`` or ``hf_dir``."""
+        """The result's ``output_format``: ``torch_save``, ``safetensors``, ``hf_dir`` or ``dcp``."""
         ...
 
     @property
@@ -130,15 +178,6 @@ class OutputKind(Protocol):
         """Names of files in an output folder written last: uploaded after all others to a URL."""
         ...
 
-    @property
-    def suffixes(self) -> tuple[str, ...]:
-        """OUT suffixes ``--format auto`` takes for this kind (listed in the unknown-suffix error)."""
-        ...
-
-    def claims(self, output: Path, requested: RequestedFormat) -> bool:
-        """Whether this kind writes ``output`` under ``--format requested``."""
-        ...
-
     def groups(self, only: Only) -> tuple[Group, ...]:
         """The groups the output holds, for ``--only``.
 
@@ -146,6 +185,13 @@ class OutputKind(Protocol):
             InvalidOptionError: a group this kind cannot hold (optimizer state in a safetensors file).
         """
         ...
+
+
+class OutputKind(Output, Protocol):
+    """What ``consolidate`` writes: chosen once (``output_kind``), carried by the plan, finished by rank 0.
+
+    Instances are picklable values (they travel to the workers in the plan).
+    """
 
     def plan_files(self, items: Sequence[OutputItem], *, max_shard_bytes: int) -> tuple[FilePlan, ...]:
         """Every output file, placed: their names, which items each holds, every tensor's byte offset.

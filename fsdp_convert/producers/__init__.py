@@ -1,128 +1,76 @@
 """Producers stage: which training stack wrote a checkpoint, and what that means to each operation.
 
-One record per producer in one ordered table, ``PRODUCERS``: how it is detected, its optimizer
-key, the files beside its DCP data (copied by ``reshard``, left out with a note, merged at the top
-level by ``consolidate``), its folder layout, and the loader that reads each output. The two
-tables of ``docs/producers.md`` are rendered from the records (``producers.tables``; a test keeps
-them equal). ``inspect`` prints ``detect_producer(index).name``; ``items``
-and ``reshard`` read the record. Adding a producer is one record here (plus ``formats/`` when it
-needs a new way of reading the folder).
+One record per producer (``record.Producer``) in one ordered table, ``PRODUCERS``: how it is
+detected, its optimizer key, the files beside its DCP data (copied by ``reshard``, left out with a
+note, merged at the top level by ``consolidate``), its folder layout, its own key layout, and the
+loader that reads each output. The two tables of ``docs/producers.md`` are rendered from the
+records (``producers.tables``; a test keeps them equal). ``inspect`` prints
+``detect_producer(index).name``; ``plan.items``, ``reshard`` and the output check (``own_files``) read
+the records. Adding a producer is one record here, its ``detect`` built from the facts a format
+records (``producers.detect.beside(marker)``: a file beside ``.metadata``); one whose rules need
+code of their own gets a module here too, as ``producers/megatron.py`` (and ``formats/`` only when
+its files need a new way of being read).
 
-The index keeps the name the folder's files give (``CheckpointIndex.producer``: accelerate's two
-folders, Lightning's ``meta.pt``, verl's file names...); ``get(name)`` gives its record. Functions
-over a ``CheckpointIndex``; nothing is read.
+A format records facts and names no producer (``CheckpointIndex.folders``, ``beside``, ``marks``);
+the records' ``detect`` functions alone decide the name. Functions over a ``CheckpointIndex``; no
+file's contents are read.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
 
-from fsdp_convert.formats.dcp import LIGHTNING_META_FILENAME, OLMO_CORE_DIRNAME
-from fsdp_convert.formats.index import CheckpointIndex
+from fsdp_convert.formats.dcp import ACCELERATE_DIR_RE, DCP_FILE_RE, OLMO_CORE_DIRNAME
+from fsdp_convert.formats.index import CheckpointIndex, ObjPath
+from fsdp_convert.held_roots import inside
+from fsdp_convert.own_files import OwnFiles
+from fsdp_convert.producers import megatron
 from fsdp_convert.producers.detect import (
-    MEGATRON_COMMON_FILENAME,
-    MEGATRON_METADATA_FILENAME,
+    LIGHTNING_META_FILENAME,
+    OLMO_CORE_METADATA_FILENAME,
+    accelerate,
     any_dcp,
     by_keys,
     fsdp1,
-    megatron,
-    named,
+    fsdp1_rank_files,
+    hf_storage,
+    lightning,
+    olmo_core,
+    safetensors,
+    torch_save,
     torchtitan,
     torchtune,
+    verl,
 )
-from fsdp_convert.writers.transaction import ACCELERATE_SHARED_RE
+from fsdp_convert.producers.record import Producer, SideFile
+from fsdp_convert.roles import EntryRole, EntryRule
+from fsdp_convert.roles import classify as classify_with
 
 __all__ = [
+    "ACCELERATE_SHARED_RE",
     "PRODUCERS",
     "Beside",
     "Producer",
     "SideFile",
+    "check_optimizer",
+    "classify",
     "detect_producer",
+    "entry_rules",
     "get",
     "merged_files",
+    "optimizer_path",
+    "own_files",
     "sort_beside",
 ]
 
 # what reshard says of a file beside the DCP data that no producer names
 UNKNOWN_NOTE = "not part of the checkpoint as this tool knows it; copy them if they apply"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SideFile:
-    """A kind of file beside a producer's DCP data (next to ``.metadata``, or to accelerate's folders).
-
-    Attributes:
-        pattern: matches the file's name (the whole name).
-        action: ``copy``: ``reshard`` copies it byte for byte, never loaded (it holds the same at
-            any world size); ``leave_out``: ``reshard`` leaves it out and says why.
-        note: for ``leave_out``, why, after ``left out <names>: `` (the result's ``notes``).
-    """
-
-    pattern: re.Pattern[str]
-    action: Literal["copy", "leave_out"]
-    note: str = ""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Producer:
-    """One training stack's checkpoints: how they are told apart and what each operation does with them.
-
-    Attributes:
-        name: what ``inspect`` prints (``producer: fsdp2``), and ``CheckpointIndex.producer``
-            when the folder's files name it. Two records may share a name (FSDP1's DCP folder and
-            its rank files); ``get`` gives the first.
-        detect: whether an index is this producer's; the first record of ``PRODUCERS`` whose
-            ``detect`` is true names the checkpoint. From the index (at most a look at the names
-            in its folder; never a file's contents).
-        optimizer_key: the top-level key its optimizer state sits under (``consolidate``'s
-            ``--layout producer`` keeps it, ``nested`` writes ``optim``).
-        side_files: the files beside its DCP data that ``reshard`` copies or leaves out; any other
-            file is left out as unknown.
-        merged: a ``torch.save`` file beside ``.metadata`` whose entries ``consolidate`` merges at the
-            top level in the producer's layout, as the producer's own loader does (Lightning's
-            ``meta.pt``); None for none.
-        folders: the DCP folders side by side that make one checkpoint (accelerate's
-            ``pytorch_model_fsdp_<n>/`` and ``optimizer_<n>/``); ``reshard`` writes each as a DCP
-            folder again. None: the checkpoint is one DCP folder.
-        params_in_model_order: ``--optim-keys ids`` numbers each group's params in the model's
-            order (FSDP1's ``optim_state_dict`` keeps no param group order of its own).
-        flat_optimizer: ``consolidate``'s ``--layout producer`` keeps a flattened optimizer state dict
-            as saved, as OLMo-core's ``unshard_checkpoint`` does; ``nested`` rebuilds it.
-        stacked_layers: the FQN prefix of the model tensors it stacks on a leading layer dim
-            (Megatron-Core's ``decoder.layers.``), which ``--unstack-layers`` splits per layer;
-            empty: none (the flag is refused).
-        label: the table's first column (Markdown).
-        on_disk: the table's "what is on disk" column (Markdown); empty: no row in the table.
-        notes: the table's "notes" column (Markdown).
-        tested: the table's "tested with" column: the writer's version whose own save (and load) the
-            tests run (Markdown).
-        consolidate_loader: what reads ``consolidate``'s default output (Markdown).
-        reshard_loader: what reads ``reshard --world-size M``'s output (Markdown).
-    """
-
-    name: str
-    detect: Callable[[CheckpointIndex], bool]
-    optimizer_key: str = "optim"
-    side_files: tuple[SideFile, ...] = ()
-    merged: str | None = None
-    folders: re.Pattern[str] | None = None
-    params_in_model_order: bool = False
-    flat_optimizer: bool = False
-    stacked_layers: str = ""
-    label: str = ""
-    on_disk: str = ""
-    notes: str = ""
-    tested: str = ""
-    consolidate_loader: str = ""
-    reshard_loader: str = ""
-
-    def side_file(self, name: str) -> SideFile | None:
-        """The first of ``side_files`` whose pattern matches the file name ``name``, or None."""
-        return next((s for s in self.side_files if s.pattern.fullmatch(name)), None)
-
+# accelerate's save_state files that hold the same at any world size (written by the main process only: LR
+# schedulers, samplers, the grad scaler, register_for_checkpointing's objects), which reshard copies beside
+ACCELERATE_SHARED_RE = re.compile(r"(scheduler|sampler)(_\d+)?\.bin|scaler\.pt|custom_checkpoint_\d+\.pkl")
 
 _AS_FSDP2 = "as `fsdp2`"
 _FSDP_CONSOLIDATE = '`{"model", "optim"}`: `model.load_state_dict`; `--optim-keys ids` for a plain `optim.load_state_dict`'
@@ -136,6 +84,7 @@ PRODUCERS: tuple[Producer, ...] = (
     Producer(
         name="fsdp2",
         detect=by_keys("fsdp2"),
+        by_keys=True,
         label="`fsdp2`",
         tested="torch 2.13.0 `fully_shard` + `dcp.save`",
         on_disk='DCP of `get_state_dict`: `{"model", "optim"}`',
@@ -146,6 +95,7 @@ PRODUCERS: tuple[Producer, ...] = (
     Producer(
         name="fsdp1",
         detect=fsdp1,
+        by_keys=True,
         params_in_model_order=True,
         label="`fsdp1`",
         tested="torch 2.13.0 `FullyShardedDataParallel` + `dcp.save`",
@@ -158,6 +108,7 @@ PRODUCERS: tuple[Producer, ...] = (
     Producer(
         name="torchtitan",
         detect=torchtitan,
+        by_keys=True,
         optimizer_key="optimizer",
         label="`torchtitan`",
         tested="torchtitan 0.3.0",
@@ -172,7 +123,7 @@ PRODUCERS: tuple[Producer, ...] = (
     ),
     Producer(
         name="accelerate",
-        detect=named("accelerate"),
+        detect=accelerate,
         optimizer_key="optimizer",
         side_files=(
             # written by the main process only, the same at any world size: LR schedulers, samplers, the
@@ -185,7 +136,7 @@ PRODUCERS: tuple[Producer, ...] = (
                 "then keeps each rank's current RNG state and accelerator.step, which they also hold",
             ),
         ),
-        folders=re.compile(r"(pytorch_model_fsdp|optimizer)_\d+"),
+        folders=ACCELERATE_DIR_RE,
         label="`accelerate`",
         tested="accelerate 1.15",
         on_disk="`save_state`'s folder: `pytorch_model_fsdp_0/` + `optimizer_0/`, two DCP folders, and `random_states_<r>.pkl`",
@@ -198,7 +149,7 @@ PRODUCERS: tuple[Producer, ...] = (
     ),
     Producer(
         name="lightning",
-        detect=named("lightning"),
+        detect=lightning,
         optimizer_key="optimizer",
         side_files=(SideFile(pattern=re.compile(re.escape(LIGHTNING_META_FILENAME)), action="copy"),),
         merged=LIGHTNING_META_FILENAME,
@@ -214,6 +165,7 @@ PRODUCERS: tuple[Producer, ...] = (
     Producer(
         name="torchtune",
         detect=torchtune,
+        by_keys=True,
         optimizer_key="optimizer",
         label="`torchtune`",
         tested="torchtune 0.6.1",
@@ -229,10 +181,10 @@ PRODUCERS: tuple[Producer, ...] = (
     ),
     Producer(
         name="olmo-core",
-        detect=named("olmo-core"),
+        detect=olmo_core,
         flat_optimizer=True,
         side_files=(
-            SideFile(pattern=re.compile(r"config\.json|\.metadata\.json"), action="copy"),
+            SideFile(pattern=re.compile(r"config\.json|" + re.escape(OLMO_CORE_METADATA_FILENAME)), action="copy"),
             SideFile(pattern=re.compile("train"), action="leave_out", note=_OLMO_TRAIN_NOTE),
         ),
         folders=re.compile(OLMO_CORE_DIRNAME),
@@ -248,14 +200,17 @@ PRODUCERS: tuple[Producer, ...] = (
     ),
     Producer(
         name="megatron-core",
-        detect=megatron,
+        detect=megatron.detect,
         optimizer_key="optimizer",
         side_files=(
-            SideFile(pattern=re.compile(re.escape(MEGATRON_COMMON_FILENAME)), action="copy"),
-            SideFile(pattern=re.compile(re.escape(MEGATRON_METADATA_FILENAME)), action="copy"),
+            SideFile(pattern=re.compile(re.escape(megatron.COMMON_FILENAME)), action="copy"),
+            SideFile(pattern=re.compile(re.escape(megatron.METADATA_FILENAME)), action="copy"),
         ),
-        merged=MEGATRON_COMMON_FILENAME,
+        merged=megatron.COMMON_FILENAME,
         stacked_layers="decoder.layers.",
+        entry_role=megatron.entry_role,
+        optimizer_path=megatron.optimizer_path,
+        check_optimizer=megatron.check_optimizer,
         label="`megatron-core`",
         tested="megatron-core 0.16.1",
         on_disk='`dist_checkpointing.save(..., ("torch_dist", 1))`: DCP keyed by its sharded keys (`embedding.*`, '
@@ -273,7 +228,7 @@ PRODUCERS: tuple[Producer, ...] = (
     ),
     Producer(
         name="hf_storage",
-        detect=named("hf_storage"),
+        detect=hf_storage,
         label="`hf_storage`",
         tested="torch 2.13.0 `HuggingFaceStorageWriter`",
         on_disk="torch's `HuggingFaceStorageWriter`: per-rank safetensors shards, offsets in each header's "
@@ -284,7 +239,7 @@ PRODUCERS: tuple[Producer, ...] = (
     ),
     Producer(
         name="verl",
-        detect=named("verl"),
+        detect=verl,
         label="`verl`",
         tested="an imitation of verl's file names and contents (torch 2.13.0)",
         on_disk="per-rank `torch.save`: `model_world_size_N_rank_r.pt` (DTensors), `optim_...` (id-keyed), `extra_state_...`",
@@ -294,7 +249,7 @@ PRODUCERS: tuple[Producer, ...] = (
     ),
     Producer(
         name="fsdp1",
-        detect=named("fsdp1"),
+        detect=fsdp1_rank_files,
         params_in_model_order=True,
         label="`fsdp1` (rank files)",
         tested="torch 2.13.0 `FullyShardedDataParallel` (`SHARDED_STATE_DICT`)",
@@ -305,10 +260,10 @@ PRODUCERS: tuple[Producer, ...] = (
     ),
     # Named but in no table row: a producer the layout cannot tell, per-rank files of neither
     # verl nor FSDP1, a safetensors file, any other DCP checkpoint.
-    Producer(name="fsdp", detect=by_keys("fsdp"), params_in_model_order=True),
-    Producer(name="torch_save", detect=named("torch_save")),
-    Producer(name="safetensors", detect=named("safetensors")),
-    Producer(name="dcp", detect=any_dcp),
+    Producer(name="fsdp", detect=by_keys("fsdp"), by_keys=True, params_in_model_order=True),
+    Producer(name="torch_save", detect=torch_save),
+    Producer(name="safetensors", detect=safetensors),
+    Producer(name="dcp", detect=any_dcp, by_keys=True),
 )
 
 
@@ -316,7 +271,7 @@ def get(name: str) -> Producer:
     """The first record named ``name``.
 
     Raises:
-        KeyError: no producer has that name (a bug: every name ``formats`` gives is in the table).
+        KeyError: no producer has that name.
     """
     for producer in PRODUCERS:
         if producer.name == name:
@@ -332,16 +287,70 @@ def merged_files() -> tuple[str, ...]:
 def detect_producer(index: CheckpointIndex) -> Producer:
     """The training stack that wrote the checkpoint: the first record of ``PRODUCERS`` that detects it.
 
-    Files first (``read_index`` records the name: accelerate's ``pytorch_model_fsdp_0/`` +
-    ``optimizer_0/``, Lightning's ``meta.pt``, verl's and FSDP1's rank files,
-    ``HuggingFaceStorageWriter``'s shards), then keys: ``fsdp1`` for FSDP1 wrapper names
+    Files first, from the facts the format recorded: accelerate's ``pytorch_model_fsdp_0/`` +
+    ``optimizer_0/``, Lightning's ``meta.pt``, OLMo-core's ``model_and_optim/``, Megatron-Core's
+    ``common.pt`` + ``metadata.json``, ``HuggingFaceStorageWriter``'s shards, verl's and FSDP1's rank
+    files. Then keys (``Producer.by_keys``): ``fsdp1`` for FSDP1 wrapper names
     (``_fsdp_wrapped_module``, ``_flat_param``); ``torchtitan`` for model weights at the top level
     beside ``optimizer``/``train_state``; ``fsdp2`` or ``fsdp1`` for the ``{"model", "optim"}``
     layout with FQN-keyed optimizer state (FSDP2 ``get_state_dict``, FSDP1 ``SHARDED_STATE_DICT`` +
     ``FSDP.optim_state_dict``), told apart by the empty chunks FSDP2 records for small tensors;
     ``fsdp`` when no tensor is small enough to tell; ``dcp`` for any other checkpoint.
+
+    Raises:
+        UnsafeContentError: the producer's ``merged`` file is a symbolic link out of the folder
+            (``CheckpointIndex.links_out``): it is read and copied later, and refused now.
     """
-    return next(p for p in PRODUCERS if p.detect(index))  # the last record detects any index
+    by_files = (p for p in PRODUCERS if not p.by_keys and p.detect(index))
+    producer = next(by_files, None) or next(p for p in PRODUCERS if p.by_keys and p.detect(index))  # dcp takes any
+    root = index.checkpoint_id
+    if producer.merged in index.links_out and isinstance(root, Path):
+        inside(root, root / producer.merged)  # its own message (the setting as the index was read: not following)
+    return producer
+
+
+def entry_rules() -> tuple[EntryRule, ...]:
+    """Every record's own key layout (``Producer.entry_role``), in table order: the rules ``roles.classify`` asks first."""
+    return tuple(dict.fromkeys(p.entry_role for p in PRODUCERS if p.entry_role is not None))
+
+
+def classify(index: CheckpointIndex) -> tuple[EntryRole, ...]:
+    """The ``roles.EntryRole`` of every entry of ``index``: ``roles.classify`` with every record's key layout."""
+    return classify_with(index, entry_rules())
+
+
+def optimizer_path(entry_path: ObjPath, path: ObjPath, keep_layout: bool) -> ObjPath | None:
+    """Where an optimizer item goes by the first record that places it (``Producer.optimizer_path``); None: as built."""
+    for producer in PRODUCERS:
+        placed = None if producer.optimizer_path is None else producer.optimizer_path(entry_path, path, keep_layout)
+        if placed is not None:
+            return placed
+    return None
+
+
+def check_optimizer(index: CheckpointIndex) -> None:
+    """Every record's ``check_optimizer``, before a consolidation with the optimizer reads anything.
+
+    Raises:
+        UnsupportedTransformError: optimizer state that cannot be put per parameter (Megatron's
+            ``dp_reshardable`` buckets).
+    """
+    for check in dict.fromkeys(p.check_optimizer for p in PRODUCERS if p.check_optimizer is not None):
+        check(index)
+
+
+def own_files() -> OwnFiles:
+    """The names ``reshard`` writes in an output for the producers of ``PRODUCERS``, read from the table when called.
+
+    Each DCP folder's ``.metadata`` and ``__<r>_<n>.distcp`` files, at the top level and in a
+    record's ``folders`` (holding those alone); every ``side_files`` pattern it copies; every
+    ``merged`` file. The output check (``writers.check_output``) takes them with the output kinds'
+    names, so ``--overwrite`` replaces the tool's own earlier output without ``--force``.
+    """
+    files = [DCP_FILE_RE, *(s.pattern for p in PRODUCERS for s in p.side_files if s.action == "copy")]
+    files += [re.compile(re.escape(p.merged)) for p in PRODUCERS if p.merged is not None]
+    folders = [(p.folders, DCP_FILE_RE) for p in PRODUCERS if p.folders is not None]
+    return OwnFiles(files=tuple(dict.fromkeys(files)), folders=tuple(dict.fromkeys(folders)))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

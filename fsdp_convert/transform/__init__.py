@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fsdp_convert.derive import Derived, Sourced, TensorInfo, apply_adapter
+from fsdp_convert.derive import Sourced, TensorInfo, apply_adapter
 from fsdp_convert.dtypes import UNCASTABLE, DType, as_dtype
 from fsdp_convert.errors import InvalidOptionError, UnsupportedTransformError
 from fsdp_convert.formats.index import CheckpointIndex, DictKey, Entry, ObjPath, TensorEntry, dcp_key
+from fsdp_convert.item import OutputItem
 from fsdp_convert.roles import EntryRole, Group
 from fsdp_convert.transform import fp8
 from fsdp_convert.transform.options import Layout, OptimKeys, TransformOptions, parse_dtype, parse_rename
@@ -36,7 +36,6 @@ __all__ = [
     "OptimKeys",
     "Layout",
     "TransformOptions",
-    "OutputItem",
     "parse_rename",
     "parse_dtype",
     "clean_fqn",
@@ -49,59 +48,6 @@ __all__ = [
 WRAPPER_NAMES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 DDP_PREFIX = "module"
 NESTED_OPTIM_TOP = "optim"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class OutputItem:
-    """One value of the output: where it goes, and where it comes from.
-
-    Attributes:
-        entry: the checkpoint entry read for it (for a ``constant``, the entry it replaces, named
-            in errors).
-        path: its place in the output's nested state dict.
-        group: ``model``, ``optim`` or ``other``.
-        dtype: output dtype of a tensor (a cast when it differs from ``entry.dtype``); None for values.
-        constant: True when ``value`` is written instead of reading ``entry`` (a param group's
-            ``params`` after renaming or re-keying, a regrouped param group field).
-        value: the constant's value.
-        derived: how the tensor is computed from ``sources``, row block by row block (``derive``).
-        sources: the entries ``derived.inputs`` name, in their order (``entry`` is the first).
-    """
-
-    entry: Entry
-    path: ObjPath
-    group: Group
-    dtype: DType | None = None
-    constant: bool = False
-    value: Any = None
-    derived: Derived | None = None
-    sources: tuple[TensorEntry, ...] = ()
-
-    @property
-    def is_tensor(self) -> bool:
-        """True for a tensor read from the checkpoint."""
-        return isinstance(self.entry, TensorEntry) and not self.constant
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Global shape of a tensor item, in elements (a derived tensor's own)."""
-        if self.derived is not None:
-            return self.derived.shape
-        assert isinstance(self.entry, TensorEntry)
-        return self.entry.shape
-
-    @property
-    def nbytes(self) -> int:
-        """Output size of a tensor (elements x output item size), or the payload size of a value, in bytes."""
-        if self.is_tensor:
-            assert isinstance(self.entry, TensorEntry) and self.dtype is not None
-            return math.prod(self.shape) * self.dtype.itemsize
-        return 0 if self.constant else self.entry.nbytes
-
-    @property
-    def read_bytes(self) -> int:
-        """Bytes held while this item is read and converted: the larger of source and output size."""
-        return max(self.nbytes, self.entry.nbytes) if not self.constant else 0
 
 
 def clean_fqn(fqn: str, *, keep_wrapper_names: bool = False) -> str:
@@ -229,7 +175,7 @@ def build_items(
 
     Args:
         index: the checkpoint.
-        slots: ``roles.classify(index)``.
+        slots: ``producers.classify(index)``.
         options: renames, filters, re-keying, casts.
         values: the value of every entry ``needs_group_values`` lists, by entry index.
         groups: which groups to produce.

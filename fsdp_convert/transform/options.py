@@ -105,7 +105,7 @@ class TransformOptions:
             adapter sees the renamed FQNs. Model only.
         layout: top-level names of a consolidation: ``producer`` keeps the producer's name for the
             optimizer state (``optimizer`` for Lightning, accelerate and torchtitan) and merges
-            Lightning's ``meta.pt`` (``items.prepare_items``), so that its own loader reads the
+            Lightning's ``meta.pt`` (``plan.items.prepare_items``), so that its own loader reads the
             file; ``nested`` writes ``optim`` for every producer and leaves ``meta.pt`` out.
             Either way model weights go under ``model``. ``reshard`` keeps every key as saved.
         unstack_layers: split each model tensor the producer stacks on a leading layer dim

@@ -83,7 +83,7 @@ def layer_counts(
 
     Args:
         index: the checkpoint.
-        slots: ``roles.classify(index)``.
+        slots: ``producers.classify(index)``.
         cleaned: per entry, its parameter's FQN with wrapper names removed (None: not a parameter).
         prefix: ``stacked_prefix(index)``.
 

@@ -1,6 +1,6 @@
 """Write stage, resumable outputs: the manifest beside a temporary output, saying what is safely written.
 
-A run whose output is laid out ahead (``plan``, ``reshard_plan``) writes, beside its temporary
+A run whose output is laid out ahead (``plan``, ``plan.reshard``) writes, beside its temporary
 output (``.OUT.tmp-local``, ``.full.tmp-local.pt``), a folder named like it with ``manifest-`` for
 ``tmp-`` (``.OUT.manifest-local``, ``.full.manifest-local.pt``; ``manifest_dir``) holding:
 
@@ -17,8 +17,8 @@ output (``.OUT.tmp-local``, ``.full.tmp-local.pt``), a folder named like it with
   ``layout`` the record map (``writers._temporary.RecordMap``): every output file's name and size
   and every record's ``(file, offset, length)`` (the key keeps its name, so a manifest an earlier
   version wrote still resumes);
-  ``sources`` says what each data file held when the run began (``source_state``): a data file
-  replaced since (another save's, same layout and ``.metadata``) would mix two saves in one output.
+  ``sources`` says what each data file held when the run began (``writers._source_state``): a data
+  file replaced since (another save's, same layout and ``.metadata``) would mix two saves in one output.
 - ``records-<writer>.jsonl``: one JSON line per record once its bytes are written *and fsynced*,
   ``[file, offset, nbytes, crc32, fqn]`` (bytes, CRC-32 of the bytes, the source key it holds). Append-only, one file per
   writing process (a worker rank), lines appended in batches (``LOG_BATCH_BYTES`` of data), each batch after its data
@@ -49,8 +49,6 @@ from pathlib import Path
 
 from fsdp_convert.errors import OutputWriteError
 from fsdp_convert.formats.crc import crc32
-from fsdp_convert.formats.index import BytesEntry, CheckpointIndex
-from fsdp_convert.location import open_inside
 from fsdp_convert.writers._nofollow import open_in, refuse_link
 from fsdp_convert.writers._readback import (
     check_logs,
@@ -59,6 +57,7 @@ from fsdp_convert.writers._readback import (
     manifest_limit_bytes,
     read_json,
 )
+from fsdp_convert.writers._source_state import SourceDigest, changed_source
 
 __all__ = [
     "MANIFEST_VERSION",
@@ -68,8 +67,6 @@ __all__ = [
     "manifest_dir",
     "has_manifest",
     "digest",
-    "SourceDigest",
-    "source_state",
     "start_manifest",
     "check_manifest",
     "kept_records",
@@ -201,7 +198,7 @@ def check_manifest(
     source = SourceDigest.of(source)
     if fingerprint.get("source") != source.digest:
         raise OutputWriteError(f"cannot resume {tmp}: the checkpoint differs from the interrupted run's; {hint}")
-    if (changed := _changed_source(old.get("sources"), source)) is not None:
+    if (changed := changed_source(old.get("sources"), source)) is not None:
         raise OutputWriteError(f"cannot resume {tmp}: {changed}; put it back, or remove {tmp} and run without --resume")
     if fingerprint.get("options") != options:
         raise OutputWriteError(
@@ -212,91 +209,6 @@ def check_manifest(
         shown = name or "(the output file)"
         what = f"{shown}: {old_files.get(name)} bytes then, {files.get(name)} now" if name is not None else "record offsets"
         raise OutputWriteError(f"cannot resume {tmp}: the output layout differs ({what}); {hint}")
-
-
-SourceFiles = dict[str, list[int | str]]  # data file -> [size in bytes, mtime_ns, SHA-256 of its payloads' last bytes]
-PAYLOAD_TAIL_BYTES = 1024  # a one-tensor torch.save zip's central directory (every record's CRC-32) is its last 561
-
-
-@dataclass(frozen=True, slots=True)
-class SourceDigest:
-    """What a run reads: the digest of the checkpoint's index and each data file's state when the run began.
-
-    Attributes:
-        digest: ``digest`` of the checkpoint's index and the entries read (``resume.source_digest``).
-        files: ``source_state`` of its data files.
-        root: the checkpoint, to name a data file in messages (not recorded: it may move).
-    """
-
-    digest: str
-    files: SourceFiles
-    root: str = ""
-
-    @classmethod
-    def of(cls, source: str | SourceDigest, index: CheckpointIndex | None = None) -> SourceDigest:
-        """``source`` as a ``SourceDigest``: a bare digest gets ``index``'s ``source_state`` (none without an index)."""
-        if isinstance(source, SourceDigest):
-            return source
-        return cls(source, {}) if index is None else cls(source, source_state(index), str(index.checkpoint_id))
-
-
-def source_state(index: CheckpointIndex) -> SourceFiles:
-    """Each data file's size, modification time (``st_mtime_ns``) and a hash of the CRC-32s its payloads carry.
-
-    The hash covers the last ``PAYLOAD_TAIL_BYTES`` of every payload range the index names in the
-    file: a torch.save zip's central directory, which holds the CRC-32 of every record, so a file
-    with the same size and time but other data (``cp -p`` of another save) differs too; one pread
-    per payload, none of its data. Safetensors-stored chunks (no CRC-32) and zstd payloads give
-    their last bytes all the same. A file that cannot be read is left out (the run reports it);
-    a checkpoint in object storage has none (its ``.metadata`` is in the digest).
-
-    Raises:
-        UnsafeContentError, CorruptChunkError: a data file is a link out of the checkpoint, or not
-            a regular file (``location.open_inside``, as every reader opens it).
-    """
-    root = index.checkpoint_id
-    if not isinstance(root, Path):
-        return {}
-    spans: dict[str, set[tuple[int, int]]] = {name: set() for name in index.data_files}
-    for entry in index.entries:
-        ranges = [entry] if isinstance(entry, BytesEntry) else entry.chunks
-        for r in ranges:
-            if r.relative_path is not None and r.length_bytes > 0:
-                spans.setdefault(r.relative_path, set()).add((r.offset_bytes, r.length_bytes))
-    state: SourceFiles = {}
-    for name, ranges_of_file in sorted(spans.items()):
-        with contextlib.suppress(OSError):
-            fd = open_inside(root, root / name)  # no link out of it, no FIFO to block on (as the readers open it)
-            try:
-                st, tails = os.fstat(fd), hashlib.sha256()
-                for offset, length in sorted(ranges_of_file):
-                    if offset + length > st.st_size:  # a claim past the file's end: the reader refuses it
-                        continue
-                    tail = min(length, PAYLOAD_TAIL_BYTES)
-                    tails.update(os.pread(fd, tail, offset + length - tail))
-                state[name] = [st.st_size, st.st_mtime_ns, tails.hexdigest()]
-            finally:
-                os.close(fd)
-    return state
-
-
-def _changed_source(old: object, source: SourceDigest) -> str | None:
-    """How the first data file whose state differs from the manifest's (``old``) changed, or None if none did."""
-    if not isinstance(old, dict):
-        return "the interrupted run recorded no state of the checkpoint's data files (an older fsdp-convert)"
-    new = source.files
-    name = next((n for n in sorted(set(old) | set(new)) if old.get(n) != new.get(n)), None)
-    if name is None:
-        return None
-    then, now, path = old.get(name), new.get(name), Path(source.root) / name
-    if not isinstance(then, list) or len(then) != 3 or now is None:
-        return (
-            f"the checkpoint's data file {path} is {'new' if now is not None else 'gone or unreadable'} since the interrupted run"
-        )
-    what = (
-        "size differs" if then[0] != now[0] else "modification time differs" if then[1] != now[1] else "payloads' CRC-32s differ"
-    )
-    return f"the checkpoint's data file {path} changed since the interrupted run began (its {what})"
 
 
 def _logged(tmp: Path) -> Iterable[tuple[Record, int]]:

@@ -28,22 +28,16 @@ function before torch is imported; nothing here imports torch. Its parts:
 - **A folder replaced is this tool's output.** ``--overwrite`` deletes the folder it replaces, so
   an existing folder must *look like this tool's output* (``foreign_entry``), else ``--overwrite
   --force`` is needed (exit 4). A folder looks like this tool's output when it is empty, or every
-  entry in it is one of the names this tool writes there:
-
-  - files: ``.metadata``, ``__<r>_<n>.distcp`` (``reshard``); ``model.safetensors``,
-    ``model-<i>-of-<n>.safetensors``, ``model.safetensors.index.json``, ``optimizer.pt``,
-    ``extra_state.pt`` (``consolidate`` to a folder); ``adapter_model.safetensors``,
-    ``adapter_config.json`` (``--lora-only``); ``HF_ASSET_FILENAMES`` (``--hf-assets``, as
-    ``writers.hf_assets.ASSET_FILENAMES``); Lightning's ``meta.pt`` and accelerate's
-    ``scheduler*.bin``, ``sampler*.bin``, ``scaler.pt``, ``custom_checkpoint_<n>.pkl`` (copied by
-    ``reshard``);
-  - folders: ``additional_chat_templates/`` holding ``*.jinja`` files only (``--hf-assets``);
-    accelerate's ``pytorch_model_fsdp_<n>/`` and ``optimizer_<n>/`` holding ``.metadata`` and
-    ``__<r>_<n>.distcp`` files only (``reshard`` of an accelerate checkpoint).
-
-  Any other entry (a ``README.md``, a hidden file, a checkpoint folder ``step-1000/``) makes the
-  folder not this tool's: the message names the first one found. A URL's objects are not listed:
-  an upload replaces only the objects it writes, and deletes none.
+  entry in it is one of the names this tool writes there, as the caller gives them (an
+  ``own_files.OwnFiles``: top-level file names, and folders holding files of given names only).
+  The tables say which: the output kinds' names (``output_table.own_files()``, the default: a DCP
+  folder's ``.metadata`` and ``__<r>_<n>.distcp``, HF folder shards and index, ``optimizer.pt``,
+  ``extra_state.pt``, PEFT's adapter files, ``--hf-assets``' files and chat templates folder)
+  and, for ``reshard``'s output, the producers' (``producers.own_files()``: the files it copies
+  beside the data, its DCP folders). Any other entry (a ``README.md``, a hidden
+  file, a checkpoint folder ``step-1000/``) makes the folder not this tool's: the message names
+  the first one found. A URL's objects are not listed: an upload replaces only the objects it
+  writes, and deletes none.
 """
 
 from __future__ import annotations
@@ -51,38 +45,17 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 from fsdp_convert.errors import InvalidOptionError, OutputExistsError, OutputWriteError
+from fsdp_convert.output_table import own_files as output_files
+from fsdp_convert.own_files import OwnFiles
 from fsdp_convert.remote import Url, as_location, normal_url
 from fsdp_convert.writers._staging import STAGING_PREFIX
 
-__all__ = ["ACCELERATE_SHARED_RE", "HF_ASSET_FILENAMES", "check_output", "check_output_free", "foreign_entry", "run_name"]
+__all__ = ["check_output", "check_output_free", "foreign_entry", "run_name"]
 
-# what transformers' save_pretrained writes beside the weights: writers.hf_assets.ASSET_FILENAMES
-# (which imports torch), the same set (tests/unit/test_writers_output_check.py checks it)
-HF_ASSET_FILENAMES: frozenset[str] = frozenset(
-    {
-        *("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json"),
-        *("added_tokens.json", "tokenizer.json", "chat_template.jinja", "chat_template.json", "tokenizer.model"),
-        *("vocab.json", "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.model", "sentencepiece.bpe.model"),
-        *("spm.model", "spm_char.model", "source.spm", "target.spm", "bpe.codes", "dict.txt", "emoji.json"),
-        *("entity_vocab.json", "byte_maps.json", "normalizer.json", "prophetnet.tokenizer", "target_vocab.json"),
-        *("vocab-src.json", "vocab-tgt.json", "word_pronunciation.json", "word_shape.json", "preprocessor_config.json"),
-        *("processor_config.json", "video_preprocessor_config.json", "audio_tokenizer_config.json"),
-    }
-)
-# accelerate's save_state files that hold the same at any world size (written by the main process only: LR
-# schedulers, samplers, the grad scaler, register_for_checkpointing's objects), which reshard copies beside
-ACCELERATE_SHARED_RE = re.compile(r"^((scheduler|sampler)(_\d+)?\.bin|scaler\.pt|custom_checkpoint_\d+\.pkl)$")
-_DCP_FILE_RE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$")
-_OUR_FILE_RE = re.compile(
-    r"^(model\.safetensors|model-\d{5,}-of-\d{5,}\.safetensors|model\.safetensors\.index\.json|optimizer\.pt"
-    r"|extra_state\.pt|adapter_model\.safetensors|adapter_config\.json|meta\.pt)$"
-)
-_CHAT_TEMPLATE_DIR = "additional_chat_templates"  # writers.hf_assets.CHAT_TEMPLATE_DIR
-_ACCELERATE_DIR_RE = re.compile(r"^(pytorch_model_fsdp|optimizer)_\d+$")  # formats.dcp's accelerate folders
 # the names a run gives its own files, which no OUT may take (module docstring): the lock (lock_record.lock_name), the
 # temporary (writers._atomic.temporary_path, any tag), its manifest folder (writers._manifest.manifest_dir), a replaced
 # folder moved aside (writers._atomic.atomic_output), a data file being compressed (writers.dcp), an upload's staging
@@ -96,35 +69,32 @@ def _shown(name: str) -> str:
     return name if name.isprintable() else ascii(name)
 
 
-def _ours(entry: os.DirEntry[str], top: bool) -> bool:
-    """Whether one entry of an existing output folder is a name this tool writes there (see the module docstring)."""
-    name = entry.name
-    if entry.is_dir(follow_symlinks=False):
-        if top and name == _CHAT_TEMPLATE_DIR:
-            return _only(entry.path, lambda e: e.name.endswith(".jinja") and not e.is_dir(follow_symlinks=False))
-        if top and _ACCELERATE_DIR_RE.match(name):
-            return _only(entry.path, lambda e: bool(_DCP_FILE_RE.match(e.name)) and not e.is_dir(follow_symlinks=False))
+def _ours(entry: os.DirEntry[str], own_files: OwnFiles) -> bool:
+    """Whether one top-level entry of an existing output folder is a name this tool writes there (``own_files``)."""
+    if not entry.is_dir(follow_symlinks=False):
+        return own_files.file(entry.name)
+    inner = own_files.folder(entry.name)
+    if inner is None:
         return False
-    if _DCP_FILE_RE.match(name):
-        return True
-    return top and bool(_OUR_FILE_RE.match(name) or name in HF_ASSET_FILENAMES or ACCELERATE_SHARED_RE.match(name))
+    with os.scandir(entry.path) as entries:  # files of its names only, no subfolder
+        return all(inner.fullmatch(e.name) is not None and not e.is_dir(follow_symlinks=False) for e in entries)
 
 
-def _only(folder: str, allowed: Callable[[os.DirEntry[str]], bool]) -> bool:
-    """Whether every entry of ``folder`` is ``allowed``."""
-    with os.scandir(folder) as entries:
-        return all(allowed(e) for e in entries)
-
-
-def foreign_entry(folder: Path) -> str | None:
+def foreign_entry(folder: Path, own_files: OwnFiles | None = None) -> str | None:
     """The first entry of ``folder`` this tool does not write there (shown for a message); None if it looks like its output.
 
     Reads the folder's listing only (and the listing of each subfolder this tool writes), stopping
     at the first foreign entry; nothing is opened.
+
+    Args:
+        folder: an existing output folder.
+        own_files: the names this tool writes there (the output kinds', and ``reshard``'s producers');
+            None: the output kinds' (``output_table.own_files()``, read now).
     """
+    own = output_files() if own_files is None else own_files
     with os.scandir(folder) as entries:
         for entry in entries:
-            if not _ours(entry, top=True):
+            if not _ours(entry, own):
                 return _shown(entry.name) + ("/" if entry.is_dir(follow_symlinks=False) else "")
     return None
 
@@ -180,7 +150,9 @@ def _mount_point(path: Path) -> bool:
         return False  # no /proc: the rename's EBUSY is still told in one line (writers._atomic)
 
 
-def check_output_free(output: Path, *, overwrite: bool, force: bool = False, directory: bool | None = False) -> None:
+def check_output_free(
+    output: Path, *, overwrite: bool, force: bool = False, directory: bool | None = False, own_files: OwnFiles | None = None
+) -> None:
     """Raise unless local ``output`` may be written: no link, free or ``overwrite``, a folder replaced only if it is this tool's.
 
     Only a regular file or a folder is ever replaced: a device node, FIFO or socket at ``output`` is
@@ -191,6 +163,7 @@ def check_output_free(output: Path, *, overwrite: bool, force: bool = False, dir
         overwrite: whether an existing output may be replaced.
         force: replace an existing folder that does not look like this tool's output too.
         directory: whether the output is a folder (sharded outputs) rather than a file; None: not known yet.
+        own_files: the names this tool writes in an output folder (``foreign_entry``; None: the output kinds').
 
     Raises:
         OutputExistsError: ``output`` is a symbolic link, a device node, FIFO or socket, or a mount point;
@@ -221,7 +194,7 @@ def check_output_free(output: Path, *, overwrite: bool, force: bool = False, dir
         return
     if directory is False:
         raise OutputWriteError(f"{output} is a folder; give a file path")
-    foreign = None if force else foreign_entry(output)
+    foreign = None if force else foreign_entry(output, own_files)
     if foreign is not None:
         said = f"{output} is a folder fsdp-convert did not write (it holds {foreign}), which replacing it deletes"
         raise OutputExistsError(
@@ -301,6 +274,7 @@ def check_output(
     force: bool = False,
     directory: bool | None = None,
     free: bool = True,
+    own_files: OwnFiles | None = None,
 ) -> None:
     """The one check of OUT before anything is read or written (module docstring): not an input, no link, free.
 
@@ -312,6 +286,9 @@ def check_output(
         directory: whether OUT is a folder output; None if not known yet.
         free: check that a local OUT is free (False: leave that to a later check, as with ``--resume``);
             a link at OUT is refused either way.
+        own_files: the names this tool writes in an output folder, which ``overwrite`` replaces
+            without ``force``: the output kinds' (``output_table.own_files()``; None, the default),
+            with the producers' (``producers.own_files()``) for ``reshard``.
 
     Raises:
         InvalidOptionError: OUT is spelled ``.``, ``..`` or ``/``; a component of it is named as this
@@ -332,6 +309,6 @@ def check_output(
     if isinstance(out, Url):
         return
     if free:
-        check_output_free(out, overwrite=overwrite, force=force, directory=directory)
+        check_output_free(out, overwrite=overwrite, force=force, directory=directory, own_files=own_files)
     elif out.is_symlink():
         check_output_free(out, overwrite=False)  # the link's own message

@@ -7,19 +7,10 @@ import resource
 from pathlib import Path
 
 from fsdp_convert.errors import OutputWriteError
+from fsdp_convert.progress import human_bytes
 from fsdp_convert.writers._atomic import temporary_path
 
-__all__ = ["check_space", "free_bytes", "human_bytes"]
-
-
-def human_bytes(n: int) -> str:
-    """``3_400_000_000`` -> ``"3.4 GB"`` (decimal units, as ``df -H`` shows them)."""
-    size = float(n)
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if size < 1000 or unit == "TB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
-    raise AssertionError("unreachable")
+__all__ = ["check_space", "free_bytes"]
 
 
 def _existing(folder: Path) -> Path:
@@ -70,9 +61,9 @@ def check_space(output: Path, needed_bytes: int, *, directory: bool, tag: str | 
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     if not directory and limit != resource.RLIM_INFINITY and needed_bytes > limit:
         raise OutputWriteError(
-            f"cannot write {shown or output}: File too large: it needs {human_bytes(needed_bytes)} but this "
-            f"process may write files of at most {human_bytes(limit)} (RLIMIT_FSIZE, ulimit -f); raise the limit "
-            "or pass --no-space-check"
+            f"cannot write {shown or output}: File too large: it needs {human_bytes(needed_bytes, units='decimal')} but "
+            f"this process may write files of at most {human_bytes(limit, units='decimal')} (RLIMIT_FSIZE, ulimit -f); "
+            "raise the limit or pass --no-space-check"
         )
     needed = needed_bytes - _used_bytes(tmp)
     free = free_bytes(output.parent)
@@ -83,6 +74,6 @@ def check_space(output: Path, needed_bytes: int, *, directory: bool, tag: str | 
     else:
         where = "(its local copy is written there, then uploaded; set TMPDIR to a larger folder)"
     raise OutputWriteError(
-        f"cannot write {shown or output}: No space left on device: it needs {human_bytes(needed)} but "
-        f"{_existing(output.parent)} has {human_bytes(free)} free {where}; free space or pass --no-space-check"
+        f"cannot write {shown or output}: No space left on device: it needs {human_bytes(needed, units='decimal')} but "
+        f"{_existing(output.parent)} has {human_bytes(free, units='decimal')} free {where}; free space or pass --no-space-check"
     )

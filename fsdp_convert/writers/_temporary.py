@@ -24,7 +24,8 @@ from fsdp_convert.errors import OutputWriteError
 from fsdp_convert.progress import human_bytes
 from fsdp_convert.writers._atomic import TemporaryReplacedError, atomic_output, temporaries, temporary_path
 from fsdp_convert.writers._lock import check_not_locked
-from fsdp_convert.writers._manifest import Record, SourceDigest, check_manifest, has_manifest, remove_manifest, written_bytes
+from fsdp_convert.writers._manifest import Record, check_manifest, has_manifest, remove_manifest, written_bytes
+from fsdp_convert.writers._source_state import SourceDigest
 
 __all__ = ["RecordMap", "Fingerprint", "ResumeState", "find_temporary", "temporary_output", "keep_note"]
 

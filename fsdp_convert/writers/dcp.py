@@ -2,7 +2,7 @@
 
 Mirrors what ``torch.distributed.checkpoint.FileSystemWriter`` writes
 (``torch/distributed/checkpoint/filesystem.py``): each rank's chunks are torch.save payloads in
-``__<rank>_0.distcp`` (laid out by ``reshard_plan``, each a ``writers.torch_save`` one-tensor
+``__<rank>_0.distcp`` (laid out by ``plan.reshard``, each a ``writers.torch_save`` one-tensor
 payload), and ``.metadata`` is a pickled ``torch.distributed.checkpoint.metadata.Metadata``
 naming every chunk's box and byte range. ``.metadata`` is written last, so a folder without it
 is visibly incomplete.
@@ -12,8 +12,8 @@ as a zstd stream of itself, as ``FileSystemWriter(_extensions=[ZStandard()])`` w
 frame per payload, ``transform_descriptors=["stream.zstd/1"]``), since compressed sizes cannot be
 laid out ahead.
 
-``DcpFolder`` is ``reshard``'s output kind: its name, its ``.metadata`` last, and the finishing of
-each DCP folder and of the output folder (the producer's files beside, copied).
+``reshard``'s output kind, which finishes each DCP folder with ``write_metadata`` (after
+``compress_data_files`` if asked), is ``outputs.DcpFolder``.
 """
 
 from __future__ import annotations
@@ -21,19 +21,17 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-import shutil
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
-from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.dtypes import DType, as_dtype
-from fsdp_convert.errors import InvalidOptionError, UnsupportedTransformError
-from fsdp_convert.formats.index import ObjPath, dcp_key, plain_path, readable_name, readable_path
-from fsdp_convert.location import open_inside
+from fsdp_convert.errors import InvalidOptionError
+from fsdp_convert.formats.index import ObjPath, plain_path
+from fsdp_convert.output_table import METADATA_FILENAME
 from fsdp_convert.writers._dcp_pickle import (
     MetadataIndex,
     bytes_storage_metadata,
@@ -44,7 +42,6 @@ from fsdp_convert.writers._dcp_pickle import (
 )
 
 __all__ = [
-    "DcpFolder",
     "StoredChunk",
     "MetadataEntry",
     "Box",
@@ -118,7 +115,7 @@ class StoredChunk:
 
 
 class Box(Protocol):
-    """A chunk's place in its global tensor, in elements (``reshard_plan.TargetChunk`` is one)."""
+    """A chunk's place in its global tensor, in elements (``plan.reshard.TargetChunk`` is one)."""
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -300,100 +297,3 @@ def _compress_file(zstandard: Any, level: int, path: Path, rows: list[StoredChun
     finally:
         os.close(src)
     return placed
-
-
-class DcpFolder:
-    """``reshard``'s output kind: a DCP folder for the target world size (accelerate's: a folder of them).
-
-    The ``outputs.OutputKind`` members that apply to it: ``name``, ``directory``, ``last``,
-    ``groups``, and the two finishing steps. Its files are laid out by ``reshard_plan`` and written
-    by the workers (``ops/_reshard_rank.py``); rank 0's process then finishes each DCP folder
-    (``finish_file``: its ``.metadata``, last) and the output folder (``finish_folder``: the
-    producer's files beside, copied).
-    """
-
-    name = "dcp"
-    """The result's output format."""
-    directory = True
-    """The output is a folder."""
-    last: tuple[str, ...] = (METADATA_FILENAME,)
-    """Files written (and, to object storage, uploaded) after all others: a folder without ``.metadata`` is incomplete."""
-
-    def groups(self, only: str = "all") -> tuple[Literal["model", "optim", "other"], ...]:
-        """Every group (``model``, ``optim``, ``other``), whatever ``only``: a resharded checkpoint keeps all its state."""
-        return ("model", "optim", "other")
-
-    def check_keys(self, paths: Iterable[ObjPath]) -> None:
-        """Refuse, before anything is written, a key the DCP reader refuses (``formats.index.readable_name``).
-
-        A ``.pt`` source may key its dicts with any string; ``.metadata`` written with a newline,
-        NUL or lone surrogate in a key would load in torch but not in this tool's own ``inspect``
-        and ``verify``, which check a key prints on one line.
-
-        Args:
-            paths: every output entry's path in the nested state dict.
-
-        Raises:
-            UnsupportedTransformError: naming the first such key, escaped.
-        """
-        for path in paths:
-            key = dcp_key(path)
-            if not readable_name(key) or not readable_path(plain_path(path)):
-                raise UnsupportedTransformError(
-                    f"{key!r}: a key a DCP folder cannot hold (not a printable string: a newline, NUL, control "
-                    "character or lone surrogate); rename it in the source, or consolidate to a .pt, which holds any key"
-                )
-
-    def finish_file(
-        self,
-        folder: Path,
-        entries: Sequence[MetadataEntry],
-        stored: Sequence[StoredChunk],
-        version: str | None,
-        *,
-        compress: bool,
-    ) -> None:
-        """Finish one DCP folder once every worker is done: compress its rank files if asked, then write ``.metadata``.
-
-        Rank 0's process only.
-
-        Args:
-            folder: the DCP folder (the output, or one of accelerate's folders in it).
-            entries: every entry of the folder, in order.
-            stored: every payload written to its rank files.
-            version: DCP metadata version to record (the source's).
-            compress: rewrite each payload as a zstd stream first (``compress_data_files``, on every
-                CPU core); compressed sizes are known only once compressed.
-
-        Raises:
-            FileExistsError: ``.metadata`` is already there.
-            InvalidOptionError: ``compress`` without the ``zstandard`` package.
-        """
-        rows = list(stored)
-        if compress:
-            rows = compress_data_files(folder, rows, threads=len(os.sched_getaffinity(0)))
-        write_metadata(folder, entries, rows, version)
-
-    def finish_folder(self, output: Path, *, source: Path, beside: Sequence[str]) -> None:
-        """Copy the producer's files beside the DCP data byte for byte (never loaded) into the output, fsynced.
-
-        Rank 0's process only, after ``finish_file``.
-
-        Args:
-            output: the output folder (its temporary).
-            source: the source checkpoint's folder.
-            beside: names of the files in ``source`` to copy (``producers.Producer.side_files``).
-
-        Raises:
-            UnsafeContentError: a file is a symbolic link out of ``source`` (``location.open_inside``).
-            FileExistsError: the output already holds one of them.
-        """
-        for name in beside:
-            fd = open_inside(source, source / name)  # no file followed out of the checkpoint
-            try:
-                with open(fd, "rb", closefd=False) as src, open(output / name, "xb") as dst:
-                    shutil.copyfileobj(src, dst, 1 << 20)
-                    dst.flush()
-                    os.fsync(dst.fileno())
-            finally:
-                os.close(fd)

@@ -29,9 +29,12 @@ from typing import Any
 
 from fsdp_convert.dtypes import DType, as_dtype
 from fsdp_convert.errors import CheckpointNotFoundError, InvalidOptionError, OutputWriteError
-from fsdp_convert.location import follows_symlinks, open_inside, read_inside, stat_inside
+from fsdp_convert.held_roots import follows_symlinks, open_inside, stat_inside
+from fsdp_convert.location import read_inside
+from fsdp_convert.output_table import ASSET_FILENAMES, CHAT_TEMPLATE_DIR, CONFIG_FILENAME  # their home: the HF rows
+from fsdp_convert.progress import human_bytes
 from fsdp_convert.remote import Url, as_location, filesystem, read_bytes, size_of
-from fsdp_convert.writers._space import free_bytes, human_bytes
+from fsdp_convert.writers._space import free_bytes
 
 __all__ = [
     "ASSET_FILENAMES",
@@ -51,59 +54,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CONFIG_FILENAME = "config.json"  # transformers' CONFIG_NAME
 CONFIG_MAX_BYTES = 16 << 20  # a model's config.json is a few KB; it is read whole, so larger is refused
 _WHAT = "the --hf-assets folder"
-CHAT_TEMPLATE_DIR = "additional_chat_templates"  # transformers' CHAT_TEMPLATE_DIR: named templates, <name>.jinja
 TIED_OUTPUT_KEY = "lm_head.weight"  # the output embedding ``_tied_weights_keys`` names in transformers' LM heads
-
-# What transformers' save_pretrained writes beside the weights (4.45 to 5.23): the config and
-# generation config; a tokenizer's files (tokenization_utils_base: TOKENIZER_CONFIG_FILE,
-# SPECIAL_TOKENS_MAP_FILE, ADDED_TOKENS_FILE, FULL_TOKENIZER_FILE, CHAT_TEMPLATE_FILE, and every
-# value of a tokenizer class's VOCAB_FILES_NAMES in transformers/models/*/tokenization_*.py); a
-# processor's, image processor's, feature extractor's and video processor's configs.
-ASSET_FILENAMES: frozenset[str] = frozenset(
-    {
-        CONFIG_FILENAME,
-        "generation_config.json",
-        # tokenizer
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "added_tokens.json",
-        "tokenizer.json",
-        "chat_template.jinja",
-        "chat_template.json",
-        # vocabulary files (VOCAB_FILES_NAMES)
-        "tokenizer.model",
-        "vocab.json",
-        "vocab.txt",
-        "merges.txt",
-        "spiece.model",
-        "sentencepiece.model",
-        "sentencepiece.bpe.model",
-        "spm.model",
-        "spm_char.model",
-        "source.spm",
-        "target.spm",
-        "bpe.codes",
-        "dict.txt",
-        "emoji.json",
-        "entity_vocab.json",
-        "byte_maps.json",
-        "normalizer.json",
-        "prophetnet.tokenizer",
-        "target_vocab.json",
-        "vocab-src.json",
-        "vocab-tgt.json",
-        "word_pronunciation.json",
-        "word_shape.json",
-        # processors
-        "preprocessor_config.json",
-        "processor_config.json",
-        "video_preprocessor_config.json",
-        "audio_tokenizer_config.json",
-    }
-)
 _TEMPLATE_SUFFIX = ".jinja"
 _HEAD_ARCHITECTURES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 _DTYPE_KEYS = ("torch_dtype", "dtype")  # transformers < 4.56 writes torch_dtype, later versions dtype
@@ -169,7 +122,8 @@ def _read_config(config_path: Path | Url, follow_symlinks: bool) -> bytes:
         InvalidOptionError: larger, or unreadable. UnsafeContentError: a link out of the folder.
     """
     too_big = InvalidOptionError(
-        f"{config_path} is larger than {human_bytes(CONFIG_MAX_BYTES)}; refused (a model's config.json is a few KB)"
+        f"{config_path} is larger than {human_bytes(CONFIG_MAX_BYTES, units='decimal')}; refused "
+        "(a model's config.json is a few KB)"
     )
     if isinstance(config_path, Url):
         if (size_of(config_path) or 0) > CONFIG_MAX_BYTES:
@@ -409,8 +363,8 @@ def write_hf_assets(
     free = free_bytes(folder)
     if assets.nbytes > free:
         raise OutputWriteError(
-            f"cannot write {folder}: No space left on device: the --hf-assets files need {human_bytes(assets.nbytes)} "
-            f"but {human_bytes(free)} are free there; free space"
+            f"cannot write {folder}: No space left on device: the --hf-assets files need "
+            f"{human_bytes(assets.nbytes, units='decimal')} but {human_bytes(free, units='decimal')} are free there; free space"
         )
     written = []
     for relative in (*assets.files, CONFIG_FILENAME):

@@ -2,8 +2,9 @@
 
 An operation opens one ``OutputTransaction`` per output and writes everything inside it:
 
-1. ``OutputTransaction(output, inputs=...)``: OUT is checked before anything is read
-   (``check_output``: not an input, inside one or around one; no link; free, or ``--overwrite``).
+1. ``OutputTransaction(output, inputs=..., own_files=...)``: OUT is checked before anything is read
+   (``check_output``: not an input, inside one or around one; no link; free, or ``--overwrite``
+   onto a folder of the names this tool writes there, which the caller gives from the tables).
 2. ``with ... as tx``: an fsspec URL is staged in a private local folder under its lock object
    (``writers._staging.local_output``); ``tx.output`` is where to write, ``tx.shown`` what the
    user named.
@@ -28,10 +29,13 @@ from pathlib import Path
 from types import TracebackType
 
 from fsdp_convert.location import Location, Url
+from fsdp_convert.own_files import OwnFiles
 from fsdp_convert.writers._atomic import KEPT_ON, LeaveToOwner, kept_note, temporary_path, writing
+from fsdp_convert.writers._dcp_pickle import is_plain, value_payload
 from fsdp_convert.writers._lock import check_not_locked
-from fsdp_convert.writers._manifest import Record, RecordLog, SourceDigest, digest, kept_records, start_manifest, written_bytes
-from fsdp_convert.writers._output_check import ACCELERATE_SHARED_RE, check_output, check_output_free
+from fsdp_convert.writers._manifest import Record, RecordLog, digest, kept_records, start_manifest, written_bytes
+from fsdp_convert.writers._output_check import check_output, check_output_free
+from fsdp_convert.writers._source_state import SourceDigest
 from fsdp_convert.writers._space import check_space, free_bytes
 from fsdp_convert.writers._staging import local_output, staging_prefix
 from fsdp_convert.writers._temporary import Fingerprint, RecordMap, ResumeState, find_temporary, keep_note, temporary_output
@@ -39,7 +43,6 @@ from fsdp_convert.writers._temporary import Fingerprint, RecordMap, ResumeState,
 __all__ = [
     "OutputTransaction",
     # the pieces the transaction composes, and what workers and the CLI use of them
-    "ACCELERATE_SHARED_RE",
     "KEPT_ON",
     "Fingerprint",
     "LeaveToOwner",
@@ -55,6 +58,7 @@ __all__ = [
     "digest",
     "find_temporary",
     "free_bytes",
+    "is_plain",
     "keep_note",
     "kept_note",
     "kept_records",
@@ -63,6 +67,7 @@ __all__ = [
     "start_manifest",
     "temporary_output",
     "temporary_path",
+    "value_payload",
     "writing",
     "written_bytes",
 ]
@@ -101,6 +106,7 @@ class OutputTransaction:
         force: bool = False,
         tag: str | None = None,
         last: tuple[str, ...] = (),
+        own_files: OwnFiles | None = None,
     ) -> None:
         """Check OUT at once, before anything is read (``check_output``).
 
@@ -112,6 +118,9 @@ class OutputTransaction:
             tag: the job's shared tag (``launch.shared_tag(cluster)``), None on one node; with a tag
                 OUT may not be a URL (the nodes write to a filesystem they share).
             last: names of files in an output folder to upload after all others (an index, ``.metadata``).
+            own_files: the names this tool writes in an output folder, which ``overwrite`` replaces
+                without ``force`` (``check_output``): None, the output kinds' (``output_table.own_files()``);
+                ``reshard`` joins the producers' (``producers.own_files()``).
 
         Raises:
             InvalidOptionError: OUT is an input, inside one, or one of its folders.
@@ -119,9 +128,9 @@ class OutputTransaction:
                 tool's without ``force``.
             OutputWriteError: an existing folder where a file is wanted.
         """
-        check_output(output, inputs, overwrite=overwrite, force=force)  # not onto an input, first
+        check_output(output, inputs, overwrite=overwrite, force=force, own_files=own_files)  # not onto an input, first
         self._requested = output
-        self._overwrite, self._force = overwrite, force
+        self._overwrite, self._force, self._own_files = overwrite, force, own_files
         self.tag = tag
         self._last = last
         self._stack: contextlib.ExitStack | None = None
@@ -156,7 +165,8 @@ class OutputTransaction:
                 this tool's and ``force`` is false.
             OutputWriteError: an existing folder where a file is wanted, or the reverse.
         """
-        check_output_free(self.output, overwrite=self._overwrite, force=self._force, directory=directory)
+        own = self._own_files
+        check_output_free(self.output, overwrite=self._overwrite, force=self._force, directory=directory, own_files=own)
 
     def begin(
         self, *, directory: bool, needed_bytes: int | None, fingerprint: Fingerprint | None, resume: bool

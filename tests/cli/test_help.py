@@ -86,7 +86,7 @@ def test_nproc_default_says_what_is_picked(runner: CliRunner, command: str, defa
 
 def test_the_nproc_default_text_is_plans_rule() -> None:
     """NPROC_DEFAULT is what plan.default_nproc computes (consolidate and reshard call it when --nproc is not given)."""
-    from fsdp_convert.plan import MIN_BYTES_PER_WORKER, default_nproc
+    from fsdp_convert.plan.consolidate import MIN_BYTES_PER_WORKER, default_nproc
 
     assert f"per {MIN_BYTES_PER_WORKER >> 30} GiB" in NPROC_DEFAULT and "one per CPU core" in NPROC_DEFAULT
     gib = 1 << 30

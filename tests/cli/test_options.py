@@ -179,7 +179,7 @@ def test_the_default_max_shard_size_is_what_save_pretrained_uses() -> None:
     from transformers import PreTrainedModel
 
     from fsdp_convert.cli.consolidate_cmd import consolidate_command
-    from fsdp_convert.plan import DEFAULT_MAX_SHARD_BYTES
+    from fsdp_convert.plan.consolidate import DEFAULT_MAX_SHARD_BYTES
 
     ours = pyinspect.signature(consolidate_command).parameters["max_shard_size"].default
     assert parse_size(ours) == DEFAULT_MAX_SHARD_BYTES == 50 * 10**9

@@ -128,7 +128,7 @@ def test_output_checks_as_the_library_says(ws3_ckpt: Sample, tmp_path: Path) -> 
     )
     assert (tmp_path / "exists.pt").read_bytes() == b"precious"
     for name, fmt in (("o.pt", "torch_save"), ("o.safetensors", "safetensors"), ("folder", "hf_dir"), ("exists", "hf_dir")):
-        assert _precheck._auto_format(tmp_path / name) == output_kind(tmp_path / name).name == fmt
+        assert _precheck.choose_row(tmp_path / name).name == output_kind(tmp_path / name).name == fmt
     # what the precheck leaves alone: --overwrite, --resume, an explicit --format, a URL
     check_consolidate(str(ck), str(tmp_path / "exists.pt"), output_format="auto", only="all", lora_only=False,
                       verify_output=False, overwrite=True, resume=False)  # fmt: skip
@@ -139,14 +139,15 @@ def test_output_checks_as_the_library_says(ws3_ckpt: Sample, tmp_path: Path) -> 
                       verify_output=True, overwrite=False, resume=False)  # fmt: skip
 
 
-def test_suffixes_are_the_librarys() -> None:
-    """The CLI's before-torch check and the output kinds read OUT's suffixes from one leaf."""
-    from fsdp_convert import outputs, suffixes
+def test_the_precheck_and_the_output_kinds_choose_from_one_table() -> None:
+    """The CLI's before-torch check calls the outputs table's chooser, whose rows the output kinds take."""
+    from fsdp_convert import output_table, outputs
 
-    assert _precheck.TORCH_SAVE_SUFFIXES is suffixes.TORCH_SAVE_SUFFIXES is constants.TORCH_SAVE_SUFFIXES
-    assert _precheck.SAFETENSORS_SUFFIXES is suffixes.SAFETENSORS_SUFFIXES is constants.SAFETENSORS_SUFFIXES
-    claimed = {s for kind in outputs.OUTPUT_KINDS for s in getattr(kind, "suffixes", ())}
-    assert claimed == {*suffixes.TORCH_SAVE_SUFFIXES, *suffixes.SAFETENSORS_SUFFIXES}
+    assert _precheck.choose_row is output_table.choose_row
+    assert not hasattr(constants, "TORCH_SAVE_SUFFIXES") and not hasattr(constants, "SAFETENSORS_SUFFIXES")  # one home
+    assert [kind.row for kind in outputs.OUTPUT_KINDS] == list(output_table.OUTPUT_ROWS)
+    claimed = {s for row in output_table.OUTPUT_ROWS for s in row.suffixes}
+    assert claimed == {*output_table.TORCH_SAVE_SUFFIXES, *output_table.SAFETENSORS_SUFFIXES}
 
 
 def test_dtype_names_are_the_librarys() -> None:

@@ -254,7 +254,8 @@ def _corrupt_written_tensor(monkeypatch: pytest.MonkeyPatch, fqn: str) -> None:
     import os
     import zlib
 
-    from fsdp_convert.move import Mover, Piece
+    from fsdp_convert.move import Mover
+    from fsdp_convert.pieces import Piece
 
     original = Mover.move
 

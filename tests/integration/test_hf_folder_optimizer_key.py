@@ -15,7 +15,7 @@ import torch
 from typer.testing import CliRunner
 
 from fsdp_convert.cli.app import app
-from fsdp_convert.constants import EXTRA_STATE_FILENAME, OPTIMIZER_FILENAME
+from fsdp_convert.output_table import EXTRA_STATE_FILENAME, OPTIMIZER_FILENAME
 from tests._compare import assert_same_state
 
 

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint._extension import ZStandard
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 from typer.testing import CliRunner
 
-import fsdp_convert.formats._dcp_payloads as payloads
+import fsdp_convert.formats._stream_transforms as stream_transforms
 from fsdp_convert.cli.app import app
 from fsdp_convert.formats import read_index
 from fsdp_convert.formats.dcp import DcpReader
@@ -89,7 +89,7 @@ class _Decodes:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.bytes = self.crafted_bytes = 0
         self.temporary_files = 0
-        decode = payloads.decode_stream
+        decode = stream_transforms.decode_stream
 
         def counted(descriptors: tuple[str, ...], stream: IO[bytes], where: str) -> IO[bytes]:
             inner = decode(descriptors, stream, where)
@@ -110,7 +110,7 @@ class _Decodes:
             self.temporary_files += 1
             return make(*args, **kwargs)
 
-        monkeypatch.setattr(payloads, "decode_stream", counted)
+        monkeypatch.setattr(stream_transforms, "decode_stream", counted)
         monkeypatch.setattr("fsdp_convert.formats.dcp.decode_stream", counted, raising=False)  # where it was imported
         monkeypatch.setattr(tempfile, "TemporaryFile", temporary_file)
 
@@ -165,14 +165,14 @@ def test_a_bomb_within_the_bound_decodes_at_most_its_claim_into_memory(
     assert decodes.temporary_files == 0
     assert list(out.iterdir()) == []
     entry = next(e for e in read_index(ckpt).entries if e.fqn == FQN)
-    assert isinstance(entry, TensorEntry) and payloads.chunk_limit_bytes(entry, entry.chunks[0]) == limit
+    assert isinstance(entry, TensorEntry) and stream_transforms.chunk_limit_bytes(entry, entry.chunks[0]) == limit
 
 
 def test_decoding_more_than_the_memory_available_is_refused_in_one_line(
     zstd_ckpt: Path, runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A real payload whose claim (plus records) exceeds the memory available: one line, exit 1, nothing decoded."""
-    monkeypatch.setattr(payloads, "_available_memory_bytes", lambda: 1000)
+    monkeypatch.setattr(stream_transforms, "_available_memory_bytes", lambda: 1000)
     decodes = _Decodes(monkeypatch)
     result = runner.invoke(app, ["consolidate", str(zstd_ckpt), str(tmp_path / "full.pt"), "--nproc", "1"])
     assert result.exit_code == 1, result.stderr

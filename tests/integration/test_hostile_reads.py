@@ -1,7 +1,7 @@
 """Reading stays inside the checkpoint: symbolic links out of it are refused, and no error quotes a file's bytes.
 
 A checkpoint from elsewhere may hold links (``__1_0.distcp -> /home/me/.env``); every format
-checks each file it opens against the checkpoint's real path (``location.inside``) and refuses
+checks each file it opens against the checkpoint's real path (``held_roots.inside``) and refuses
 one that leads out in one line naming it, unless ``--follow-symlinks`` (``follow_symlinks=True``)
 is given, as a cluster whose checkpoint links into a shared store needs. Links that stay inside
 are read as before. The 3-rank sample stands in for a real checkpoint; the other formats are made
@@ -27,7 +27,7 @@ from fsdp_convert.cli import app
 from fsdp_convert.errors import CorruptChunkError, UnsafeContentError
 from fsdp_convert.formats import open_reader, read_index
 from fsdp_convert.formats.dcp import load_metadata
-from fsdp_convert.location import FOLLOW_SYMLINKS_ENV
+from fsdp_convert.held_roots import FOLLOW_SYMLINKS_ENV
 from tests._compare import assert_same_state
 from tests._samples import Sample
 

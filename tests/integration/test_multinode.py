@@ -17,10 +17,10 @@ import pytest
 
 import fsdp_convert
 from fsdp_convert._sample import CHECKPOINT_DIRNAME
-from fsdp_convert.formats import read_index
-from fsdp_convert.items import prepare_items
+from fsdp_convert.formats import open_checkpoint
 from fsdp_convert.outputs import TorchSaveFile
-from fsdp_convert.plan import plan_consolidate
+from fsdp_convert.plan.consolidate import plan_consolidate
+from fsdp_convert.plan.items import prepare_items
 from fsdp_convert.transform import TransformOptions
 from tests._dist import free_port
 from tests._samples import Sample
@@ -70,8 +70,9 @@ def test_two_nodes_write_what_one_node_writes(ws3_ckpt: Sample, tmp_path: Path) 
     fsdp_convert.consolidate(ws3_ckpt.checkpoint, single, nproc=1)
     assert out.read_bytes() == single.read_bytes()
 
-    index = read_index(ws3_ckpt.checkpoint)
-    items = prepare_items(index, TransformOptions(), TorchSaveFile().groups("all"))
+    source = open_checkpoint(ws3_ckpt.checkpoint, full_files=True)
+    index = source.index
+    items = prepare_items(source, TransformOptions(), TorchSaveFile().groups("all"))
     plan = plan_consolidate(index, items, out, kind=TorchSaveFile(), nproc=2)
     reads = _reads(logs)
     assert sorted(reads) == [0, 1]

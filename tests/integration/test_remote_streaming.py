@@ -19,8 +19,8 @@ import pytest
 
 import fsdp_convert
 from fsdp_convert import remote
-from fsdp_convert.constants import HF_INDEX_FILENAME, METADATA_FILENAME
 from fsdp_convert.ops import _waves
+from fsdp_convert.output_table import HF_INDEX_FILENAME, METADATA_FILENAME
 from fsdp_convert.writers import _staging
 from tests._samples import Sample
 from tests.integration.test_object_storage import _S3, s3  # noqa: F401  (the moto server fixture)

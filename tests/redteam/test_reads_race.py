@@ -1,6 +1,6 @@
 """Issue 37 N2: the folder's owner swaps the checkpoint folder (or a folder above it, or ``--hf-assets``) for a link.
 
-Before, ``location.inside`` checked a path's real path and the reader then opened it by name: a
+Before, ``held_roots.inside`` checked a path's real path and the reader then opened it by name: a
 ``renameat2(RENAME_EXCHANGE)`` loop between the two made the tool read (copy into OUT, quote in an
 error) a file outside the folder. Now every read walks from the root's descriptor, held from the
 run's first read, with ``O_NOFOLLOW`` on each component: the folder first opened is read
@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from fsdp_convert.errors import CheckpointError, UnsafeContentError
-from fsdp_convert.location import HELD_ROOTS_ENV, following_symlinks, open_inside, read_inside, stat_inside
+from fsdp_convert.held_roots import HELD_ROOTS_ENV, following_symlinks, open_inside, stat_inside
+from fsdp_convert.location import read_inside
 
 SECRET = b"API_KEY=hunter2-" * 64  # 1 KiB: the outside tensor's bytes, and the outside tokenizer.json
 MARKERS = (b"API_KEY", b"hunter2", str(int.from_bytes(SECRET[:8], "little")).encode(), str(int.from_bytes(SECRET[:8])).encode())
@@ -211,14 +212,14 @@ def test_links_inside_the_folder_are_still_followed(tmp_path: Path) -> None:
 def test_a_root_walked_by_another_thread_outlives_the_block_that_held_it(tmp_path: Path) -> None:
     """A worker's mover thread reads (outside any block) while another thread's block ends: the root it walks stays open
     until its walk ends, then closes (was: closed under it, so its open failed with EBADF, or walked a reused number)."""
-    from fsdp_convert import location
+    from fsdp_convert import held_roots, location
 
     root = tmp_path / "ck"
     root.mkdir()
     (root / "f").write_bytes(b"x")
-    with location.following_symlinks(None):
+    with held_roots.following_symlinks(None):
         assert location.read_inside(root, root / "f", 10) == b"x"  # the block holds the root from here
-        walk = location._root(root, "the checkpoint")
+        walk = held_roots._root(root, "the checkpoint")
         held = walk.__enter__()  # another thread's walk, begun while the block holds the root
     os.fstat(held.base)  # the block ended; the walk goes on
     assert location.read_inside(root, root / "f", 10) == b"x"

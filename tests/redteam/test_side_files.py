@@ -1,6 +1,6 @@
 """The side files a producer's loader merges (Megatron-Core's ``common.pt``, Lightning's ``meta.pt``) are read as the rest.
 
-``items._load_merged`` read them by name after the read side moved to the held-root walk: a
+``plan.items._load_merged`` read them by name after the read side moved to the held-root walk: a
 ``common.pt`` linked to a file outside the checkpoint was merged into OUT (issue 37 N2's class),
 and a 2 KB ``meta.pt`` sharing one tensor-holding list at every level ended in exit 70.
 """

@@ -34,6 +34,7 @@ from fsdp_convert import reshard
 from fsdp_convert.dtypes import ITEMSIZES, as_dtype
 from fsdp_convert.formats.index import DictKey, plain_path
 from fsdp_convert.ops import _reshard_rank
+from fsdp_convert.outputs import dcp_folder
 from fsdp_convert.transform import TransformOptions
 from fsdp_convert.writers import dcp
 from fsdp_convert.writers._dcp_pickle import is_plain, value_payload
@@ -85,7 +86,7 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Path, list[MetadataE
         calls.append((folder, list(entries), list(stored), version))
         original(folder, entries, stored, version)
 
-    monkeypatch.setattr(dcp, "write_metadata", recording)
+    monkeypatch.setattr(dcp_folder, "write_metadata", recording)  # what reshard's DCP folder row calls
     monkeypatch.setattr(uuid, "uuid4", lambda: SAVE_ID)
     return calls
 

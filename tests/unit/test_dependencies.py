@@ -39,7 +39,7 @@ IMPORT_NAMES: dict[str, str] = {}
 # ImportError, its module saying `pip install 'fsdp-convert[<extra>]'`.
 OPTIONAL = {
     "fsspec": "s3",  # remote.py: s3:// and other fsspec URLs
-    "zstandard": "zstd",  # zstd payloads (formats/_dcp_payloads.py), reshard --compress zstd (writers/dcp.py)
+    "zstandard": "zstd",  # zstd payloads (formats/_stream_transforms.py), reshard --compress zstd (writers/dcp.py)
 }
 # Imports used when installed and skipped otherwise (guarded the same way; nothing to install).
 WHEN_INSTALLED = {

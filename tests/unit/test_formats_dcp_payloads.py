@@ -152,7 +152,7 @@ def test_zstd_payloads_decode_to_the_saved_values(tmp_path: Path) -> None:
 
 def test_zstd_decodes_through_zstandard_without_torch_registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     state = _zstd_ckpt(tmp_path)
-    monkeypatch.setattr("fsdp_convert.formats._dcp_payloads.stream_transform_from", lambda descriptors, stream: None)
+    monkeypatch.setattr("fsdp_convert.formats._stream_transforms.stream_transform_from", lambda descriptors, stream: None)
     assert torch.equal(_read_all(tmp_path)["model.b"], state["model"]["b"])
 
 

@@ -1,5 +1,5 @@
 """formats/rank_files.py: find_rank_files groups per-rank files by prefix and checks their ranks against the world size;
-DTensor boxes from placements, ``_StridedShard`` ones from torch's own offsets."""
+DTensor boxes from placements (``_rank_shards``), ``_StridedShard`` ones from torch's own offsets."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from fsdp_convert.errors import MissingDataFileError, NotADcpCheckpointError
+from fsdp_convert.formats._rank_shards import _local_box, _placements, _strided_boxes
 from fsdp_convert.formats._rank_unpickler import _RECORDS, Record
-from fsdp_convert.formats.rank_files import _local_box, _placements, _strided_boxes, find_rank_files, rank_files_index
+from fsdp_convert.formats.rank_files import find_rank_files, rank_files_index
+from fsdp_convert.producers import detect_producer
 from fsdp_convert.torch_compat import dtensor_local_box
 
 
@@ -88,7 +90,7 @@ def test_replicated_plain_tensors_are_read_from_the_first_rank(tmp_path: Path) -
     for rank in range(2):
         torch.save({"w": torch.full((2, 2), float(rank)), "step": rank}, tmp_path / f"model_world_size_2_rank_{rank}.pt")
     index = rank_files_index(tmp_path)
-    assert index.world_size == 2 and index.producer == "verl"
+    assert index.world_size == 2 and detect_producer(index).name == "verl"
     w, step = index.entries
     assert w.fqn == "model.w" and [c.relative_path for c in w.chunks] == ["model_world_size_2_rank_0.pt"]  # type: ignore[union-attr]
     assert step.fqn == "model.step" and step.relative_path == "model_world_size_2_rank_0.pt"  # type: ignore[union-attr]

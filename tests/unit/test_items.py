@@ -1,4 +1,4 @@
-"""items.py: prepare_items reads the param group values it needs and gives model, optimizer and other items in order."""
+"""plan/items.py: prepare_items reads the param group values it needs and gives model, optimizer and other items in order."""
 
 from __future__ import annotations
 
@@ -10,17 +10,18 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from fsdp_convert.errors import CorruptChunkError, InvalidOptionError, UnsafeContentError, UnsupportedTransformError
-from fsdp_convert.formats import read_index
-from fsdp_convert.items import prepare_items
+from fsdp_convert.formats import open_checkpoint
+from fsdp_convert.plan.items import prepare_items
+from fsdp_convert.producers import detect_producer
 from fsdp_convert.roles import GROUPS
 from fsdp_convert.transform import TransformOptions
 from tests._samples import Sample
 
 
 def test_items_of_a_real_checkpoint_come_in_group_order(ws3_ckpt: Sample) -> None:
-    index = read_index(ws3_ckpt.checkpoint)
+    source = open_checkpoint(ws3_ckpt.checkpoint, full_files=True)
     truth = ws3_ckpt.truth()
-    items = prepare_items(index, TransformOptions(), ("model", "optim", "other"))
+    items = prepare_items(source, TransformOptions(), ("model", "optim", "other"))
     groups = [item.group for item in items]
     assert groups == sorted(groups, key=["model", "optim", "other"].index)
     assert set(groups) == {"model", "optim", "other"}
@@ -37,8 +38,8 @@ def test_items_of_a_real_checkpoint_come_in_group_order(ws3_ckpt: Sample) -> Non
 
 def test_only_the_groups_asked_for_become_items_with_their_cast(tmp_path: Path) -> None:
     dcp.save({"model": {"w": torch.ones(2)}, "train_state": {"step": 3}}, checkpoint_id=tmp_path, no_dist=True)
-    index = read_index(tmp_path)
-    items = prepare_items(index, TransformOptions(dtype=torch.bfloat16), ("model",))
+    source = open_checkpoint(tmp_path, full_files=True)
+    items = prepare_items(source, TransformOptions(dtype=torch.bfloat16), ("model",))
     assert [(item.path, item.group, item.dtype) for item in items] == [(("model", "w"), "model", torch.bfloat16)]
 
 
@@ -56,17 +57,18 @@ def _lightning_folder(path: Path, meta: object) -> Path:
 def test_lightning_meta_is_merged_at_the_top_level_in_the_producer_layout_only(tmp_path: Path) -> None:
     """As Lightning's own consolidate_checkpoint does (``checkpoint.update(meta)``): after the
     checkpoint's own items; not in the nested layout, nor for reshard, which copies the file."""
-    index = read_index(_lightning_folder(tmp_path, {"step": 3, "hparams": {"lr": 0.1}}))
-    assert index.producer == "lightning"
-    items = prepare_items(index, TransformOptions(), GROUPS)
+    source = open_checkpoint(_lightning_folder(tmp_path, {"step": 3, "hparams": {"lr": 0.1}}), full_files=True)
+    index = source.index
+    assert detect_producer(index).name == "lightning"
+    items = prepare_items(source, TransformOptions(), GROUPS)
     meta = [(item.path, item.group, item.constant, item.value) for item in items if item.path[0] in ("step", "hparams")]
     assert meta == [(("step",), "other", True, 3), (("hparams",), "other", True, {"lr": 0.1})]
     assert items[-2:] == tuple(item for item in items if item.path[0] in ("step", "hparams"))
     assert {item.path[0] for item in items} == {"model", "optimizer", "step", "hparams"}
     for other in (
-        prepare_items(index, TransformOptions(layout="nested"), GROUPS),
-        prepare_items(index, TransformOptions(), GROUPS, keep_layout=True),
-        prepare_items(index, TransformOptions(), ("model", "optim")),
+        prepare_items(source, TransformOptions(layout="nested"), GROUPS),
+        prepare_items(source, TransformOptions(), GROUPS, keep_layout=True),
+        prepare_items(source, TransformOptions(), ("model", "optim")),
     ):
         assert not any(item.path[0] in ("step", "hparams") for item in other)
 
@@ -91,9 +93,9 @@ def test_lightning_meta_is_merged_at_the_top_level_in_the_producer_layout_only(t
 def test_lightning_meta_that_cannot_merge_is_refused_naming_the_file(
     tmp_path: Path, meta: object, error: type[Exception], message: str
 ) -> None:
-    index = read_index(_lightning_folder(tmp_path, meta))
+    source = open_checkpoint(_lightning_folder(tmp_path, meta), full_files=True)
     with pytest.raises(error, match=re.escape(message)) as caught:
-        prepare_items(index, TransformOptions(), GROUPS)
+        prepare_items(source, TransformOptions(), GROUPS)
     assert str(tmp_path) in str(caught.value)
 
 
@@ -101,7 +103,7 @@ def test_lightning_meta_that_would_run_code_is_never_run(tmp_path: Path) -> None
     from tests.cli.test_bad_inputs import Evil
 
     marker = tmp_path / "pwned"
-    index = read_index(_lightning_folder(tmp_path / "ck", {"step": Evil(marker)}))
+    source = open_checkpoint(_lightning_folder(tmp_path / "ck", {"step": Evil(marker)}), full_files=True)
     with pytest.raises(UnsafeContentError, match="meta.pt: would run code when loaded, refused"):
-        prepare_items(index, TransformOptions(), GROUPS)
+        prepare_items(source, TransformOptions(), GROUPS)
     assert not marker.exists()

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from fsdp_convert._gloo_workers import _peers_lost_fail
 from fsdp_convert.errors import WorkerFailedError
-from fsdp_convert.launch import _peers_lost_fail
 
 CODE = """
 import logging, warnings
@@ -31,22 +31,22 @@ def test_other_ranks_warnings_are_prefixed() -> None:
 
 
 def test_a_silent_worker_is_named_when_the_launcher_reports_only_the_peers_it_broke(tmp_path: Path) -> None:
-    from fsdp_convert.launch import _PEER_LOST, _failure
+    from fsdp_convert._worker_failures import PEER_LOST, failure
 
     lost = {
         "rank": 0,
         "type": None,
-        "message": f"{_PEER_LOST} at 127.0.0.1:1234 (that worker, or its node, died)",
+        "message": f"{PEER_LOST} at 127.0.0.1:1234 (that worker, or its node, died)",
         "traceback": "",
     }
     (tmp_path / "rank0.json").write_text(json.dumps(lost))
     # the launcher's failures name rank 0 alone (rank 1's SIGKILL not seen yet)
-    err = _failure(tmp_path, {0: 1}, range(2))
+    err = failure(tmp_path, {0: 1}, range(2))
     assert str(err) == "worker rank 1 died without a report (its peers lost their connections to it)"
-    assert str(_failure(tmp_path, {0: 1, 1: -9}, range(2))).startswith("worker rank 1 died without a report (killed by SIGKILL")
+    assert str(failure(tmp_path, {0: 1, 1: -9}, range(2))).startswith("worker rank 1 died without a report (killed by SIGKILL")
     # without the job's ranks (many nodes) or with two silent ranks, rank 0's own line is the cause
-    assert str(_failure(tmp_path, {0: 1})).startswith(f"worker rank 0 failed: {_PEER_LOST}")
-    assert str(_failure(tmp_path, {0: 1}, range(3))).startswith(f"worker rank 0 failed: {_PEER_LOST}")
+    assert str(failure(tmp_path, {0: 1})).startswith(f"worker rank 0 failed: {PEER_LOST}")
+    assert str(failure(tmp_path, {0: 1}, range(3))).startswith(f"worker rank 0 failed: {PEER_LOST}")
 
 
 def test_a_torchrun_worker_that_loses_its_group_fails_as_a_failed_worker() -> None:

@@ -11,10 +11,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import fsdp_convert
-from fsdp_convert.formats import read_index
-from fsdp_convert.items import prepare_items
+from fsdp_convert.formats import open_checkpoint
 from fsdp_convert.outputs import output_kind, value_tensor
-from fsdp_convert.plan import plan_consolidate
+from fsdp_convert.plan.consolidate import plan_consolidate
+from fsdp_convert.plan.items import prepare_items
 from fsdp_convert.roles import GROUPS
 from fsdp_convert.transform import TransformOptions
 from tests._compare import assert_same_state
@@ -43,7 +43,7 @@ def lightning_folder(tmp_path: Path) -> Path:
 
 
 def test_a_meta_tensor_is_an_item_of_its_own_holding_that_tensor(lightning_folder: Path) -> None:
-    items = prepare_items(read_index(lightning_folder), TransformOptions(), GROUPS)
+    items = prepare_items(open_checkpoint(lightning_folder, full_files=True), TransformOptions(), GROUPS)
     merged = {item.path: item for item in items if item.path[0] in _meta()}
     assert list(merged) == [("step",), ("counters", "tokens"), ("counters", "seen", 0), ("counters", "seen", 1), ("lr",)]
     step = value_tensor(merged[("step",)])
@@ -63,8 +63,9 @@ def test_a_meta_tensor_is_written_as_that_tensor_and_verifies(lightning_folder: 
     with zipfile.ZipFile(out) as z:
         assert z.testzip() is None
         assert len([n for n in z.namelist() if "/data/" in n]) == 5  # w, its step, and meta.pt's three tensors
-    index = read_index(lightning_folder)
-    plan = plan_consolidate(index, prepare_items(index, TransformOptions(), GROUPS), out, kind=output_kind(out))
+    source = open_checkpoint(lightning_folder, full_files=True)
+    index = source.index
+    plan = plan_consolidate(index, prepare_items(source, TransformOptions(), GROUPS), out, kind=output_kind(out))
     (file,) = plan.files
     placed = [o for o in file.data_offsets if o is not None]
     assert len(placed) == 5 and file.data_end(plan.items) == placed[-1] + 2 * 2  # the bf16 pair's storage ends the data

@@ -19,7 +19,8 @@ from fsdp_convert.errors import CorruptChunkError
 from fsdp_convert.formats import Reader, open_reader, read_index
 from fsdp_convert.formats.dcp import DcpReader
 from fsdp_convert.formats.index import TensorEntry
-from fsdp_convert.move import MoveJob, Mover, Piece, move_all, pieces_crc
+from fsdp_convert.move import MoveJob, Mover, move_all
+from fsdp_convert.pieces import Piece, pieces_crc
 from fsdp_convert.writers.dcp import MetadataEntry, write_metadata
 from tests._dcp_files import RankFileWriter
 

@@ -1,4 +1,4 @@
-"""move.py / blocks.segment_runs: a derived tensor that is row segments of its inputs moves as byte-range copies.
+"""move.py / chunk_rows.segment_runs: a derived tensor that is row segments of its inputs moves as byte-range copies.
 
 An expert split (``adapters._common.split_experts``) and a stack (``stack_experts``) are such
 tensors: each output is rows of its inputs' dim-0 chunks, so the mover streams those bytes as it
@@ -17,7 +17,7 @@ import torch
 
 import fsdp_convert.blocks
 import fsdp_convert.move
-from fsdp_convert.blocks import segment_runs
+from fsdp_convert.chunk_rows import segment_runs
 from fsdp_convert.derive import Derived, Input, Segment, concat
 from fsdp_convert.errors import CorruptChunkError
 from fsdp_convert.formats.dcp import DcpReader

@@ -102,9 +102,10 @@ def test_every_chunk_of_a_real_checkpoint_is_located_without_torch(ws3_bf16_ckpt
     """locate() finds every chunk of a real FSDP2 checkpoint with torch never imported, where zipfile finds it."""
     script = f"""
 import sys, json
+from pathlib import Path
 sys.modules["torch"] = None  # any import of torch fails
 from fsdp_convert.formats import open_checkpoint
-src = open_checkpoint({str(ws3_bf16_ckpt.checkpoint)!r})
+src = open_checkpoint(Path({str(ws3_bf16_ckpt.checkpoint)!r}))
 out = []
 with src.open_reader() as reader:
     for e in src.index.tensors():

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from fsdp_convert.errors import CoverageError, InvalidOptionError
-from fsdp_convert.formats import read_index
+from fsdp_convert.formats import open_checkpoint
 from fsdp_convert.formats.index import BytesEntry, ChunkEntry, TensorEntry, check_coverage
-from fsdp_convert.items import prepare_items
+from fsdp_convert.item import OutputItem
 from fsdp_convert.outputs import HfFolder, SafetensorsFile, TorchSaveFile, output_kind, plan_shards
-from fsdp_convert.plan import assign_owners, default_nproc, mover_buffers, plan_consolidate
-from fsdp_convert.transform import OutputItem, TransformOptions
+from fsdp_convert.plan.consolidate import assign_owners, default_nproc, mover_buffers, plan_consolidate
+from fsdp_convert.plan.items import prepare_items
+from fsdp_convert.transform import TransformOptions
 from tests._samples import Sample
 
 
@@ -66,7 +67,8 @@ def test_owners_take_turns_by_bytes_so_far_and_values_stay_on_rank0() -> None:
 
 
 def test_plan_rejects_bad_options(ws3_ckpt: Sample, tmp_path: Path) -> None:
-    index = read_index(ws3_ckpt.checkpoint)
+    source = open_checkpoint(ws3_ckpt.checkpoint, full_files=True)
+    index = source.index
     with pytest.raises(InvalidOptionError, match="holds model weights only"):
         output_kind(tmp_path / "x.safetensors").groups("optim")
     with pytest.raises(InvalidOptionError, match="unknown output suffix"):
@@ -76,10 +78,10 @@ def test_plan_rejects_bad_options(ws3_ckpt: Sample, tmp_path: Path) -> None:
         output_kind(tmp_path / "folder", "torch")
     assert output_kind(tmp_path / "folder", "safetensors").name == "hf_dir"
     groups = SafetensorsFile().groups("all")
-    items = prepare_items(index, TransformOptions(), groups)
+    items = prepare_items(source, TransformOptions(), groups)
     plan = plan_consolidate(index, items, tmp_path / "x.safetensors", kind=SafetensorsFile())
     assert {item.path[0] for item in plan.items} == {"model"}
-    items = prepare_items(index, TransformOptions(), TorchSaveFile().groups("all"))
+    items = prepare_items(source, TransformOptions(), TorchSaveFile().groups("all"))
     plan = plan_consolidate(index, items, tmp_path / "x.pt", kind=TorchSaveFile(), nproc=3)
     loads = [0] * 3  # tensors only: values stay on rank 0
     for item, owner in zip(plan.items, plan.owners, strict=True):
@@ -131,8 +133,9 @@ def test_mover_buffers_fit_the_memory_budget() -> None:
 
 
 def test_plan_drops_the_page_cache_only_for_outputs_over_half_the_ram(ws3_ckpt: Sample, tmp_path: Path) -> None:
-    index = read_index(ws3_ckpt.checkpoint)
-    items = prepare_items(index, TransformOptions(), TorchSaveFile().groups("all"))
+    source = open_checkpoint(ws3_ckpt.checkpoint, full_files=True)
+    index = source.index
+    items = prepare_items(source, TransformOptions(), TorchSaveFile().groups("all"))
     total = sum(item.nbytes for item in items)
     small_ram = plan_consolidate(index, items, tmp_path / "x.pt", kind=TorchSaveFile(), ram_bytes=2 * total - 2)
     big_ram = plan_consolidate(index, items, tmp_path / "x.pt", kind=TorchSaveFile(), ram_bytes=2 * total)
@@ -142,8 +145,9 @@ def test_plan_drops_the_page_cache_only_for_outputs_over_half_the_ram(ws3_ckpt: 
 
 def test_plan_places_every_tensor_once_without_overlap(ws3_ckpt: Sample, tmp_path: Path) -> None:
     """Folder output: every tensor has one byte range, in one file, after that file's header, none overlapping."""
-    index = read_index(ws3_ckpt.checkpoint)
-    items = prepare_items(index, TransformOptions(), HfFolder().groups("all"))
+    source = open_checkpoint(ws3_ckpt.checkpoint, full_files=True)
+    index = source.index
+    items = prepare_items(source, TransformOptions(), HfFolder().groups("all"))
     plan = plan_consolidate(index, items, tmp_path / "out", kind=HfFolder(), max_shard_bytes=5000, nproc=2)
     assert len(plan.shards) > 2 and {f.filename for f in plan.files} >= {"optimizer.pt"}
     seen = [i for f in plan.files for i in f.item_ids]
@@ -165,6 +169,6 @@ def test_a_param_group_field_stored_as_a_tensor_is_refused_before_planning(tmp_p
 
     w = torch.zeros(2)
     torch.save({"model": {"w": w}, "optim": {"state": {"w": {"exp_avg": w}}, "param_groups": [{"params": w}]}}, tmp_path / "x.pt")
-    index = read_index(tmp_path / "x.pt", full_files=True)
+    source = open_checkpoint(tmp_path / "x.pt", full_files=True)
     with pytest.raises(UnsupportedTransformError, match="optim.param_groups.0.params: a tensor, where this tool reads"):
-        prepare_items(index, TransformOptions(), TorchSaveFile().groups("all"))
+        prepare_items(source, TransformOptions(), TorchSaveFile().groups("all"))

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from fsdp_convert import producers
+from fsdp_convert import producers, roles
+from fsdp_convert.errors import UnsafeContentError, UnsupportedTransformError
 from fsdp_convert.formats import read_index
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex
 from fsdp_convert.producers import PRODUCERS, detect_producer, tables
@@ -35,18 +38,80 @@ def test_docs_rows_name_every_producer_with_a_row() -> None:
     }
 
 
-@pytest.mark.parametrize("name", ["accelerate", "lightning", "verl", "torch_save", "hf_storage", "safetensors"])
-def test_a_name_the_files_give_is_its_record(name: str) -> None:
-    index = CheckpointIndex(checkpoint_id=Path("x"), entries=(), data_files=(), producer=name)
+# the facts a format records for each producer the files name (CheckpointIndex.folders, beside, marks)
+FACTS: dict[str, dict[str, Any]] = {
+    "accelerate": {"folders": ("optimizer_0", "pytorch_model_fsdp_0")},
+    "lightning": {"beside": frozenset({"meta.pt"})},
+    "olmo-core": {"folders": ("model_and_optim",)},
+    "megatron-core": {"beside": frozenset({"common.pt", "metadata.json", "notes.txt"})},
+    "verl": {"marks": frozenset({"rank_files"}), "data_files": ("model_world_size_2_rank_0.pt",)},
+    "torch_save": {"marks": frozenset({"rank_files"}), "data_files": ("model_rank_0.pt",)},
+    "hf_storage": {"marks": frozenset({"safetensors", "dcp_sharding_info"})},
+    "safetensors": {"marks": frozenset({"safetensors"})},
+}
+
+
+@pytest.mark.parametrize("name", sorted(FACTS))
+def test_the_facts_the_files_give_name_their_record(name: str) -> None:
+    index = CheckpointIndex(checkpoint_id=Path("x"), entries=(), **{"data_files": (), **FACTS[name]})
     assert detect_producer(index) is producers.get(name)
 
 
+def test_files_name_the_producer_before_keys() -> None:
+    """A folder's files win over a key layout another record detects (FSDP2's keys beside Lightning's meta.pt)."""
+    keys = _index(("model", "w"), ("optim", "state", "w", "step")).entries
+    fsdp2_like = CheckpointIndex(checkpoint_id=Path("x"), entries=keys, data_files=("__0_0.distcp",))
+    assert detect_producer(dataclasses.replace(fsdp2_like, beside=frozenset({"meta.pt"}))).name == "lightning"
+    assert detect_producer(dataclasses.replace(fsdp2_like, beside=frozenset({"README.md"}))).name != "lightning"
+
+
 def test_fsdp1_rank_files_have_their_own_row_and_behave_as_fsdp1() -> None:
-    index = CheckpointIndex(checkpoint_id=Path("x"), entries=(), data_files=(), producer="fsdp1")
+    marks = frozenset({"rank_files", "sharded_tensor"})
+    index = CheckpointIndex(checkpoint_id=Path("x"), entries=(), data_files=("model_world_size_2_rank_0.pt",), marks=marks)
     rank_files, dcp = detect_producer(index), producers.get("fsdp1")
     assert rank_files is not dcp and rank_files.name == "fsdp1" and rank_files.label == "`fsdp1` (rank files)"
     same = ("optimizer_key", "side_files", "merged", "folders", "params_in_model_order")
     assert [getattr(rank_files, f) for f in same] == [getattr(dcp, f) for f in same]
+
+
+def test_a_merged_file_linked_out_of_the_folder_is_refused(tmp_path: Path) -> None:
+    """Lightning's meta.pt (a producer's ``merged`` file) read later: a link out is refused once the producer is named."""
+    facts = {"beside": frozenset({"meta.pt"}), "links_out": frozenset({"meta.pt"})}
+    (tmp_path / "meta.pt").symlink_to(tmp_path.parent)
+    index = CheckpointIndex(checkpoint_id=tmp_path, entries=(), data_files=(), **facts)
+    with pytest.raises(UnsafeContentError, match=r"meta\.pt is a symbolic link"):
+        detect_producer(index)
+
+
+def test_megatron_keys_read_by_its_record() -> None:
+    """Megatron-Core's flat optimizer keys are its record's rule (``entry_role``, ``optimizer_path``, ``check_optimizer``)."""
+    index = _index(("embedding.w",), ("optimizer.state.exp_avg.embedding.w",), ("optimizer.distributed.x",))
+    assert roles.classify(index, ())[1].role == "other"  # the shared layouts alone do not read it
+    _, state, bucket = producers.classify(index)
+    assert (state.role, state.param, state.key) == ("optim_state", "embedding.w", "exp_avg")
+    assert bucket.role == "other"
+    flat = ("optimizer.state.exp_avg.embedding.w",)
+    assert producers.optimizer_path(flat, (*flat, "state", "embedding.w", "exp_avg"), False) == (
+        "optimizer", "state", "embedding.w", "exp_avg"
+    )  # fmt: skip
+    assert producers.optimizer_path(flat, (*flat, "state", "emb.w", "exp_avg"), True) == ("optimizer.state.exp_avg.emb.w",)
+    assert producers.optimizer_path(("optim", "state", "w", "step"), ("optim", "state", "w", "step"), False) is None
+    with pytest.raises(UnsupportedTransformError, match="dp_reshardable"):
+        producers.check_optimizer(_index(("optimizer.distributed.dp_group_idx_0.gbuf_idx_0.x",)))
+
+
+def test_own_files_are_every_records_files_reshard_writes() -> None:
+    """The output check's names of the producers (``own_files``): DCP files, copied side files, merged files, folders."""
+    own = producers.own_files()
+    for name in (".metadata", "__3_0.distcp", "meta.pt", "common.pt", "metadata.json", "config.json", ".metadata.json",
+                 "scheduler.bin", "sampler_1.bin", "scaler.pt", "custom_checkpoint_0.pkl"):  # fmt: skip
+        assert own.file(name), name
+    for name in ("random_states_0.pkl", "train", "README.md", "model.safetensors"):
+        assert not own.file(name), name
+    for folder in ("pytorch_model_fsdp_0", "optimizer_1", "model_and_optim"):
+        inner = own.folder(folder)
+        assert inner is not None and inner.fullmatch("__0_0.distcp") and not inner.fullmatch("notes.txt"), folder
+    assert own.folder("step-1000") is None
 
 
 def _index(*paths: tuple[str | int, ...]) -> CheckpointIndex:

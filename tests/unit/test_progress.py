@@ -61,6 +61,11 @@ def test_human_bytes_counts_in_binary_units(n: int, text: str) -> None:
     assert human_bytes(n) == text
 
 
+@pytest.mark.parametrize(("n", "text"), [(999, "999 B"), (1000, "1.0 kB"), (3_400_000_000, "3.4 GB"), (7 * 10**15, "7000.0 TB")])
+def test_human_bytes_counts_free_space_in_decimal_units_as_df_h(n: int, text: str) -> None:
+    assert human_bytes(n, units="decimal") == text
+
+
 def test_human_bytes_is_the_clis() -> None:
     from fsdp_convert.cli._output import human_bytes as cli_human_bytes
 

@@ -13,7 +13,8 @@ import torch.distributed.checkpoint as dcp
 import fsdp_convert
 from fsdp_convert import errors
 from fsdp_convert.ops import _arguments
-from fsdp_convert.plan import Only, RequestedFormat
+from fsdp_convert.output_table import format_names
+from fsdp_convert.plan.consolidate import Only
 from tests._samples import Sample
 
 # where each exported name is defined (the operations, their options and results live below the package)
@@ -136,7 +137,7 @@ def test_choice_takes_the_keywords_values_and_names_the_keyword() -> None:
     assert str(caught.value) == "only='weights': use all, model or optim"
     assert caught.value.cli_text() == "--only 'weights': use all, model or optim"
     with pytest.raises(errors.InvalidOptionError, match="^output_format='gguf': use auto, torch or safetensors$"):
-        _arguments.choice("--format", "gguf", get_args(RequestedFormat))
+        _arguments.choice("--format", "gguf", format_names())
 
 
 @pytest.mark.parametrize("value", ["4", 0, -1, 2.0, True])

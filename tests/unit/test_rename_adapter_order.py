@@ -17,7 +17,7 @@ from fsdp_convert.adapters import load_adapter
 from fsdp_convert.cli.app import app
 from fsdp_convert.errors import InvalidOptionError
 from fsdp_convert.formats.index import CheckpointIndex, ChunkEntry, TensorEntry
-from fsdp_convert.roles import classify
+from fsdp_convert.producers import classify
 from fsdp_convert.transform import TransformOptions, build_items
 
 DIM, HEADS, LAYERS = 8, 2, 2

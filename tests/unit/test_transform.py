@@ -13,16 +13,9 @@ from fsdp_convert.cli._options import DtypeChoice, OptimKeysChoice
 from fsdp_convert.constants import DTYPE_NAMES
 from fsdp_convert.errors import InvalidOptionError
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, TensorEntry
-from fsdp_convert.roles import classify
-from fsdp_convert.transform import (
-    OutputItem,
-    TransformOptions,
-    build_items,
-    clean_fqn,
-    needs_group_values,
-    parse_dtype,
-    parse_rename,
-)
+from fsdp_convert.item import OutputItem
+from fsdp_convert.producers import classify
+from fsdp_convert.transform import TransformOptions, build_items, clean_fqn, needs_group_values, parse_dtype, parse_rename
 from fsdp_convert.transform.options import dtype_names
 
 

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_convert.formats import read_index
-from fsdp_convert.items import prepare_items
+from fsdp_convert.formats import open_checkpoint
 from fsdp_convert.ops import _waves
 from fsdp_convert.outputs import HfFolder
-from fsdp_convert.plan import file_bytes, group_waves, output_bytes, plan_consolidate, staging_bytes, wave_plans
-from fsdp_convert.reshard_plan import plan_reshard, rank_file_bytes, wave_plan
+from fsdp_convert.plan.consolidate import file_bytes, group_waves, output_bytes, plan_consolidate, staging_bytes, wave_plans
+from fsdp_convert.plan.items import prepare_items
+from fsdp_convert.plan.reshard import plan_reshard, rank_file_bytes, wave_plan
 from fsdp_convert.roles import GROUPS
 from fsdp_convert.transform import TransformOptions
 from tests._samples import Sample
@@ -35,8 +35,9 @@ def test_staging_holds_two_consecutive_waves() -> None:
 
 
 def test_wave_plans_keep_every_file_once(ws3_ckpt: Sample, tmp_path: Path) -> None:
-    index = read_index(ws3_ckpt.checkpoint)
-    items = prepare_items(index, TransformOptions(), HfFolder().groups("model"))
+    source = open_checkpoint(ws3_ckpt.checkpoint, full_files=True)
+    index = source.index
+    items = prepare_items(source, TransformOptions(), HfFolder().groups("model"))
     plan = plan_consolidate(index, items, tmp_path / "out", kind=HfFolder(), max_shard_bytes=4096, nproc=2)
     waves = wave_plans(plan, 8192)
     assert len(waves) > 3 and tuple(f for w in waves for f in w.files) == plan.files
@@ -50,8 +51,9 @@ def test_wave_plans_keep_every_file_once(ws3_ckpt: Sample, tmp_path: Path) -> No
 
 
 def test_reshard_waves_cover_every_rank_file_once(ws3_ckpt: Sample, monkeypatch: pytest.MonkeyPatch) -> None:
-    index = read_index(ws3_ckpt.checkpoint, full_files=True)
-    items = prepare_items(index, TransformOptions(), GROUPS, check_crc=True, keep_layout=True)
+    source = open_checkpoint(ws3_ckpt.checkpoint, full_files=True)
+    index = source.index
+    items = prepare_items(source, TransformOptions(), GROUPS, keep_layout=True)
     plan = plan_reshard(index, items, 4, nproc=2)
     one = wave_plan(plan, frozenset({1}))
     assert {p.chunk.rank for p in one.payloads} == {1} and {p.owner for p in one.payloads} == {0, 1}

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from fsdp_convert import output_table, producers
 from fsdp_convert.errors import InvalidOptionError, OutputExistsError, OutputWriteError
 from fsdp_convert.formats import dcp
 from fsdp_convert.remote import Url, normal_url
@@ -109,7 +110,11 @@ OURS = {
     "dcp": [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"],
     "accelerate": ["pytorch_model_fsdp_0/.metadata", "pytorch_model_fsdp_0/__0_0.distcp", "optimizer_0/.metadata",
                    "scheduler.bin", "sampler_1.bin", "scaler.pt", "custom_checkpoint_0.pkl"],
+    "megatron-core": [".metadata", "__0_0.distcp", "common.pt", "metadata.json"],
+    "olmo-core": ["model_and_optim/.metadata", "model_and_optim/__1_0.distcp", "config.json", ".metadata.json"],
 }  # fmt: skip
+# what reshard asks of OUT: the output kinds' names and the producers' (its copied side files, DCP folders)
+RESHARD_FILES = output_table.own_files() | producers.own_files()
 FOREIGN = {
     "a readme": (["model.safetensors", "README.md"], "README.md"),
     "a hidden file": ([".metadata", ".git/"], ".git/"),
@@ -125,17 +130,18 @@ def test_a_folder_of_this_tools_files_looks_like_its_output(tmp_path: Path, case
     folder = _folder(tmp_path / "out", OURS[case] or ["x/"])
     if not OURS[case]:
         (folder / "x").rmdir()
-    assert foreign_entry(folder) is None
-    check_output_free(folder, overwrite=True, directory=True)
+    assert foreign_entry(folder, RESHARD_FILES) is None
+    check_output_free(folder, overwrite=True, directory=True, own_files=RESHARD_FILES)
+    check_output(folder, [], overwrite=True, own_files=RESHARD_FILES)
 
 
 @pytest.mark.parametrize("case", sorted(FOREIGN))
 def test_a_folder_holding_anything_else_needs_force(tmp_path: Path, case: str) -> None:
     names, shown = FOREIGN[case]
     folder = _folder(tmp_path / "out", names)
-    assert foreign_entry(folder) == shown
+    assert foreign_entry(folder, RESHARD_FILES) == shown
     with pytest.raises(OutputExistsError) as e:
-        check_output_free(folder, overwrite=True, directory=True)
+        check_output_free(folder, overwrite=True, directory=True, own_files=RESHARD_FILES)
     assert e.value.exit_code == 4
     assert e.value.cli_text() == (
         f"{folder} is a folder fsdp-convert did not write (it holds {shown}), which replacing it deletes: "
@@ -165,12 +171,25 @@ def test_check_output_free_rules(tmp_path: Path) -> None:
             check_output(tmp_path / link, [], overwrite=True, free=False)  # with --resume too
 
 
-def test_the_names_are_the_writers_and_readers_own() -> None:
-    """The lists a torch-free module repeats: hf_assets' allow-list, formats.dcp's accelerate folders and meta.pt."""
-    assert _output_check.HF_ASSET_FILENAMES == hf_assets.ASSET_FILENAMES
-    assert _output_check._CHAT_TEMPLATE_DIR == hf_assets.CHAT_TEMPLATE_DIR
-    assert _output_check._ACCELERATE_DIR_RE.pattern == dcp._ACCELERATE_DIR_RE.pattern
-    assert _output_check._OUR_FILE_RE.match(dcp.LIGHTNING_META_FILENAME)
+def test_the_names_are_the_tables_own() -> None:
+    """No list of its own: the output kinds' names (``--hf-assets``' included), and a producer's from its record alone."""
+    outputs = output_table.own_files()
+    assert all(outputs.file(name) for name in hf_assets.ASSET_FILENAMES)
+    templates = outputs.folder(hf_assets.CHAT_TEMPLATE_DIR)
+    assert templates is not None and templates.fullmatch("tool_use.jinja")
+    accelerate, lightning = producers.get("accelerate"), producers.get("lightning")
+    assert accelerate.folders is dcp.ACCELERATE_DIR_RE and RESHARD_FILES.folder("optimizer_0") is dcp.DCP_FILE_RE
+    assert lightning.merged is not None and RESHARD_FILES.file(lightning.merged)
+    assert not any(outputs.file(name) for name in ("meta.pt", "common.pt", "scheduler.bin", ".metadata.json"))
+    assert outputs.folder("optimizer_0") is None
+
+
+def test_the_default_names_are_the_output_kinds_alone(tmp_path: Path) -> None:
+    """A caller that names no producer's files (consolidate) replaces a folder of the output kinds' names alone."""
+    folder = _folder(tmp_path / "out", OURS["hf folder"] + OURS["lora"] + [".metadata", "__0_0.distcp"])
+    check_output_free(folder, overwrite=True, directory=True)
+    (folder / "meta.pt").write_bytes(b"")
+    assert foreign_entry(folder) == "meta.pt" and foreign_entry(folder, RESHARD_FILES) is None
 
 
 def test_it_imports_no_torch() -> None:

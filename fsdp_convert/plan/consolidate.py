@@ -11,11 +11,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.errors import InvalidOptionError, NotADcpCheckpointError
 from fsdp_convert.formats.index import CheckpointIndex, TensorEntry, check_coverage, unflatten
+from fsdp_convert.item import OutputItem
+from fsdp_convert.output_table import METADATA_FILENAME
 from fsdp_convert.outputs import FilePlan, Only, OutputKind, RequestedFormat
-from fsdp_convert.transform import OutputItem
 
 __all__ = [
     "Only",  # from outputs

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 from fsdp_convert.dtypes import ITEMSIZES, as_dtype, is_tensor
 from fsdp_convert.errors import CorruptChunkError, InvalidOptionError, UnsafeContentError, UnsupportedTransformError
-from fsdp_convert.formats import Reader, Source, open_reader
 from fsdp_convert.formats.index import (
     BytesEntry,
     CheckpointIndex,
@@ -31,15 +30,16 @@ from fsdp_convert.formats.index import (
     holds,
 )
 from fsdp_convert.formats.reader import checked_value
+from fsdp_convert.item import OutputItem
 from fsdp_convert.location import read_inside
-from fsdp_convert.producers import detect_producer, merged_files
+from fsdp_convert.producers import check_optimizer, classify, detect_producer, merged_files, optimizer_path
 from fsdp_convert.remote import read_bytes, size_of
-from fsdp_convert.roles import MEGATRON_OPTIM_PREFIX, Group, classify, dcp_key, group_of_top
-from fsdp_convert.transform import OutputItem, TransformOptions, build_items, clean_fqn, needs_group_values
+from fsdp_convert.roles import Group, dcp_key, group_of_top
+from fsdp_convert.transform import TransformOptions, build_items, clean_fqn, needs_group_values
 from fsdp_convert.writers.safetensors import safetensors_name
 
 if TYPE_CHECKING:
-    pass
+    from fsdp_convert.formats.source import Reader, Source
 
 __all__ = ["MERGED_TENSOR_MAX_BYTES", "prepare_items", "read_merged", "leave_out_model_keys"]
 
@@ -48,52 +48,50 @@ MERGED_TENSOR_MAX_BYTES = 1 << 20
 MERGED_FILE_MAX_BYTES = 256 << 20  # the side file is loaded whole: plain values and small tensors
 
 
-def _value_reader(source: CheckpointIndex | Source, check_crc: bool) -> Reader:
-    if isinstance(source, Source):
-        return source.open_reader()  # its format, decided once
-    return open_reader(source.checkpoint_id, check_crc=check_crc, full_files=True)  # the index's own format
-
-
 def prepare_items(
-    source: CheckpointIndex | Source,
+    source: Source,
     options: TransformOptions,
     groups: tuple[Group, ...],
     *,
-    check_crc: bool = True,
     keep_layout: bool = False,
+    reader: Reader | None = None,
 ) -> tuple[OutputItem, ...]:
     """Classify the entries, read the small param group values the transform needs, build the items.
 
-    Called on every rank that plans (each reads the same few values).
+    Called on every rank that plans (each reads the same few values). Every producer rule comes
+    from the records of ``producers.PRODUCERS``: the detected producer's, and the key layouts of
+    all (``producers.classify``, ``optimizer_path``, ``check_optimizer``).
 
     Args:
         source: the checkpoint (any source format: DCP, rank files, safetensors shards, a full
-            file), as its ``Source`` (read with its reader and its ``check_crc``) or its index.
+            file), its format decided once (``formats.open_checkpoint``): read with its reader
+            and its ``check_crc``.
         options: the transforms.
         groups: which groups to produce (``outputs.OutputKind.groups``).
-        check_crc: check CRC-32s of the param group payloads read (an index only).
         keep_layout: keep the producer's nesting (``reshard``; see ``transform.build_items``).
+        reader: an open reader of ``source`` to read the values with (left open); None: one is
+            opened (``Source.open_reader``) and closed here.
 
     Raises:
         UnsupportedTransformError: a ``params`` list, or a field of a flattened optimizer state
-            dict, stored as a tensor.
-        As ``transform.build_items``, and the read errors of ``Reader.read_value``
-        (MissingDataFileError, CorruptChunkError, UnsafeContentError).
+            dict, stored as a tensor; optimizer state a producer cannot put per parameter
+            (``producers.check_optimizer``).
+        As ``transform.build_items`` and ``producers.detect_producer``, and the read errors of
+        ``Reader.read_value`` (MissingDataFileError, CorruptChunkError, UnsafeContentError).
     """
-    index = source.index if isinstance(source, Source) else source
+    index = source.index
+    producer = detect_producer(index)
     slots = classify(index)
     wanted = needs_group_values(slots) if "optim" in groups else []
     tensor = next((index.entries[i] for i in wanted if not isinstance(index.entries[i], BytesEntry)), None)
     if tensor is not None:  # params lists, and a flattened state dict's fields, are regrouped by value
         raise UnsupportedTransformError(f"{tensor.fqn}: a tensor, where this tool reads a param group field as a plain value")
     values: dict[int, Any] = {}
-    if wanted:
-        with _value_reader(source, check_crc) as reader:
-            for i in wanted:
-                entry = index.entries[i]
-                assert isinstance(entry, BytesEntry)  # checked above
-                values[i] = reader.read_value(entry)
-    producer = detect_producer(index)
+    if wanted and reader is not None:
+        values = _group_values(reader, index, wanted)
+    elif wanted:
+        with source.open_reader() as opened:  # its format, decided once
+            values = _group_values(opened, index, wanted)
     # OLMo-core's unshard_checkpoint keeps its flattened optimizer state dict (producers.Producer.flat_optimizer)
     keep_flat = producer.flat_optimizer and options.layout == "producer" and options.optim_keys == "names"
     items = build_items(
@@ -105,49 +103,31 @@ def prepare_items(
         keep_layout=keep_layout or keep_flat,
         params_in_model_order=producer.params_in_model_order,
     )
-    items = _megatron_optimizer_paths(items, keep_layout)
+    items = _placed_optimizer(items, keep_layout)
     if not keep_layout and "optim" in groups:
-        _refuse_megatron_buckets(index)
+        check_optimizer(index)
     if keep_layout or options.layout != "producer" or "other" not in groups or options.adapter is not None:
         return items  # an adapter maps model weights only (transform.build_items)
     return items + _merged_items(index, items)
 
 
-def _megatron_optimizer_paths(items: tuple[OutputItem, ...], keep_layout: bool) -> tuple[OutputItem, ...]:
-    """Megatron-Core's flat optimizer keys (``optimizer.state.<name>.<key>``) placed as its loader has them.
+def _group_values(reader: Reader, index: CheckpointIndex, wanted: list[int]) -> dict[int, Any]:
+    """The plain values of the entries ``wanted`` (param group fields), read with ``reader``."""
+    values: dict[int, Any] = {}
+    for i in wanted:
+        entry = index.entries[i]
+        assert isinstance(entry, BytesEntry)  # prepare_items checked it
+        values[i] = reader.read_value(entry)
+    return values
 
-    ``build_items`` nests optimizer state under the entry's top-level key, which for Megatron's one
-    flat key is the whole key: ``consolidate`` puts it under ``optimizer`` (``{"state": {key:
-    {name: tensor}}}``, as ``FP32Optimizer.sharded_state_dict`` builds it before keying by id),
-    ``reshard`` back into one flat key (the key renamed).
-    """
+
+def _placed_optimizer(items: tuple[OutputItem, ...], keep_layout: bool) -> tuple[OutputItem, ...]:
+    """Optimizer items read from a producer's own keys, placed as its loader has them (``producers.optimizer_path``)."""
     out = []
     for item in items:
-        top = item.path[0]
-        if item.group == "optim" and item.entry.path == (top,) and isinstance(top, str) and top.startswith(MEGATRON_OPTIM_PREFIX):
-            _, _, key, name = item.path  # (the flat key, "state", model key, state name)
-            path = (f"{MEGATRON_OPTIM_PREFIX}{name}.{key}",) if keep_layout else ("optimizer", "state", key, name)
-            item = dataclasses.replace(item, path=path)
-        out.append(item)
+        path = optimizer_path(item.entry.path, item.path, keep_layout) if item.group == "optim" else None
+        out.append(item if path is None else dataclasses.replace(item, path=path))
     return tuple(out)
-
-
-# Megatron's DistributedOptimizer saved as dp_reshardable: whole flattened gradient buckets per DP rank
-_MEGATRON_BUCKET_RE = re.compile(r"optimizer\.distributed\.dp_group_idx_\d+\.(gbuf_idx_|param_state)")
-
-
-def _refuse_megatron_buckets(index: CheckpointIndex) -> None:
-    """Refuse Megatron's ``dp_reshardable`` optimizer state, which is not per parameter.
-
-    Raises:
-        UnsupportedTransformError: an entry is one of its flattened buckets.
-    """
-    bucket = next((e.fqn for e in index.entries if _MEGATRON_BUCKET_RE.match(e.fqn)), None)
-    if bucket is not None:
-        raise UnsupportedTransformError(
-            f"{bucket}: Megatron's distributed optimizer saved as dp_reshardable (flattened buckets, not per "
-            "parameter); save with distrib_optim_sharding_type fully_reshardable, or consolidate --only model"
-        )
 
 
 def _merged_location(index: CheckpointIndex) -> Path | Url | None:

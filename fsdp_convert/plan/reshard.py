@@ -12,10 +12,10 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 
-from fsdp_convert.constants import METADATA_FILENAME
 from fsdp_convert.errors import InvalidOptionError, NotADcpCheckpointError
 from fsdp_convert.formats.index import CheckpointIndex, Entry, TensorEntry, check_coverage, unflatten
-from fsdp_convert.transform import OutputItem
+from fsdp_convert.item import OutputItem
+from fsdp_convert.output_table import METADATA_FILENAME
 from fsdp_convert.writers.torch_save import PayloadPlacement, TensorSlot, tensor_payload_placement
 
 __all__ = [
