@@ -37,7 +37,7 @@ from fsdp_convert._worker_failures import PEER_LOST, error_record, failure, firs
 from fsdp_convert.errors import TerminatedError
 from fsdp_convert.signals import hold_signals, raise_or_defer
 from fsdp_convert.stall import StallWatch
-from fsdp_convert.syspath import clean_sys_path, file_modules, import_file_modules
+from fsdp_convert.syspath import clean_sys_path, dumps_naming_main, file_modules, import_file_modules, main_not_run_again
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -58,8 +58,9 @@ __all__ = [
     "run_local",
 ]
 
-# what the torch-free forkserver imports once, before it forks any worker (launch.start_worker_server)
-LIGHT_WORKER_PRELOAD = ("__main__", "fsdp_convert._local_workers")
+# what the torch-free forkserver imports once, before it forks any worker (launch.start_worker_server); never
+# "__main__": a Python whose forkserver can preload it would run the user's script there
+LIGHT_WORKER_PRELOAD = ("fsdp_convert._local_workers",)
 STOP_WAIT_S = 5.0  # a worker told to stop (SIGTERM) is killed (SIGKILL) after this many seconds
 
 
@@ -330,8 +331,10 @@ def run_local(fn: Callable[[Any, int, int, WorkerGroup], Any], job: Any, nproc: 
     """Run ``fn(job, rank, nproc, group)`` in ``nproc`` workers forked from the forkserver on this node.
 
     Start the server first (``launch.start_worker_server``: the workers share what it preloads).
-    ``fn`` and ``job`` must be picklable. The workers meet in a ``PipeGroup``; the parent watches
-    them and stops the rest as soon as one fails. Blocks until every worker exits.
+    ``fn`` and ``job`` must be picklable. The workers run the caller's main script again only
+    when ``fn`` or ``job`` names a class or function of it (``syspath.main_not_run_again``). The
+    workers meet in a ``PipeGroup``; the parent watches them and stops the rest as soon as one
+    fails. Blocks until every worker exits.
 
     Returns:
         The workers' return values, by rank.
@@ -346,14 +349,17 @@ def run_local(fn: Callable[[Any, int, int, WorkerGroup], Any], job: Any, nproc: 
     error_dir = Path(tempfile.mkdtemp(prefix="fsdp-convert-"))
     counter_path = error_dir / "counters"
     counter_path.write_bytes(bytes(_SLOTS * _SLOT.size))
-    call = _LocalCall(fn, pickle.dumps(job), file_modules(), str(error_dir), str(counter_path), dict(os.environ))
+    job_bytes, main_names = dumps_naming_main(job)
+    main_names += dumps_naming_main(fn)[1]
+    call = _LocalCall(fn, job_bytes, file_modules(), str(error_dir), str(counter_path), dict(os.environ))
     links = [ctx.Pipe() for _ in range(nproc - 1)]  # (rank 0's end, rank r's end) for r = 1..nproc-1
     pipes = [ctx.Pipe(duplex=False) for _ in range(nproc)]  # (the parent's reader, the worker's writer)
     procs: list[BaseProcess] = []
     try:
         with _signals_raise(), clean_sys_path():  # workers get sys.path without the current folder
             try:
-                with hold_signals():  # a start cut in two would leave its worker a truncated pickle
+                # a start cut in two would leave its worker a truncated pickle
+                with hold_signals(), main_not_run_again(bool(main_names)):
                     for rank in range(nproc):
                         peers = [a for a, _ in links] if rank == 0 else [links[rank - 1][1]]
                         proc = ctx.Process(target=_local_worker, args=(call, rank, nproc, peers, pipes[rank][1]))
@@ -367,7 +373,7 @@ def run_local(fn: Callable[[Any, int, int, WorkerGroup], Any], job: Any, nproc: 
                 with hold_signals():
                     _stop(procs)
         if failed:
-            raise failure(error_dir, failed, range(nproc)) from None
+            raise failure(error_dir, failed, range(nproc), main_names=main_names) from None
         return values
     finally:
         for conn in [c for pair in links + pipes for c in pair]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import signal
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 
 from fsdp_convert import errors
@@ -55,11 +56,16 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def failure(error_dir: Path, exit_codes: dict[int, int], ranks: range | None = None) -> CheckpointError:
+def failure(
+    error_dir: Path, exit_codes: dict[int, int], ranks: range | None = None, *, main_names: Sequence[str] = ()
+) -> CheckpointError:
     """The root cause of a failed launch, from the workers' error records and exit codes.
 
     ``ranks``: every rank of the job when this node holds them all (one node), so a worker that
     died without a word is named even when the launcher reported only the peers it broke.
+    ``main_names``: what the job names of the caller's main script, which each worker ran again
+    before its job (``syspath.dumps_naming_main``): a worker that exited non-zero without a word
+    failed there.
     """
     records = sorted((json.loads(p.read_text()) for p in error_dir.glob("rank*.json")), key=lambda r: r["rank"])
     # a CheckpointError is the root cause; the others are peers torn down after it
@@ -72,6 +78,12 @@ def failure(error_dir: Path, exit_codes: dict[int, int], ranks: range | None = N
     # a worker that died without a word (SIGKILL, out of memory) broke the others' connections
     reported = {r["rank"] for r in records}
     for rank, code in sorted(exit_codes.items()):
+        if rank not in reported and main_names and code > 0:
+            return WorkerFailedError(
+                f"worker rank {rank} failed ({describe_exit(code)}) running your script's top level again, as each worker "
+                f'does to load {main_names[0]} from it: put the call under `if __name__ == "__main__":`, '
+                f"or move {main_names[0]} into a module of its own"
+            )
         if rank not in reported:
             return WorkerFailedError(f"worker rank {rank} died without a report ({describe_exit(code)}; out of memory?)")
     silent = [rank for rank in ranks or () if rank not in reported]

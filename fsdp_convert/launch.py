@@ -59,12 +59,12 @@ Job = TypeVar("Job")
 def start_worker_server(*modules: str) -> None:
     """Start the forkserver local workers are forked from, importing what they need once there; returns at once.
 
-    Its preload: ``_local_workers.LIGHT_WORKER_PRELOAD`` (no torch), the modules the main script
-    imports (each worker runs the main script again, and Python 3.11's forkserver cannot preload
-    ``__main__``: it looks for a ``main_path`` key its preparation data never has), and ``modules``
-    (the job function's). The server keeps the environment of its start, so ``PYTHONWARNINGS``
-    gets the workers' filters first, and ``sys.path`` without the current folder
-    (``syspath.clean_sys_path``). A server already running is kept, with its preload.
+    Its preload: ``_local_workers.LIGHT_WORKER_PRELOAD`` (no torch, no ``__main__``), the modules
+    the main script imports (for a job that names something of the main script, whose workers run
+    it again: ``syspath.main_not_run_again``), and ``modules`` (the job function's). The server
+    keeps the environment of its start, so ``PYTHONWARNINGS`` gets the workers' filters first, and
+    ``sys.path`` without the current folder (``syspath.clean_sys_path``). A server already running
+    is kept, with its preload.
     """
     import multiprocessing.forkserver
 
@@ -75,7 +75,7 @@ def start_worker_server(*modules: str) -> None:
 
 
 def _main_script_imports() -> list[str]:
-    """The modules (already imported here) that the main script's names come from, if each worker runs it again.
+    """The modules (already imported here) that the main script's names come from, for workers that run it again.
 
     A worker runs a script again (``fsdp-convert``'s console script, a user's ``train.py``), not
     ``python -m pkg``'s ``pkg.__main__`` nor ``python -c``. Only modules imported here are named:

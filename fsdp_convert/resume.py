@@ -41,6 +41,7 @@ from fsdp_convert.progress import OFF, Bars
 from fsdp_convert.writers.dcp import rank_filename
 from fsdp_convert.writers.transaction import (
     Fingerprint,
+    NamedOptions,
     Record,
     RecordLog,
     RecordMap,
@@ -58,6 +59,7 @@ __all__ = [
     "source_digest",
     "consolidate_fingerprint",
     "reshard_fingerprint",
+    "named_options",
     "ResumeState",
     "begin_share",
     "RecordLogger",
@@ -119,7 +121,9 @@ def source_digest(index: CheckpointIndex, items: tuple[OutputItem, ...]) -> Sour
                 while block := f.read(1 << 20):
                     sha.update(block)
             meta = sha.digest()
-    return SourceDigest.of(digest(meta, [(item.entry, item.sources) for item in items]), index)
+    checkpoint = digest(meta) if meta else digest(list(index.entries))  # the .metadata lists every entry
+    read = SourceDigest.of(digest(meta, [(item.entry, item.sources) for item in items]), index)
+    return SourceDigest(read.digest, read.files, read.root, checkpoint)
 
 
 def begin_share(
@@ -215,7 +219,14 @@ def _start(tmp: Path, state: ResumeState) -> None:
     if not state.resume:
         record_map = fingerprint.record_map
         records = [r for _, r in record_map.records]
-        start_manifest(tmp, source=fingerprint.source, options=fingerprint.options, files=record_map.sizes, records=records)
+        start_manifest(
+            tmp,
+            source=fingerprint.source,
+            options=fingerprint.options,
+            files=record_map.sizes,
+            records=records,
+            named=fingerprint.named,
+        )
         return
     fingerprint.check(tmp)
     _remove_last_files(tmp, set(fingerprint.record_map.sizes))
@@ -280,15 +291,47 @@ def options_of(items: tuple[OutputItem, ...], *extra: object) -> object:
     return (extra, [(i.path, i.group, i.dtype, i.is_tensor and i.shape, i.constant, i.value, i.derived) for i in items])
 
 
+# the options each field of an item comes from, as a resume names them when it differs
+SELECTED = "--include/--exclude"
+DTYPE = {"model": "--dtype", "optim": "--optim-dtype", "other": "--dtype"}
+NAMES = "--rename/--adapter/--layout/--optim-keys/--keep-wrapper-names"
+VALUES = "--merge-lora/--dequantize/--quantize/--unstack-layers/--adapter/--optim-keys"
+
+
+def named_options(items: tuple[OutputItem, ...], **whole: object) -> NamedOptions:
+    """``options_of`` by option: per group of the items, the entries it reads and each field; ``whole`` by option name.
+
+    Args:
+        items: the plan's items.
+        whole: per option (``--format``), what it sets for the whole output.
+    """
+    groups: dict[str, dict[str, str]] = {}
+    for group in sorted({i.group for i in items}):
+        mine = [i for i in items if i.group == group]
+        groups[group] = {  # the selection first: the other fields are compared only where it is the same
+            SELECTED: digest([(i.entry, i.sources) for i in mine]),
+            DTYPE[group]: digest([i.dtype for i in mine]),
+            NAMES: digest([i.path for i in mine]),
+            VALUES: digest([(i.is_tensor and i.shape, i.constant, i.value, i.derived) for i in mine]),
+        }
+    return NamedOptions({name: digest(value) for name, value in whole.items()}, groups)
+
+
 def consolidate_fingerprint(index: CheckpointIndex, plan: WorkPlan) -> Fingerprint:
     """A consolidation's fingerprint: its record map, and its options (a LoRA merge's rounding depends on the buffer size)."""
     combine = any(i.derived is not None and i.derived.combine is not None for i in plan.items)
-    options = options_of(plan.items, plan.output_format, plan.piece_bytes if combine else None)
-    return Fingerprint(record_map=consolidate_record_map(plan), source=source_digest(index, plan.items), options=digest(options))
+    piece_bytes = plan.piece_bytes if combine else None
+    options = options_of(plan.items, plan.output_format, piece_bytes)
+    named = named_options(plan.items, **{"--format/--lora-only": plan.output_format, "--memory-budget": piece_bytes})
+    source = source_digest(index, plan.items)
+    return Fingerprint(record_map=consolidate_record_map(plan), source=source, options=digest(options), named=named)
 
 
 def reshard_fingerprint(index: CheckpointIndex, plans: tuple[tuple[str, ReshardPlan], ...], compress: str | None) -> Fingerprint:
     """A reshard's fingerprint: its rank files' payloads, and its options (items, target world size, compression)."""
     items = tuple(item for _, plan in plans for item in plan.items)
-    options = options_of(items, [(sub, plan.target_world_size) for sub, plan in plans], compress)
-    return Fingerprint(record_map=reshard_record_map(plans), source=source_digest(index, items), options=digest(options))
+    sizes = [(sub, plan.target_world_size) for sub, plan in plans]
+    options = options_of(items, sizes, compress)
+    named = named_options(items, **{"--world-size": sizes, "--compress": compress})
+    source = source_digest(index, items)
+    return Fingerprint(record_map=reshard_record_map(plans), source=source, options=digest(options), named=named)

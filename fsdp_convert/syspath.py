@@ -7,21 +7,34 @@ parent's ``sys.path`` to every worker. Run from a checkpoint folder (``cd CKPT &
 start with ``worker_sys_path()``: no folder the user did not install from (``clean_sys_path``
 while they start), and the one module the user named from a folder (``--adapter module:function``)
 is imported from its file (``import_file_module``) and again from that file in each worker
-(``file_modules``, ``import_file_modules``), never by putting its folder on ``sys.path``.
+(``file_modules``, ``import_file_modules``), never by putting its folder on ``sys.path``. Nor do
+workers run the user's main script again unless their job names something of it
+(``dumps_naming_main``, ``main_not_run_again``).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import io
 import os
+import pickle
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from multiprocessing import process
 from pathlib import Path
-from types import ModuleType
+from types import FunctionType, ModuleType
+from typing import Any
 
-__all__ = ["worker_sys_path", "clean_sys_path", "import_file_module", "file_modules", "import_file_modules"]
+__all__ = [
+    "worker_sys_path",
+    "clean_sys_path",
+    "import_file_module",
+    "file_modules",
+    "import_file_modules",
+    "dumps_naming_main",
+    "main_not_run_again",
+]
 
 # the folder this package was imported from (site-packages, or an editable checkout): installed, so kept
 _PACKAGE_HOME = os.path.realpath(Path(__file__).parents[1])
@@ -117,3 +130,52 @@ def import_file_modules(modules: Mapping[str, tuple[str, bool]]) -> None:
     for name, (file, package) in modules.items():
         if name not in sys.modules:
             import_file_module(name, Path(file), package=package)
+
+
+_MAIN_MODULES = ("__main__", "__mp_main__")  # the user's main module, and its name where multiprocessing runs it again
+
+
+class _MainSpotter(pickle.Pickler):
+    """``pickle.Pickler``, noting the classes and functions it pickles by name from the user's main module."""
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        self.main_names: list[str] = []
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (type, FunctionType)) and obj.__module__ in _MAIN_MODULES:
+            self.main_names.append(obj.__qualname__)
+        return NotImplemented  # pickled as pickle.Pickler does
+
+
+def dumps_naming_main(obj: Any) -> tuple[bytes, list[str]]:
+    """``pickle.dumps(obj)``, and the classes and functions of the user's main module it names (a worker finds them only there).
+
+    Raises:
+        pickle.PicklingError: and whatever else ``pickle.dumps`` raises.
+    """
+    buf = io.BytesIO()
+    spotter = _MainSpotter(buf)
+    spotter.dump(obj)
+    return buf.getvalue(), spotter.main_names
+
+
+@contextmanager
+def main_not_run_again(needed: bool) -> Iterator[None]:
+    """While workers start: unless ``needed``, they do not run the user's main script (or ``python -m`` module) again.
+
+    ``multiprocessing`` has each new worker run the parent's main module again, as ``__mp_main__``,
+    for what its job pickled by name from there: a script's top level that is not under
+    ``if __name__ == "__main__":`` then runs in every worker. A job that names nothing of it
+    (``dumps_naming_main``) needs none of it: while its workers start, ``sys.modules["__main__"]``
+    is a stand-in with no file, so what they are sent names no main module. Restored after.
+    """
+    main = sys.modules.get("__main__")
+    if needed or main is None:
+        yield
+        return
+    sys.modules["__main__"] = ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main

@@ -110,7 +110,7 @@ MUTATIONS: list[Mutation] = [
         "existing-output-overwritten",
         "An existing OUT is an error (exit 4) unless --overwrite",
         "fsdp_convert/writers/_output_check.py",
-        "    if not overwrite:\n        raise OutputExistsError",
+        "    if not overwrite and not (is_dir and directory is not False and _empty(output) and not _mount_point(output)):\n        raise OutputExistsError",
         "    if False:\n        raise OutputExistsError",
         "tests/cli/test_precheck.py::test_output_checks_as_the_library_says",
     ),
@@ -333,7 +333,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "verify-tolerance-nan-unequal",
         "Tensors must match in dtype, shape and bits (or within `--atol`/`--rtol`)",
-        "fsdp_convert/ops/verify.py",
+        "fsdp_convert/ops/_compare.py",
         "equal_nan=True",
         "equal_nan=False",
         "tests/integration/test_consolidate.py::test_verify_reports_differing_missing_and_extra",
@@ -341,7 +341,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "verify-detail-nan-max",
         "Exit 0 when equal, 1 with a table (or `--json`) of the differing, missing (only in A) and extra (only in B) keys.",
-        "fsdp_convert/ops/verify.py",
+        "fsdp_convert/ops/_compare.py",
         "diff = torch.where(alike | nan_a | nan_b, 0.0, (values_a - values_b).abs()).max().item()",
         "diff = torch.where((values_a == values_b) | (nan_a ^ nan_b), 0.0, (values_a - values_b).abs()).max().item()",
         "tests/integration/test_consolidate.py::test_verify_reports_differing_missing_and_extra",
@@ -962,6 +962,23 @@ MUTATIONS: list[Mutation] = [
         "table.add_row(*(Text(escape_controls(cell)) for cell in (d.key, d.kind, d.detail)))",
         "table.add_row(*(Text(cell) for cell in (d.key, d.kind, d.detail)))",
         "tests/redteam/test_messages.py::test_verify_shows_escaped_names_and_json_keeps_them",
+    ),
+    # --- one home for each fact: the tables decide (docs/architecture.md) ---
+    Mutation(
+        "own-files-without-producers",
+        "docs/architecture.md: `--overwrite` replaces, without `--force`, a folder holding every output row's files and every producer's copied side files",
+        "fsdp_convert/producers/__init__.py",
+        'files = [DCP_FILE_RE, *(s.pattern for p in PRODUCERS for s in p.side_files if s.action == "copy")]',
+        "files = [DCP_FILE_RE]",
+        "tests/integration/test_reshard_overwrite_own.py::test_reshard_overwrite_onto_its_own_output_needs_no_force[megatron-core]",
+    ),
+    Mutation(
+        "format-names-not-from-the-table",
+        "docs/architecture.md: the `--format` name of a new output row is taken and listed by the CLI from the table",
+        "fsdp_convert/output_table.py",
+        'return tuple(dict.fromkeys(("auto", *(row.format for row in OUTPUT_ROWS if row.format is not None))))',
+        'return ("auto", "torch", "safetensors")',
+        "tests/unit/test_output_kind_extension.py::test_a_folder_kind_with_its_own_format_name",
     ),
 ]
 

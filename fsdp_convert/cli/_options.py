@@ -11,22 +11,28 @@ import typer
 from fsdp_convert.cli._errors import handle_errors
 from fsdp_convert.cli._precheck import dtype_name
 from fsdp_convert.errors import InvalidOptionError
+from fsdp_convert.output_table import EXTRA_STATE_FILENAME, OPTIMIZER_FILENAME
 
 # transform imports torch: it is imported where used, so --help, --version and usage errors start without it
 if TYPE_CHECKING:
     from fsdp_convert.transform import TransformOptions
 
 __all__ = [
-    "OUTPUT", "SELECTION", "CASTING", "ADAPTERS", "LORA", "PERFORMANCE", "SAFETY", "MULTI_NODE", "Choice", "OnlyChoice",
+    "OUTPUT", "FOLDER_OUTPUT", "SELECTION", "TRANSFORMS", "CASTING", "ADAPTERS", "LORA", "PERFORMANCE", "SAFETY",
+    "MULTI_NODE", "Choice", "OnlyChoice",
     "OptimKeysChoice", "LayoutChoice", "DtypeChoice", "choice_option", "parse_size", "CheckpointArg",
     "OutputArg", "JsonOpt", "MemoryBudgetOpt", "ProgressOpt", "NoCrcOpt", "FollowSymlinksOpt", "OptimKeysOpt", "LayoutOpt",
     "KeepWrapperNamesOpt", "UnstackLayersOpt", "DequantizeOpt", "QuantizeOpt", "RenameOpt", "IncludeOpt", "ExcludeOpt",
     "DtypeOpt", "OptimDtypeOpt", "transform_options", "AdapterOpt", "ModelConfigOpt", "AdapterOptionOpt", "with_adapter",
 ]  # fmt: skip
 
-# --help's panels, in the order a command first names them (rich_help_panel); the rest is "Options"
+# --help's panels, in the order a command first names them (rich_help_panel); the rest is "Options". In each
+# panel the description column is what the longest option name and the longest value name leave of 80
+# columns: an option with a long name and one with a long value go to different panels.
 OUTPUT = "Output"
+FOLDER_OUTPUT = "Folder output (Hugging Face)"
 SELECTION = "Selection & renaming"
+TRANSFORMS = "Transforms"
 CASTING = "Casting"
 ADAPTERS = "Adapters"
 LORA = "LoRA (PEFT)"
@@ -171,7 +177,9 @@ OutputArg = Annotated[
     str,
     typer.Argument(
         metavar="OUT",
-        help="A .pt/.pth/.bin file (torch.save), a .safetensors file, or a folder (HF shards + index).",
+        help="A .pt/.pth/.bin file (torch.save), a .safetensors file (the model only), or a folder: Hugging Face "
+        f"safetensors shards and their index, with {OPTIMIZER_FILENAME} (the optimizer state) and {EXTRA_STATE_FILENAME} "
+        "(any other entries) beside them unless --only model.",
         show_default=False,
     ),
 ]
@@ -192,7 +200,6 @@ ProgressOpt = Annotated[
         metavar="",
         help="Progress bars on stderr. \\[default: when stderr is a terminal, without --json or -q]",
         show_default=False,
-        rich_help_panel=PERFORMANCE,
     ),
 ]
 NoCrcOpt = Annotated[
@@ -221,7 +228,7 @@ OptimKeysOpt = Annotated[
         OptimKeysChoice,
         "--optim-keys",
         help="Optimizer state keyed by parameter FQN (names) or by id (ids, as Optimizer.state_dict gives it).",
-        rich_help_panel=OUTPUT,
+        rich_help_panel=SELECTION,
     ),
 ]
 LayoutOpt = Annotated[
@@ -239,7 +246,7 @@ KeepWrapperNamesOpt = Annotated[
         "--keep-wrapper-names",
         metavar="",
         help="Keep wrapper parts (_fsdp_wrapped_module., _orig_mod., ...) and a leading module. in FQNs.",
-        rich_help_panel=SELECTION,
+        rich_help_panel=TRANSFORMS,
     ),
 ]
 UnstackLayersOpt = Annotated[
@@ -249,7 +256,7 @@ UnstackLayersOpt = Annotated[
         metavar="",
         help="Write each layer of tensors stacked on a layer dim (Megatron-Core's decoder.layers.<name>) as "
         "decoder.layers.<i>.<name>, optimizer state too; before --rename.",
-        rich_help_panel=SELECTION,
+        rich_help_panel=TRANSFORMS,
     ),
 ]
 DequantizeOpt = Annotated[
@@ -257,8 +264,9 @@ DequantizeOpt = Annotated[
     typer.Option(
         "--dequantize",
         metavar="",
-        help="Dequantize block FP8 weights (DeepSeek-V3's) to float32, then --adapter, --dtype; implied by hf-to-torchtitan-*.",
-        rich_help_panel=SELECTION,
+        help="Dequantize block FP8 weights (DeepSeek-V3's) to float32, first (then --adapter, --dtype); "
+        "implied by hf-to-torchtitan-*.",
+        rich_help_panel=CASTING,
     ),
 ]
 QuantizeOpt = Annotated[
@@ -276,7 +284,7 @@ RenameOpt = Annotated[
     typer.Option(
         "--rename",
         metavar="REGEX=REPLACEMENT",
-        help="Rename parameter FQNs with re.sub; repeatable, applied in order, before --adapter.",
+        help="Rename parameter FQNs with re.sub (applied in order, before --adapter); repeatable.",
         show_default=False,
         rich_help_panel=SELECTION,
     ),

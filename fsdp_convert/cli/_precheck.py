@@ -3,7 +3,8 @@
 They run before torch is imported (seconds on a cold cache), so a usage mistake is told at once.
 Each repeats a rule the library applies again later, in the same words, for callers of the
 library: ``transform.parse_dtype`` (``constants.DTYPE_NAMES``) and ``transform.parse_rename``;
-``formats.dcp.read_dcp_index`` and ``ops.verify.open_source`` (a missing input). OUT's kind and
+``formats.dcp.read_dcp_index`` and ``ops.verify.open_source`` (a missing input);
+``formats.check_not_one_dcp_file`` (one file of a DCP folder given as the checkpoint). OUT's kind and
 what it refuses are the library's own functions, which import no torch: the outputs table's
 ``output_table.choose_row`` (which ``outputs.output_kind`` calls), ``check_only`` and
 ``check_verifiable``; OUT itself is checked by ``writers.check_output`` (not an input or around one,
@@ -18,6 +19,7 @@ import re
 from pathlib import Path
 
 from fsdp_convert.errors import CheckpointNotFoundError, InvalidOptionError
+from fsdp_convert.formats import check_not_one_dcp_file  # a name and a stat: no torch
 from fsdp_convert.output_table import check_only, check_verifiable, choose_row
 from fsdp_convert.outputs import own_files  # the tables, without torch
 from fsdp_convert.writers import check_output
@@ -114,14 +116,20 @@ def _local(location: str) -> Path | None:
 
 
 def check_checkpoint(checkpoint: str) -> None:
-    """Check that a local checkpoint path exists (``formats.dcp.read_dcp_index``'s first check).
+    """Check that a local checkpoint path exists and is not one file of a DCP folder.
+
+    ``formats.dcp.read_dcp_index``'s first check, and ``formats.open_checkpoint``'s
+    (``formats.check_not_one_dcp_file``).
 
     Raises:
         CheckpointNotFoundError: no such local path.
+        NotADcpCheckpointError: ``.metadata`` or a ``__<rank>_<n>.distcp`` file, not its folder.
     """
     root = _local(checkpoint)
     if root is not None and not root.exists():
         raise CheckpointNotFoundError(f"{root} does not exist")
+    if root is not None:
+        check_not_one_dcp_file(root)
 
 
 def check_consolidate(
@@ -143,16 +151,17 @@ def check_consolidate(
     (``output_table.choose_row``: ``--lora-only`` has a folder OUT), which ``--verify`` reads back
     and whose groups ``--only`` names; OUT passes ``check_output`` (with ``--resume``, whether OUT
     is free is left to the library). An explicit ``--format`` is left to the library, which
-    checks OUT once it is known free.
+    checks OUT once it is known free; ``check_output`` takes a name with a file suffix as a file.
 
     Raises:
         CheckpointNotFoundError: no such local checkpoint path.
+        NotADcpCheckpointError: the checkpoint is one file of a DCP folder.
         InvalidOptionError: an unknown suffix, ``--lora-only`` with a file OUT or ``--verify``,
             optimizer state into a ``.safetensors`` file; OUT is the checkpoint or ``--hf-assets``,
-            inside one or one of their folders.
-        OutputExistsError: OUT is a link; a local OUT exists, without ``--overwrite`` or ``--resume``;
-            a folder not this tool's, without ``--force``.
-        OutputWriteError: an existing folder where a file is wanted.
+            inside one or one of their folders; OUT's folder does not exist; an existing folder
+            where a file is wanted.
+        OutputExistsError: OUT is a link; a local OUT exists (but for an empty folder, for a folder
+            output), without ``--overwrite`` or ``--resume``; a folder not this tool's, without ``--force``.
     """
     check_checkpoint(checkpoint)
     out = _local(output)
@@ -176,13 +185,15 @@ def check_consolidate(
 
 
 def check_reshard(checkpoint: str, output: str, *, overwrite: bool, resume: bool, force: bool = False) -> None:
-    """What ``ops.reshard.reshard`` checks first: the checkpoint exists and OUT passes ``check_output``.
+    """What ``ops.reshard.reshard`` checks first: the checkpoint exists and OUT passes ``check_output`` as a folder.
 
     Raises:
         CheckpointNotFoundError: no such local checkpoint path.
-        InvalidOptionError: OUT is the checkpoint, inside it or one of its folders.
-        OutputExistsError: OUT is a link; a local OUT exists, without ``--overwrite`` or ``--resume``; a
-            folder not this tool's, without ``--force``.
+        NotADcpCheckpointError: the checkpoint is one file of a DCP folder.
+        InvalidOptionError: OUT is the checkpoint, inside it or one of its folders; OUT's folder
+            does not exist; OUT has a file suffix (``.pt``...), which a DCP folder does not take.
+        OutputExistsError: OUT is a link; a local OUT exists (but for an empty folder), without
+            ``--overwrite`` or ``--resume``; a folder not this tool's, without ``--force``.
     """
     check_checkpoint(checkpoint)
     check_output(output, (checkpoint,), overwrite=overwrite, force=force, directory=True, free=not resume, own_files=own_files())

@@ -1,4 +1,4 @@
-"""``-v`` / ``-q``: how much the CLI logs on stderr, given before the command or after it (as pip and hf take them)."""
+"""``-v`` / ``-q`` / ``--debug``: how much the CLI says on stderr, before the command or after it (as pip and hf take them)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from typing import Annotated
 import typer
 from rich.logging import RichHandler
 
+from fsdp_convert.cli._errors import set_debug
 from fsdp_convert.cli._output import err_console
 from fsdp_convert.cli._terminal import escape_controls
 
-__all__ = ["VerboseOpt", "QuietOpt", "set_verbosity", "quiet_requested", "show_progress"]
+__all__ = ["VerboseOpt", "QuietOpt", "DebugOpt", "set_verbosity", "quiet_requested", "show_progress"]
 
-_COUNTS = {"verbose": 0, "quiet": 0}
+_COUNTS = {"verbose": 0, "quiet": 0, "debug": 0}
 
 VerboseOpt = Annotated[
     int,
@@ -27,17 +28,26 @@ QuietOpt = Annotated[
     typer.Option("--quiet", "-q", count=True, metavar="", show_default=False, help="Errors only on stderr, no progress bars."),
 ]
 
+DebugOpt = Annotated[
+    bool,
+    typer.Option("--debug", metavar="", envvar="FSDP_CONVERT_DEBUG", help="Show tracebacks on errors."),
+]
 
-def set_verbosity(verbose: int, quiet: int, *, reset: bool = False) -> None:
-    """Add ``-v``/``-q`` counts (``reset``: the app's, given before the command, come first) and set the log level.
+
+def set_verbosity(verbose: int, quiet: int, debug: bool = False, *, reset: bool = False) -> None:
+    """Add ``-v``/``-q`` counts and ``--debug`` (``reset``: the app's, given before the command, come first); set the log level.
+
+    ``--debug`` before or after the command shows tracebacks (``_errors.set_debug``).
 
     The level of the ``fsdp_convert`` logger, whose records a rich handler writes to stderr:
     ``-vv`` DEBUG, ``-v`` INFO, WARNING by default, ``-q`` ERROR; one ``-v`` and one ``-q`` cancel.
     """
     if reset:
-        _COUNTS.update(verbose=0, quiet=0)
+        _COUNTS.update(verbose=0, quiet=0, debug=0)
     _COUNTS["verbose"] += verbose
     _COUNTS["quiet"] += quiet
+    _COUNTS["debug"] += debug
+    set_debug(_COUNTS["debug"] > 0)
     net = _COUNTS["verbose"] - _COUNTS["quiet"]
     level = logging.DEBUG if net > 1 else logging.INFO if net == 1 else logging.WARNING if net == 0 else logging.ERROR
     root = logging.getLogger("fsdp_convert")

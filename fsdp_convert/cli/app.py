@@ -6,16 +6,16 @@ import signal
 import sys
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as distribution_version
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from typer.core import TyperCommand, TyperGroup, TyperOption
 
 from fsdp_convert.cli import verify_cmd
-from fsdp_convert.cli._errors import set_debug
 from fsdp_convert.cli._output import console, err_console
 from fsdp_convert.cli._precheck import check_argv
 from fsdp_convert.cli._terminal import escape_controls
-from fsdp_convert.cli._verbosity import QuietOpt, VerboseOpt, set_verbosity
+from fsdp_convert.cli._verbosity import DebugOpt, QuietOpt, VerboseOpt, set_verbosity
 from fsdp_convert.cli.consolidate_cmd import consolidate_command
 from fsdp_convert.cli.inspect_cmd import inspect_command
 from fsdp_convert.cli.reshard_cmd import reshard_command
@@ -37,7 +37,34 @@ EXIT_CODES = """Exit codes:
   130  interrupted (143: SIGTERM, 129: SIGHUP)
 Errors are one line on stderr; --debug adds the traceback."""
 
+
+def _no_flag_types(params: list[Any]) -> list[Any]:
+    """``params`` with typer's own flags (``--help``, ``--install-completion``, ...) shown without a type, as ours are.
+
+    ``--help`` would show them as ``--help <bool>``; a flag takes no value, so it shows none.
+    """
+    for param in params:
+        if isinstance(param, TyperOption) and param.is_flag and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class _Group(TyperGroup):
+    """The app: its ``--help`` shows no type for a flag."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _no_flag_types(super().get_params(ctx))
+
+
+class _Command(TyperCommand):
+    """A command: its ``--help`` shows no type for a flag."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _no_flag_types(super().get_params(ctx))
+
+
 app = typer.Typer(
+    cls=_Group,
     name="fsdp-convert",
     help="Inspect, consolidate, reshard and verify PyTorch distributed (DCP / FSDP) checkpoints.",
     epilog=EXIT_CODES,
@@ -74,18 +101,15 @@ def _global_options(
     ] = False,
     verbose: VerboseOpt = 0,
     quiet: QuietOpt = 0,
-    debug: Annotated[
-        bool, typer.Option("--debug", metavar="", envvar="FSDP_CONVERT_DEBUG", help="Show tracebacks on errors.")
-    ] = False,
+    debug: DebugOpt = False,
 ) -> None:
-    set_debug(debug)
-    set_verbosity(verbose, quiet, reset=True)
+    set_verbosity(verbose, quiet, debug, reset=True)
 
 
-app.command("inspect", epilog=EXIT_CODES)(inspect_command)
-app.command("consolidate", epilog=EXIT_CODES)(consolidate_command)
-app.command("reshard", epilog=EXIT_CODES)(reshard_command)
-app.command("verify", epilog=verify_cmd.EXIT_CODES)(verify_cmd.verify_command)
+app.command("inspect", cls=_Command, epilog=EXIT_CODES)(inspect_command)
+app.command("consolidate", cls=_Command, epilog=EXIT_CODES)(consolidate_command)
+app.command("reshard", cls=_Command, epilog=EXIT_CODES)(reshard_command)
+app.command("verify", cls=_Command, epilog=verify_cmd.EXIT_CODES)(verify_cmd.verify_command)
 
 
 def _on_terminate(signum: int, frame: object) -> None:

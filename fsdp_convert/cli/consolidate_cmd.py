@@ -8,6 +8,7 @@ import typer
 
 from fsdp_convert.cli._errors import handle_errors, rank_prefix
 from fsdp_convert.cli._options import (
+    FOLDER_OUTPUT,
     LORA,
     OUTPUT,
     SAFETY,
@@ -40,7 +41,7 @@ from fsdp_convert.cli._options import (
     transform_options,
     with_adapter,
 )
-from fsdp_convert.cli._output import command_help, human_bytes, print_result
+from fsdp_convert.cli._output import command_help, console, human_bytes, print_json, print_result
 from fsdp_convert.cli._precheck import check_consolidate, check_lora_flags, check_nodes, check_rename, check_unstack
 from fsdp_convert.cli._run_options import (
     NPROC_DEFAULT,
@@ -60,12 +61,14 @@ from fsdp_convert.cli._run_options import (
     start_workers_early,
     workers,
 )
-from fsdp_convert.cli._verbosity import QuietOpt, VerboseOpt, set_verbosity, show_progress
+from fsdp_convert.cli._terminal import escape_controls
+from fsdp_convert.cli._verbosity import DebugOpt, QuietOpt, VerboseOpt, set_verbosity, show_progress
 from fsdp_convert.held_roots import following_symlinks
 from fsdp_convert.output_table import check_format, format_names
 
 if TYPE_CHECKING:
     from fsdp_convert.ops.consolidate import ConsolidateResult
+    from fsdp_convert.ops.dry_run import RunPlan
     from fsdp_convert.transform import TransformOptions
 
 # one line each, under 78 columns, so --help never breaks a command in two
@@ -93,7 +96,7 @@ MaxShardSizeOpt = Annotated[
         "--max-shard-size",
         metavar="SIZE",
         help="Largest shard of a folder OUT (GB as in transformers, or GiB).",
-        rich_help_panel=OUTPUT,
+        rich_help_panel=FOLDER_OUTPUT,
     ),
 ]
 
@@ -140,7 +143,7 @@ HfAssetsOpt = Annotated[
         metavar="DIR",
         help="Copy this model folder's config and tokenizer files beside a folder OUT's shards, so "
         "from_pretrained(OUT) loads it.",
-        rich_help_panel=OUTPUT,
+        rich_help_panel=FOLDER_OUTPUT,
     ),
 ]
 VerifyOutputOpt = Annotated[
@@ -149,6 +152,15 @@ VerifyOutputOpt = Annotated[
         "--verify",
         metavar="",
         help="Read OUT back and compare it with the checkpoint before moving it in place.",
+        rich_help_panel=SAFETY,
+    ),
+]
+DryRunOpt = Annotated[
+    bool,
+    typer.Option(
+        "--dry-run",
+        metavar="",
+        help="Print the plan (files and sizes, workers, peak memory, free space, time) and exit; nothing is written.",
         rich_help_panel=SAFETY,
     ),
 ]
@@ -225,6 +237,15 @@ def _with_lora(
     return dataclasses.replace(options, adapter=LoraAdapter(lora))
 
 
+def print_plan(plan: RunPlan, *, json_output: bool) -> None:
+    """``--dry-run``'s plan on stdout (``consolidate`` and ``reshard``): one JSON document with ``--json``, else its lines."""
+    if json_output:
+        print_json(plan.to_json_dict())
+        return
+    for line in plan.lines():
+        console.print(escape_controls(line), markup=False, highlight=False)
+
+
 def consolidate(*args: Any, **kwargs: Any) -> ConsolidateResult:
     """``ops.consolidate.consolidate``, imported on first call, so ``--help`` and ``--version`` start without torch."""
     from fsdp_convert.ops.consolidate import consolidate as operation
@@ -274,12 +295,14 @@ def consolidate_command(
     rdzv_backend: RdzvBackendOpt = RdzvBackendChoice.c10d,
     rdzv_endpoint: RdzvEndpointOpt = "",
     rdzv_id: RdzvIdOpt = "",
+    dry_run: DryRunOpt = False,
     json_output: JsonOpt = False,
     verbose: VerboseOpt = 0,
     quiet: QuietOpt = 0,
+    debug: DebugOpt = False,
 ) -> None:
     """Write the full (unsharded) model and optimizer state of CHECKPOINT_DIR into OUT."""
-    set_verbosity(verbose, quiet)
+    set_verbosity(verbose, quiet, debug)
     with handle_errors(), following_symlinks(follow_symlinks):
         # what needs no torch first (cli._precheck), so a usage mistake is told at once
         memory_budget_bytes, max_shard_bytes = parse_size(memory_budget), parse_size(max_shard_size)
@@ -303,7 +326,7 @@ def consolidate_command(
         )
         # its imports overlap ours from here on; no torch_ready(): a plain conversion never imports torch
         computes = bool(dtype or optim_dtype or adapter or merge_lora or dequantize or quantize)
-        start_workers_early(nproc, "fsdp_convert.ops._consolidate_rank", torch=computes)
+        start_workers_early(None if dry_run else nproc, "fsdp_convert.ops._consolidate_rank", torch=computes)
         transform = transform_options(
             optim_keys=optim_keys,
             keep_wrapper_names=keep_wrapper_names,
@@ -338,6 +361,11 @@ def consolidate_command(
             cluster=cluster_options(nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id),
             hf_assets=hf_assets,
         )
+        if dry_run:  # the run's own stages up to its lock (ops.dry_run): nothing is created
+            from fsdp_convert.ops.dry_run import dry_run_consolidate
+
+            print_plan(dry_run_consolidate(checkpoint, output, options), json_output=json_output)
+            return
         result = consolidate(checkpoint, output, options)
     print_result(
         result,

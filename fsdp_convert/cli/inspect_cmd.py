@@ -12,12 +12,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from fsdp_convert import producers
 from fsdp_convert.cli._errors import handle_errors, torch_ready
 from fsdp_convert.cli._options import CheckpointArg, FollowSymlinksOpt, JsonOpt
 from fsdp_convert.cli._output import command_help, console, human_bytes, print_json, shorten_middle
 from fsdp_convert.cli._precheck import check_checkpoint
 from fsdp_convert.cli._terminal import escape_controls
-from fsdp_convert.cli._verbosity import QuietOpt, VerboseOpt, set_verbosity
+from fsdp_convert.cli._verbosity import DebugOpt, QuietOpt, VerboseOpt, set_verbosity
 from fsdp_convert.held_roots import following_symlinks
 from fsdp_convert.output_table import METADATA_FILENAME
 
@@ -122,12 +123,24 @@ def _stdout_is_terminal() -> bool:
     return console.is_terminal
 
 
+def producer_text(name: str) -> str:
+    """The producer as the header prints it: its record's label without Markdown, else its name.
+
+    e.g. ``fsdp (FSDP1 or FSDP2: the same layout)`` for a checkpoint whose layout both write.
+    """
+    try:
+        label = producers.get(name).label
+    except KeyError:  # a name no record has (a result built by hand)
+        label = ""
+    return label.replace("`", "") or name
+
+
 def _render(result: InspectResult, out: Console = console, *, whole: bool = False) -> None:
     """The header lines and one table per group; ``whole``: FQNs never shortened, the table as wide as they need."""
     out.print(escape_controls(f"checkpoint: {result.checkpoint_id}"), markup=False, highlight=False)
     out.print(
         escape_controls(
-            f"producer: {result.producer}   world size: {result.world_size}   "
+            f"producer: {producer_text(result.producer)}   world size: {result.world_size}   "
             f"total: {human_bytes(result.total_bytes)} ({result.total_bytes} bytes) in {len(result.data_files)} data files"
         ),
         markup=False,
@@ -172,6 +185,7 @@ def inspect_command(
     follow_symlinks: FollowSymlinksOpt = False,
     verbose: VerboseOpt = 0,
     quiet: QuietOpt = 0,
+    debug: DebugOpt = False,
 ) -> None:
     """Show FQNs, global shapes, dtypes, chunks and bytes of a DCP checkpoint, and who wrote it.
 
@@ -181,7 +195,7 @@ def inspect_command(
     In a terminal, FQNs too long for it lose parts from their middle (model.….17.mlp.weight);
     --wide, --json and a pipe or file have them whole.
     """
-    set_verbosity(verbose, quiet)
+    set_verbosity(verbose, quiet, debug)
     with handle_errors(), following_symlinks(follow_symlinks):
         check_checkpoint(checkpoint)  # no torch yet (cli._precheck)
         if not _local_dcp_folder(checkpoint):  # a DCP folder's index is read without torch (formats._dcp_classes)

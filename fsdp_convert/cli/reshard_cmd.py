@@ -52,7 +52,8 @@ from fsdp_convert.cli._run_options import (
     start_workers_early,
     workers,
 )
-from fsdp_convert.cli._verbosity import QuietOpt, VerboseOpt, set_verbosity, show_progress
+from fsdp_convert.cli._verbosity import DebugOpt, QuietOpt, VerboseOpt, set_verbosity, show_progress
+from fsdp_convert.cli.consolidate_cmd import DryRunOpt, print_plan  # --dry-run: one option, one printer for both commands
 from fsdp_convert.held_roots import following_symlinks
 
 if TYPE_CHECKING:
@@ -137,12 +138,14 @@ def reshard_command(
     rdzv_backend: RdzvBackendOpt = RdzvBackendChoice.c10d,
     rdzv_endpoint: RdzvEndpointOpt = "",
     rdzv_id: RdzvIdOpt = "",
+    dry_run: DryRunOpt = False,
     json_output: JsonOpt = False,
     verbose: VerboseOpt = 0,
     quiet: QuietOpt = 0,
+    debug: DebugOpt = False,
 ) -> None:
     """Write CHECKPOINT_DIR as a DCP checkpoint for --world-size ranks, each rank's chunks in its own file."""
-    set_verbosity(verbose, quiet)
+    set_verbosity(verbose, quiet, debug)
     with handle_errors(), following_symlinks(follow_symlinks):
         # what needs no torch first (cli._precheck), so a usage mistake is told at once
         for rule in rename or ():
@@ -154,7 +157,7 @@ def reshard_command(
         # its imports overlap ours from here on; no torch_ready(): .metadata and plain values are
         # pickled without torch (writers._dcp_pickle), and what does import torch probes its features at first use
         computes = bool(dtype or optim_dtype or adapter or dequantize)
-        start_workers_early(nproc, "fsdp_convert.ops._reshard_rank", torch=computes)
+        start_workers_early(None if dry_run else nproc, "fsdp_convert.ops._reshard_rank", torch=computes)
         options = transform_options(
             optim_keys,
             keep_wrapper_names,
@@ -182,6 +185,11 @@ def reshard_command(
             compress=None if compress is None else compress.value,
             progress=show_progress(progress, json_output),
         )
+        if dry_run:  # the run's own stages up to its lock (ops.dry_run): nothing is created
+            from fsdp_convert.ops.dry_run import dry_run_reshard
+
+            print_plan(dry_run_reshard(checkpoint, output, opts), json_output=json_output)
+            return
         result = reshard(checkpoint, output, opts)
     print_result(
         result,

@@ -21,6 +21,7 @@ from fsdp_convert.cli._options import (
 from fsdp_convert.cli._output import command_help, console, err_console, print_json
 from fsdp_convert.cli._precheck import check_nodes, check_verify
 from fsdp_convert.cli._run_options import (
+    NPROC_DEFAULT,
     NnodesOpt,
     NodeRankOpt,
     NprocPerNodeOpt,
@@ -34,7 +35,7 @@ from fsdp_convert.cli._run_options import (
     workers,
 )
 from fsdp_convert.cli._terminal import escape_controls
-from fsdp_convert.cli._verbosity import QuietOpt, VerboseOpt, set_verbosity, show_progress
+from fsdp_convert.cli._verbosity import DebugOpt, QuietOpt, VerboseOpt, set_verbosity, show_progress
 from fsdp_convert.held_roots import following_symlinks
 
 if TYPE_CHECKING:
@@ -119,7 +120,9 @@ OptimDtypeOpt = Annotated[
         rich_help_panel=CASTING,
     ),
 ]
-NprocOpt = Annotated[int | None, nproc_option("Worker processes comparing keys (alias: --nproc-per-node). \\[default: 1]")]
+NprocOpt = Annotated[
+    int | None, nproc_option(f"Worker processes comparing keys (alias: --nproc-per-node). \\[default: {NPROC_DEFAULT}]")
+]
 
 
 def verify(a: str, b: str, options: VerifyOptions) -> VerifyResult:
@@ -127,6 +130,9 @@ def verify(a: str, b: str, options: VerifyOptions) -> VerifyResult:
     from fsdp_convert.ops.verify import verify as operation
 
     return operation(a, b, options)
+
+
+TABLE_ROWS = 20  # differences shown in the table; --json gives them all
 
 
 def _render(result: VerifyResult) -> None:
@@ -140,9 +146,13 @@ def _render(result: VerifyResult) -> None:
     table.add_column("key", overflow="fold")
     table.add_column("kind")
     table.add_column("detail", overflow="fold")
-    for d in result.differences:
+    for d in result.differences[:TABLE_ROWS]:
         table.add_row(*(Text(escape_controls(cell)) for cell in (d.key, d.kind, d.detail)))  # Text: never read as markup
     console.print(table)
+    if len(result.differences) > TABLE_ROWS:
+        console.print(
+            f"... and {len(result.differences) - TABLE_ROWS} more (--json lists them all)", markup=False, highlight=False
+        )
 
 
 def verify_command(
@@ -166,9 +176,10 @@ def verify_command(
     json_output: JsonOpt = False,
     verbose: VerboseOpt = 0,
     quiet: QuietOpt = 0,
+    debug: DebugOpt = False,
 ) -> None:
     """Compare two checkpoints of any formats, key by key; tensors bit for bit unless --atol/--rtol."""
-    set_verbosity(verbose, quiet)
+    set_verbosity(verbose, quiet, debug)
     with handle_errors(trouble=2), following_symlinks(follow_symlinks):
         check_nodes(nnodes, node_rank)  # what needs no torch first (cli._precheck)
         nproc = workers(nproc, nproc_per_node)
@@ -193,6 +204,8 @@ def verify_command(
     if not result.owner:
         console.print(f"{rank_prefix()}compared this node's share; rank 0 reports the result", markup=False, highlight=False)
         return
+    if result.note:
+        err_console.print(f"note: {escape_controls(result.note)}", markup=False, highlight=False)  # not the result: stderr
     if json_output:
         print_json(result.to_json_dict())
     else:

@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fsdp_convert.errors import NotADcpCheckpointError
 from fsdp_convert.formats.source import Reader, Source, SourceFormat, SourceFormatName, check_data_files
 from fsdp_convert.held_roots import following_symlinks
-from fsdp_convert.output_table import METADATA_FILENAME
+from fsdp_convert.output_table import DCP_ROW, METADATA_FILENAME
 from fsdp_convert.remote import as_location
 
 if TYPE_CHECKING:
@@ -46,6 +48,7 @@ __all__ = [
     "SourceFormat",
     "SourceFormatName",
     "check_data_files",
+    "check_not_one_dcp_file",
     "detect_format",
     "open_checkpoint",
     "open_reader",
@@ -53,6 +56,24 @@ __all__ = [
     "source_format",
     "source_format_named",
 ]
+
+
+_DCP_FILE = re.compile("|".join(f"(?:{p})" for p in DCP_ROW.files))  # .metadata, __<rank>_<n>.distcp
+
+
+def check_not_one_dcp_file(checkpoint_id: str | os.PathLike[str] | Location) -> None:
+    """Refuse a local file that is one file of a DCP folder (``.metadata``, ``__<rank>_<n>.distcp``): pass the folder.
+
+    Reads no file (its name and that it is a file); a URL is left alone. The command line's
+    precheck (``cli._precheck.check_checkpoint``) calls it before torch is imported.
+
+    Raises:
+        NotADcpCheckpointError: ``checkpoint_id`` is such a file, naming the folder to pass (exit 3).
+    """
+    root = as_location(checkpoint_id)
+    if isinstance(root, Path) and _DCP_FILE.fullmatch(root.name) and root.is_file():
+        folder = root.parent
+        raise NotADcpCheckpointError(f"{root} is one file of the DCP checkpoint {folder}: pass the folder {folder}")
 
 
 def _lazy(module: str, attr: str) -> Callable[..., Any]:
@@ -179,11 +200,13 @@ def open_checkpoint(
 
     Raises:
         CheckpointNotFoundError: the path does not exist.
-        NotADcpCheckpointError: none of the above, or a malformed index (the message says which).
+        NotADcpCheckpointError: one file of a DCP folder (``check_not_one_dcp_file``); none of the
+            above, or a malformed index (the message says which).
         UnsafeContentError: ``.metadata`` or a rank file would run code when unpickled, or a file
             it reads is a symbolic link out of the folder (and links are not followed).
         MissingDataFileError, CorruptChunkError: a rank file or safetensors header is missing or broken.
     """
+    check_not_one_dcp_file(checkpoint_id)
     with following_symlinks(follow_symlinks):
         fmt = _format_of(checkpoint_id, full_files)
         index = fmt.read_index(checkpoint_id)

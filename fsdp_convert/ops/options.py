@@ -257,7 +257,8 @@ class VerifyOptions:
     names the weights when the other side holds weights alone."""
     nproc: int | None = None
     """Workers comparing keys in parallel (each opens both sides and compares every ``nproc``-th key);
-    None: 1, in the calling process."""
+    None: ``plan.consolidate.default_nproc`` of both sides' bytes and data files (one worker compares
+    in the calling process)."""
     cluster: Cluster | None = None
     """torchrun's multi-node options; rank 0's process returns the whole result, the others an empty one."""
     in_process: bool = False

@@ -11,21 +11,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import reprlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from fsdp_convert.constants import UNCASTABLE_DTYPES
 from fsdp_convert.formats import Source
-from fsdp_convert.formats.index import dtype_name, values_equal
 from fsdp_convert.held_roots import following_symlinks
 from fsdp_convert.launch import WorkerGroup, job_world_size, launched_by_torchrun, run_ranks, worker_bars
+from fsdp_convert.ops._compare import cast, compare
 from fsdp_convert.ops._sources import Side, SideView, find_source, key_group, open_sides, open_source, open_views
 from fsdp_convert.ops.options import VerifyOptions
-from fsdp_convert.plan.consolidate import Only
+from fsdp_convert.plan.consolidate import Only, default_nproc
 from fsdp_convert.progress import StepProgress
 from fsdp_convert.transform import TransformOptions, parse_dtype
 
@@ -60,6 +59,8 @@ class VerifyResult:
     compared: int
     differences: tuple[Difference, ...]
     owner: bool = True
+    note: str = ""
+    """How the sides were seen, when not as asked (a sharded side seen as ``consolidate`` names its keys); empty otherwise."""
 
     @property
     def equal(self) -> bool:
@@ -75,23 +76,7 @@ class VerifyResult:
             "equal": self.equal,
             "compared": self.compared,
             "differences": [{"key": d.key, "kind": d.kind, "detail": d.detail} for d in self.differences],
-        }
-
-
-def _element_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``t`` as a ``(numel, itemsize)`` uint8 tensor, in element order (any dtype, 0-dim too).
-
-    Works for every dtype, where ``torch.equal`` and ``!=`` do not (float8 and float4 have no
-    CPU kernels for them, and NaN != NaN).
-    """
-    return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8).reshape(-1, t.dtype.itemsize)
-
-
-def _values(t: torch.Tensor) -> torch.Tensor | None:
-    """A real floating tensor's values as float64 (exact for every float dtype, float8 included); None otherwise."""
-    if not t.is_floating_point() or t.dtype in UNCASTABLE_DTYPES:
-        return None
-    return t.detach().to(torch.float64)
+        } | ({"note": self.note} if self.note else {})
 
 
 def _cast_dtype(key: str, views: tuple[SideView, SideView], casts: tuple[torch.dtype | None, ...]) -> torch.dtype | None:
@@ -107,79 +92,6 @@ def _cast_dtype(key: str, views: tuple[SideView, SideView], casts: tuple[torch.d
     return casts[0] if group == "model" else None
 
 
-def _cast(value: Any, dtype: torch.dtype | None) -> tuple[Any, bool]:
-    """``value`` cast element by element (as consolidate's writers cast), if a castable floating tensor of another dtype."""
-    if not isinstance(value, torch.Tensor) or dtype in (None, value.dtype) or not value.is_floating_point():
-        return value, False
-    if value.dtype in UNCASTABLE_DTYPES:
-        return value, False
-    return value.reshape(-1).to(dtype).reshape(value.shape), True
-
-
-def _compare(a: Any, b: Any, atol: float | None, rtol: float | None, *, any_nan: bool = False) -> str | None:
-    """None when equal, else what differs.
-
-    Tensors are equal when their bytes are (so NaNs with the same bits are equal and -0.0 differs
-    from 0.0), compared as bytes for every dtype; with ``atol``/``rtol``, real floating tensors
-    (float8 too, through float64) are equal within ``torch.allclose`` (NaNs equal). Complex,
-    integer, bool and float4 tensors are always compared bitwise. With ``any_nan`` (a side was
-    cast: torch's casts give a NaN's sign and payload bits by code path, vectorised or not), a
-    NaN equals any NaN; every other element still compares by its bytes. Plain values are equal
-    when of the same types and equal item by item, floats by their bits too (``formats.index.values_equal``).
-    """
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        if a.dtype != b.dtype:
-            return f"dtype {dtype_name(a.dtype)} != {dtype_name(b.dtype)}"
-        if a.shape != b.shape:
-            return f"shape {tuple(a.shape)} != {tuple(b.shape)}"
-        bytes_a, bytes_b = _element_bytes(a), _element_bytes(b)
-        if torch.equal(bytes_a, bytes_b):
-            return None
-        values_a, values_b = _values(a), _values(b)
-        if any_nan and values_a is not None and values_b is not None:
-            other_bits = (bytes_a != bytes_b).any(dim=1) & ~(values_a.isnan() & values_b.isnan()).reshape(-1)
-            if not other_bits.any():
-                return None
-        if values_a is not None and values_b is not None:
-            if (atol is not None or rtol is not None) and torch.allclose(
-                values_a, values_b, rtol=rtol or 0.0, atol=atol or 0.0, equal_nan=True
-            ):
-                return None
-            nan_a, nan_b = values_a.isnan(), values_b.isnan()
-            # a NaN on both sides, or equal values, is no difference in value (inf - inf would be NaN)
-            alike = (nan_a & nan_b) | (values_a == values_b)
-            one_nan = int((nan_a ^ nan_b).sum())
-            diff = torch.where(alike | nan_a | nan_b, 0.0, (values_a - values_b).abs()).max().item()
-            if one_nan:
-                elsewhere = f"; max abs difference {diff:.3g} elsewhere" if diff else ""
-                return f"values differ (a NaN on one side in {one_nan} of {a.numel()} elements{elsewhere})"
-            if diff == 0:
-                return "values differ in bits only (-0.0 and 0.0, or NaNs of other bits)"
-            return f"values differ (max abs difference {diff:.3g})"
-        differing = int((bytes_a != bytes_b).any(dim=1).sum())
-        return f"values differ ({differing} of {a.numel()} elements)"
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return f"{type(a).__name__} != {type(b).__name__}"
-
-    # plain values: a walk of their own (shared parts once, Ctrl-C heard), floats by their bits as tensors'
-    def tensors(x: Any, y: Any) -> bool | None:
-        return _compare(x, y, atol, rtol, any_nan=any_nan) is None if isinstance(x, torch.Tensor) else None
-
-    if not values_equal(a, b, tensors):
-        return f"{_shown(a)} != {_shown(b)}"
-    return None
-
-
-_short = reprlib.Repr()
-_short.maxlevel, _short.maxstring, _short.maxother = 3, 40, 40
-
-
-def _shown(value: Any) -> str:
-    """A plain value for a message, at most 80 characters (``reprlib``: a few levels and items, never the whole)."""
-    text = _short.repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def verify(
     a: str | os.PathLike[str] | Source,
     b: str | os.PathLike[str],
@@ -191,8 +103,12 @@ def verify(
     Keys are DCP's flattened keys (see ``open_source``); when either side holds model weights only
     (safetensors), only ``model.*`` keys are compared. Tensors must have the same dtype and shape
     and, by default, the same bits; with ``atol``/``rtol`` floating tensors may differ within
-    ``torch.allclose``. Plain values must be equal and of the same type. One tensor of each side
-    is in memory at a time.
+    ``torch.allclose``. Plain values must be equal and of the same type. Each process holds at most
+    two tensors of each side (the next key's are read, A and B each in a thread, while one is compared).
+
+    When one side is a full file and the other sharded, and their keys differ as saved but match
+    with the sharded side seen as ``consolidate`` writes it by default (``transform`` not given),
+    they are compared that way and ``VerifyResult.note`` says so.
 
     With ``dtype``/``optim_dtype``, floating tensors of a side not already in that dtype are first
     cast as ``consolidate --dtype``/``--optim-dtype`` casts them, so a ``--dtype bf16`` output equals
@@ -237,11 +153,19 @@ def verify_sources(a: Source, b: Source, opts: VerifyOptions) -> VerifyResult:
         As ``verify``, but for a side not found.
     """
     sides, views = open_sides(a, b, opts.transform, files_too=opts.transform_files)  # 1. each side opened once
+    note = ""
     try:
         keys_a, keys_b = _compared_keys(views, opts.only)  # 2. the keys of the groups compared
+        if set(keys_a) != set(keys_b) and opts.transform is None and a.format.full != b.format.full:
+            consolidated = _as_consolidated(a, b, opts)  # a file consolidate wrote from the sharded side
+            if consolidated is not None:
+                _close(views)
+                sides, views, keys_a, keys_b = consolidated
+                sharded = b if a.format.full else a
+                note = f"{sharded.checkpoint_id} seen as consolidate names its keys (--as-consolidated): as saved, they differ"
         in_b, in_a = set(keys_b), set(keys_a)
         job = _job(opts, sides, tuple(k for k in keys_a if k in in_b), views[0])
-        world_size = 1 if opts.in_process else job_world_size(opts.nproc, opts.cluster) or 1
+        world_size = 1 if opts.in_process else job_world_size(opts.nproc, opts.cluster) or _default_nproc(job, views)
         here = opts.in_process or (world_size == 1 and not launched_by_torchrun())
         if here:  # 3. compare: here, with the sides already open
             owner, differing = True, _verify_rank(job, 0, 1, None, views)
@@ -253,7 +177,30 @@ def verify_sources(a: Source, b: Source, opts: VerifyOptions) -> VerifyResult:
     diffs += [Difference(key=k, kind="extra", detail="only in B") for k in keys_b if k not in in_a]
     diffs += [Difference(key=k, kind="differs", detail=d) for k, d in (differing or [])]
     shown_a, shown_b = a.checkpoint_id, b.checkpoint_id
-    return VerifyResult(a=shown_a, b=shown_b, compared=len(job.keys), differences=tuple(diffs), owner=owner)
+    return VerifyResult(a=shown_a, b=shown_b, compared=len(job.keys), differences=tuple(diffs), owner=owner, note=note)
+
+
+def _as_consolidated(
+    a: Source, b: Source, opts: VerifyOptions
+) -> tuple[tuple[Side, Side], tuple[SideView, SideView], list[str], list[str]] | None:
+    """Both sides with the sharded one seen as ``consolidate`` writes it by default, when then their keys match; else None.
+
+    Raises:
+        As ``ops._sources.open_sides``.
+    """
+    sides, views = open_sides(a, b, TransformOptions(), files_too=opts.transform_files)
+    keys_a, keys_b = _compared_keys(views, opts.only)
+    if keys_a and set(keys_a) == set(keys_b):
+        return sides, views, keys_a, keys_b
+    _close(views)
+    return None
+
+
+def _default_nproc(job: _VerifyJob, views: tuple[SideView, SideView]) -> int:
+    """Workers when ``nproc`` is not given: ``plan.consolidate.default_nproc`` of both sides' bytes and data files."""
+    total = sum(view.tensor_bytes(key) for view in views for key in job.keys)
+    files = sum(len(view.side.source.index.data_files) or 1 for view in views)
+    return default_nproc(total, files, len(os.sched_getaffinity(0)))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -307,17 +254,40 @@ def _compare_keys(
         finally:
             _close(opened)
     mine: list[tuple[str, str]] = []
-    for i in positions:
-        key = job.keys[i]
-        target = _cast_dtype(key, views, job.casts)
-        value_a, cast_a = _cast(views[0].get(key), target)
-        value_b, cast_b = _cast(views[1].get(key), target)
-        any_nan = cast_a or cast_b or views[0].was_cast(key) or views[1].was_cast(key)
-        detail = _compare(value_a, value_b, job.atol, job.rtol, any_nan=any_nan)
-        if detail is not None:
-            mine.append((key, detail))
-        progress.advance(job.sizes[i] if job.sizes else 0)
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="verify-read") as pool:
+        try:
+            for i, (value_a, value_b) in zip(positions, _read_ahead(pool, views, [job.keys[i] for i in positions])):
+                key = job.keys[i]
+                target = _cast_dtype(key, views, job.casts)
+                value_a, cast_a = cast(value_a, target)
+                value_b, cast_b = cast(value_b, target)
+                any_nan = cast_a or cast_b or views[0].was_cast(key) or views[1].was_cast(key)
+                detail = compare(value_a, value_b, job.atol, job.rtol, any_nan=any_nan)
+                if detail is not None:
+                    mine.append((key, detail))
+                del value_a, value_b
+                progress.advance(job.sizes[i] if job.sizes else 0)
+        finally:
+            pool.shutdown(cancel_futures=True)  # the reads under way end before the views close
     return mine
+
+
+def _read_ahead(pool: ThreadPoolExecutor, views: tuple[SideView, SideView], keys: list[str]) -> Iterator[tuple[Any, Any]]:
+    """Each key's values on both sides, in order; the next key's are read (A and B each in its thread) while this one is compared.
+
+    At most two keys' values of each side are in memory at a time, and each view is read by one
+    thread at a time. Reading errors are raised where that key's values are taken.
+    """
+
+    def both(key: str) -> tuple[Future[Any], Future[Any]]:
+        return pool.submit(views[0].get, key), pool.submit(views[1].get, key)
+
+    ahead = both(keys[0]) if keys else None
+    for position in range(len(keys)):
+        assert ahead is not None
+        value_a, value_b = ahead[0].result(), ahead[1].result()
+        ahead = both(keys[position + 1]) if position + 1 < len(keys) else None
+        yield value_a, value_b
 
 
 def _verify_rank(

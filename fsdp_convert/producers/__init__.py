@@ -260,7 +260,13 @@ PRODUCERS: tuple[Producer, ...] = (
     ),
     # Named but in no table row: a producer the layout cannot tell, per-rank files of neither
     # verl nor FSDP1, a safetensors file, any other DCP checkpoint.
-    Producer(name="fsdp", detect=by_keys("fsdp"), by_keys=True, params_in_model_order=True),
+    Producer(
+        name="fsdp",
+        detect=by_keys("fsdp"),
+        by_keys=True,
+        params_in_model_order=True,
+        label="`fsdp` (FSDP1 or FSDP2: the same layout)",  # no tensor small enough to tell them apart
+    ),
     Producer(name="torch_save", detect=torch_save),
     Producer(name="safetensors", detect=safetensors),
     Producer(name="dcp", detect=any_dcp, by_keys=True),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import shutil
 import time
@@ -50,6 +51,8 @@ __all__ = [
     "kept_note",
     "TemporaryReplacedError",
 ]
+
+logger = logging.getLogger(__name__)
 
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG}
 
@@ -197,11 +200,13 @@ def _age(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds < 172800 else f"{seconds / 86400:.0f} days"
 
 
-def check_no_temporary(output: Path, tmp: Path, *, directory: bool, resume: bool) -> None:
-    """Refuse when an earlier run's temporary of ``output`` is left (a SIGKILL, a lost node).
+def check_no_temporary(output: Path, tmp: Path, *, directory: bool, resume: bool, overwrite: bool = False) -> None:
+    """Refuse when an earlier run's temporary of ``output`` is left (a SIGKILL, a lost node), or discard it with ``overwrite``.
 
     Called by the process that takes the output's lock, so no live run owns it. With ``resume``
-    this run's own temporary (``tmp``) is kept for reuse; another run's is still refused.
+    this run's own temporary (``tmp``) is kept for reuse; another run's is still refused. With
+    ``overwrite`` and without ``resume`` every left temporary of ``output`` is removed, with its
+    manifest (``writers._manifest.manifest_dir``), and a warning names it: the run starts afresh.
 
     Raises:
         TemporaryExistsError: naming the temporary, its age, and ``--resume``.
@@ -216,8 +221,33 @@ def check_no_temporary(output: Path, tmp: Path, *, directory: bool, resume: bool
             age = _age(time.time() - left.lstat().st_mtime)
         except FileNotFoundError:
             continue
+        if overwrite and not resume:
+            _discard_left(left, age)
+            continue
         how = "pass --resume to continue it, or remove it" if left.name == tmp.name else "remove it (another job's)"
         raise TemporaryExistsError(f"{left} is left from an earlier run writing {output.name} ({age} old); {how}")
+
+
+def _discard_left(left: Path, age: str) -> None:
+    """Remove an interrupted run's temporary ``left`` and its manifest folder (``overwrite``), saying so.
+
+    Raises:
+        OutputWriteError: the manifest folder's name is a symbolic link, or either cannot be removed.
+    """
+    from fsdp_convert.writers._manifest import manifest_dir  # here: it imports the index (torch); this module may not
+
+    manifest = manifest_dir(left)
+    refuse_link(manifest)  # planted: never removed through
+    try:
+        for path in (left, manifest):
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+    except OSError as e:
+        raise OutputWriteError(f"cannot remove {left}, left by an interrupted run: {e.strerror}; remove it") from e
+    logger.warning("--overwrite: discarded the temporary %s (%s old) left by an interrupted run; starting afresh", left, age)
 
 
 KEPT_ON = (KeyboardInterrupt, TerminatedError, WorkerFailedError)
@@ -283,7 +313,8 @@ def atomic_output(
     first and held until the end (removed on success or failure). The temporary's name is
     deterministic (``temporary_path``); one left by an earlier run is refused unless ``resume``,
     which reuses this run's own (same tag) as it is, or ``temporary``: an earlier job's that
-    ``writers._temporary.find_temporary`` chose (every process of the job chose the same).
+    ``writers._temporary.find_temporary`` chose (every process of the job chose the same); without
+    ``resume``, ``overwrite`` discards it with its manifest (``check_no_temporary``) and starts afresh.
 
     With ``tag`` (a run id every node of a multi-node run shares) the temporary's name is the same
     in every process, a folder may already exist, the job's processes share the lock (the first
@@ -296,7 +327,7 @@ def atomic_output(
     Raises:
         OutputExistsError: ``output`` exists and ``overwrite`` is false, or is a link.
         OutputLockedError: another run holds the output's lock (naming its host and pid).
-        TemporaryExistsError: an earlier run's temporary is left and ``resume`` is false.
+        TemporaryExistsError: an earlier run's temporary is left and neither ``resume`` nor ``overwrite`` is given.
         OutputWriteError: the folder cannot be created or written (permission, space), or a name
             written (the lock, the temporary) is a link.
     """
@@ -311,7 +342,9 @@ def atomic_output(
     remove_lock = True
     try:
         lock = acquire_lock(
-            output, tag, before_record=partial(check_no_temporary, output, tmp, directory=directory, resume=resume)
+            output,
+            tag,
+            before_record=partial(check_no_temporary, output, tmp, directory=directory, resume=resume, overwrite=overwrite),
         )
         try:
             held = _make_temporary(tmp, dir_fd, directory=directory, reuse=tag is not None or resume)

@@ -7,13 +7,15 @@ output (``.OUT.tmp-local``, ``.full.tmp-local.pt``), a folder named like it with
 - ``manifest.json``, written once before any data (write, fsync, rename, fsync the folder)::
 
       {"version": 1,
-       "fingerprint": {"source": "<sha256>", "options": "<sha256>", "layout": "<sha256>"},
+       "fingerprint": {"source": "<sha256>", "checkpoint": "<sha256>", "options": "<sha256>", "layout": "<sha256>",
+                       "named": {"whole": {"<option>": "<sha256>", ...}, "groups": {"<group>": {"<option>": "<sha256>", ...}}}},
        "files": {"<file name, '' for a file output>": <size in bytes>, ...},
        "records": <number of records>,
        "sources": {"<data file of the checkpoint>": [<size in bytes>, <mtime_ns>, "<sha256>"], ...}}
 
   ``source`` hashes the checkpoint's index (its ``.metadata`` or index file, and the entries
-  read), ``options`` what changes the output's bytes (transforms, dtypes, adapters, buffer size),
+  read), ``checkpoint`` all of it, ``options`` what changes the output's bytes (transforms, dtypes,
+  adapters, buffer size), ``named`` the same by option (``NamedOptions``: a resume names those that differ),
   ``layout`` the record map (``writers._temporary.RecordMap``): every output file's name and size
   and every record's ``(file, offset, length)`` (the key keeps its name, so a manifest an earlier
   version wrote still resumes);
@@ -62,6 +64,7 @@ from fsdp_convert.writers._source_state import SourceDigest, changed_source
 __all__ = [
     "MANIFEST_VERSION",
     "Record",
+    "NamedOptions",
     "RecordLog",
     "LOG_BATCH_BYTES",
     "manifest_dir",
@@ -93,6 +96,39 @@ class Record:
     file: str
     offset: int
     nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class NamedOptions:
+    """Digests of what changes the output's bytes, by the option(s) each comes from: a resume names those that differ.
+
+    Attributes:
+        whole: per option (``--format``), a digest of what it sets for the whole output.
+        groups: per group the output holds (``model``, ``optim``, ``other``: ``--only`` chooses them), per option a digest
+            of what it sets in that group; the first is the entries the group reads, the others compared only where it agrees.
+    """
+
+    whole: dict[str, str]
+    groups: dict[str, dict[str, str]]
+
+    def to_json(self) -> dict[str, object]:
+        """As the manifest's ``fingerprint.named`` holds it."""
+        return {"whole": self.whole, "groups": self.groups}
+
+    def differing(self, old: object) -> list[str]:
+        """The options whose digests differ from ``old`` (a manifest's ``fingerprint.named``); none for an earlier version's."""
+        if not isinstance(old, dict) or not isinstance(old.get("whole"), dict) or not isinstance(old.get("groups"), dict):
+            return []
+        old_groups: dict[str, object] = old["groups"]
+        names = ["--only"] if set(old_groups) != set(self.groups) else []  # the groups held differ
+        for group, new in self.groups.items():
+            then = old_groups.get(group)
+            if isinstance(then, dict):  # its selection (the first) first: the others describe the same entries only then
+                selection = next(iter(new))
+                differ = [selection] if then.get(selection) != new[selection] else [n for n, v in new.items() if then.get(n) != v]
+                names += differ
+        names += [name for name in sorted(set(self.whole) | set(old["whole"])) if old["whole"].get(name) != self.whole.get(name)]
+        return list(dict.fromkeys(names))
 
 
 def manifest_dir(tmp: Path) -> Path:
@@ -138,7 +174,13 @@ def _write_json(path: Path, obj: object) -> None:
 
 
 def start_manifest(
-    tmp: Path, *, source: str | SourceDigest, options: str, files: dict[str, int], records: Sequence[Record]
+    tmp: Path,
+    *,
+    source: str | SourceDigest,
+    options: str,
+    files: dict[str, int],
+    records: Sequence[Record],
+    named: NamedOptions | None = None,
 ) -> None:
     """Write a fresh manifest for temporary output ``tmp`` (any old one is removed first). Rank 0's process, before any data.
 
@@ -148,6 +190,7 @@ def start_manifest(
         options: digest of what changes the output's bytes.
         files: every output file's name (``""`` for a file output) and size, in bytes.
         records: every record of the plan.
+        named: ``options`` by option (None: not recorded; a resume then says only that the options differ).
 
     Raises:
         OutputWriteError: the manifest cannot be written.
@@ -158,7 +201,12 @@ def start_manifest(
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
         source = SourceDigest.of(source)
-        fingerprint = {"source": source.digest, "options": options, "layout": _record_map_digest(files, records)}
+        layout = _record_map_digest(files, records)
+        fingerprint: dict[str, object] = {"source": source.digest, "options": options, "layout": layout}
+        if source.checkpoint:
+            fingerprint["checkpoint"] = source.checkpoint
+        if named is not None:
+            fingerprint["named"] = named.to_json()
         manifest = {"version": MANIFEST_VERSION, "fingerprint": fingerprint, "files": files, "records": len(records)}
         _write_json(folder / _MANIFEST_FILENAME, {**manifest, "sources": source.files})
     except OSError as e:
@@ -166,7 +214,13 @@ def start_manifest(
 
 
 def check_manifest(
-    tmp: Path, *, source: str | SourceDigest, options: str, files: dict[str, int], records: Sequence[Record]
+    tmp: Path,
+    *,
+    source: str | SourceDigest,
+    options: str,
+    files: dict[str, int],
+    records: Sequence[Record],
+    named: NamedOptions | None = None,
 ) -> None:
     """Check that ``tmp``'s manifest describes the same plan; touches nothing.
 
@@ -176,11 +230,12 @@ def check_manifest(
         options: the new plan's options digest.
         files: the new plan's files and sizes, in bytes.
         records: the new plan's records.
+        named: the new plan's ``options`` by option (``NamedOptions``).
 
     Raises:
         OutputWriteError: no readable manifest, or one that differs (the message names what:
-            the checkpoint, a data file of it that changed, the options, or the output layout,
-            with the first differing file).
+            the checkpoint, a data file of it that changed, the options (naming those that differ,
+            when both manifests record them by option), or the output layout, with the first differing file).
     """
     path = manifest_dir(tmp) / _MANIFEST_FILENAME
     try:
@@ -196,11 +251,16 @@ def check_manifest(
     check_logs(manifest_dir(tmp), tmp, logs_limit_bytes(len(records)))
     hint = f"rerun with the interrupted run's arguments, or remove {tmp} and run without --resume"
     source = SourceDigest.of(source)
-    if fingerprint.get("source") != source.digest:
+    then = fingerprint.get("checkpoint")  # without it (an earlier version's), the entries read are compared too
+    if (then != source.checkpoint) if then and source.checkpoint else fingerprint.get("source") != source.digest:
         raise OutputWriteError(f"cannot resume {tmp}: the checkpoint differs from the interrupted run's; {hint}")
     if (changed := changed_source(old.get("sources"), source)) is not None:
         raise OutputWriteError(f"cannot resume {tmp}: {changed}; put it back, or remove {tmp} and run without --resume")
-    if fingerprint.get("options") != options:
+    if named is not None and (differ := named.differing(fingerprint.get("named"))):
+        raise OutputWriteError(
+            f"cannot resume {tmp}: the options differ ({', '.join(differ)}) from the interrupted run's; {hint}"
+        )
+    if fingerprint.get("options") != options or fingerprint.get("source") != source.digest:
         raise OutputWriteError(
             f"cannot resume {tmp}: the options that change the output differ from the interrupted run's; {hint}"
         )

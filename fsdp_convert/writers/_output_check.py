@@ -23,8 +23,11 @@ function before torch is imported; nothing here imports torch. Its parts:
 - **OUT is a regular file or a folder.** A device node, FIFO or socket at OUT is refused (exit 4),
   with ``--overwrite`` too: replacing ``/dev/null`` with a file breaks every process that writes
   to it. So is a mount point (and a file bind-mounted), which no rename can replace.
-- **OUT is free**, or ``--overwrite`` is given (exit 4). A folder where a file is wanted is refused
-  (exit 1).
+- **OUT's folder exists** (as ``cp`` asks): no folder is made for a local OUT (exit 2).
+- **OUT's name and kind agree.** A name with a file kind's suffix (``.pt``, ``.safetensors``...)
+  is one file: a folder output (``reshard``'s DCP folder) so named is refused, and so is an
+  existing folder at a file output, ``--overwrite`` or not (exit 2).
+- **OUT is free**, or ``--overwrite`` is given (exit 4). An empty folder is free for a folder output.
 - **A folder replaced is this tool's output.** ``--overwrite`` deletes the folder it replaces, so
   an existing folder must *look like this tool's output* (``foreign_entry``), else ``--overwrite
   --force`` is needed (exit 4). A folder looks like this tool's output when it is empty, or every
@@ -48,7 +51,8 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
-from fsdp_convert.errors import InvalidOptionError, OutputExistsError, OutputWriteError
+from fsdp_convert.errors import InvalidOptionError, OutputExistsError
+from fsdp_convert.output_table import OUTPUT_ROWS
 from fsdp_convert.output_table import own_files as output_files
 from fsdp_convert.own_files import OwnFiles
 from fsdp_convert.remote import Url, as_location, normal_url
@@ -133,6 +137,68 @@ def _check_named(out: Path | Url) -> None:
         )
 
 
+def _check_parent(out: Path) -> None:
+    """Raise unless the folder OUT goes in exists (as ``cp`` refuses a missing one): no folder is made for OUT.
+
+    Raises:
+        InvalidOptionError: OUT's parent does not exist, or is not a folder (exit 2).
+    """
+    parent = out.parent
+    if os.path.isdir(parent):
+        return
+    why = "is not a folder" if os.path.lexists(parent) else "does not exist"
+    raise InvalidOptionError(
+        f"cannot write {out}: its folder {parent} {why}; create it first (mkdir -p {parent}), or name another OUT"
+    )
+
+
+def _file_suffix(out: Path) -> str | None:
+    """OUT's suffix if a file row of the outputs table claims it (``.pt``, ``.safetensors``...), else None.
+
+    Such a name is always one file: no folder output takes it.
+    """
+    suffix = out.suffix.lower()
+    return out.suffix if any(suffix in row.suffixes for row in OUTPUT_ROWS if not row.folder) else None
+
+
+def _check_kind_name(out: Path, directory: bool | None) -> None:
+    """Raise unless OUT fits the output's kind: a folder output has no file suffix, a file output is no existing folder.
+
+    An OUT with a file row's suffix (``_file_suffix``) is taken as a file when ``directory`` is
+    None (not known yet). A link at OUT is left to ``check_output_free``.
+
+    Raises:
+        InvalidOptionError: a folder output (``reshard``'s DCP folder) named with a file suffix; an
+            existing folder at a file output (exit 2, ``--overwrite`` or not).
+    """
+    suffix = _file_suffix(out)
+    if directory is True and suffix is not None:
+        raise InvalidOptionError(
+            f"{out}: the output is a folder (reshard writes a DCP folder), not a {suffix} file; name OUT without a file suffix"
+        )
+    if directory is True or (directory is None and suffix is None):
+        return
+    try:
+        folder = stat.S_ISDIR(os.lstat(out).st_mode)
+    except OSError:
+        return
+    if folder:
+        said = f"a {suffix} OUT" if suffix is not None else "this output"
+        raise InvalidOptionError(
+            f"{out} is a folder; {said} is one file: name a path that is not a folder "
+            "(a folder output takes a name without a suffix), or remove the folder"
+        )
+
+
+def _empty(folder: Path) -> bool:
+    """Whether ``folder`` holds no entry (an unreadable one counts as not empty)."""
+    try:
+        with os.scandir(folder) as entries:
+            return next(entries, None) is None
+    except OSError:
+        return False
+
+
 def _unescape(field: str) -> str:
     """A path of ``/proc/self/mountinfo``, its octal escapes (a backslash and 040 for a space) decoded."""
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
@@ -166,11 +232,12 @@ def check_output_free(
         own_files: the names this tool writes in an output folder (``foreign_entry``; None: the output kinds').
 
     Raises:
+        InvalidOptionError: an existing folder where a file is wanted; a folder output named with a file suffix.
         OutputExistsError: ``output`` is a symbolic link, a device node, FIFO or socket, or a mount point;
-            it exists and ``overwrite`` is false; or it is a folder that does not look like this tool's
-            output and ``force`` is false.
-        OutputWriteError: an existing folder where a file is wanted.
+            it exists (but for an empty folder, for a folder output) and ``overwrite`` is false; or it is
+            a folder that does not look like this tool's output and ``force`` is false.
     """
+    _check_kind_name(output, directory)
     try:
         st = os.lstat(output)
     except FileNotFoundError:
@@ -186,14 +253,15 @@ def check_output_free(
             f"{output} is {kind}, not a regular file or folder; fsdp-convert replaces only a file or a folder it wrote: "
             "name another OUT"
         )
-    if not overwrite:
+    is_dir = stat.S_ISDIR(st.st_mode)
+    if not overwrite and not (is_dir and directory is not False and _empty(output) and not _mount_point(output)):
         raise OutputExistsError(f"{output} already exists; pass --overwrite to replace it")
+    if not overwrite:
+        return  # an empty folder is a free folder OUT: the output takes its place
     if _mount_point(output):
         raise OutputExistsError(f"{output} is a mount point, which no rename can replace; name a path inside it, or another OUT")
-    if not stat.S_ISDIR(st.st_mode):
+    if not is_dir:
         return
-    if directory is False:
-        raise OutputWriteError(f"{output} is a folder; give a file path")
     foreign = None if force else foreign_entry(output, own_files)
     if foreign is not None:
         said = f"{output} is a folder fsdp-convert did not write (it holds {foreign}), which replacing it deletes"
@@ -283,7 +351,7 @@ def check_output(
         inputs: what the run reads (the checkpoint, ``--hf-assets``); None entries are skipped.
         overwrite: ``--overwrite``.
         force: ``--force``: replace a folder that does not look like this tool's output.
-        directory: whether OUT is a folder output; None if not known yet.
+        directory: whether OUT is a folder output; None if not known yet (a name with a file suffix is a file).
         free: check that a local OUT is free (False: leave that to a later check, as with ``--resume``);
             a link at OUT is refused either way.
         own_files: the names this tool writes in an output folder, which ``overwrite`` replaces
@@ -293,10 +361,11 @@ def check_output(
     Raises:
         InvalidOptionError: OUT is spelled ``.``, ``..`` or ``/``; a component of it is named as this
             tool's lock, temporary or manifest files (``run_name``); OUT is an input, inside one, or
-            one of its ancestors (exit 2).
-        OutputExistsError: OUT is a link, a device node, FIFO, socket or mount point, exists without
-            ``overwrite``, or is a folder not this tool's without ``force`` (exit 4).
-        OutputWriteError: an existing folder where a file is wanted.
+            one of its ancestors; a local OUT's folder does not exist; a folder output named with a
+            file suffix, or an existing folder where a file is wanted (exit 2).
+        OutputExistsError: OUT is a link, a device node, FIFO, socket or mount point, exists (but
+            for an empty folder, for a folder output) without ``overwrite``, or is a folder not this
+            tool's without ``force`` (exit 4).
     """
     out = as_location(output)
     for source in inputs:
@@ -308,7 +377,10 @@ def check_output(
     _check_named(out)
     if isinstance(out, Url):
         return
+    _check_parent(out)
     if free:
         check_output_free(out, overwrite=overwrite, force=force, directory=directory, own_files=own_files)
-    elif out.is_symlink():
-        check_output_free(out, overwrite=False)  # the link's own message
+    else:
+        _check_kind_name(out, directory)
+        if out.is_symlink():
+            check_output_free(out, overwrite=False)  # the link's own message

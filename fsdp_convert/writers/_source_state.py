@@ -32,11 +32,14 @@ class SourceDigest:
         digest: ``_manifest.digest`` of the checkpoint's index and the entries read (``resume.source_digest``).
         files: ``source_state`` of its data files.
         root: the checkpoint, to name a data file in messages (not recorded: it may move).
+        checkpoint: digest of the checkpoint whatever is read of it (its ``.metadata``, or every entry of its
+            index); empty: not known (``digest`` then stands for it).
     """
 
     digest: str
     files: SourceFiles
     root: str = ""
+    checkpoint: str = ""
 
     @classmethod
     def of(cls, source: str | SourceDigest, index: CheckpointIndex | None = None) -> SourceDigest:

@@ -24,7 +24,7 @@ from fsdp_convert.errors import OutputWriteError
 from fsdp_convert.progress import human_bytes
 from fsdp_convert.writers._atomic import TemporaryReplacedError, atomic_output, temporaries, temporary_path
 from fsdp_convert.writers._lock import check_not_locked
-from fsdp_convert.writers._manifest import Record, check_manifest, has_manifest, remove_manifest, written_bytes
+from fsdp_convert.writers._manifest import NamedOptions, Record, check_manifest, has_manifest, remove_manifest, written_bytes
 from fsdp_convert.writers._source_state import SourceDigest
 
 __all__ = ["RecordMap", "Fingerprint", "ResumeState", "find_temporary", "temporary_output", "keep_note"]
@@ -53,16 +53,20 @@ class Fingerprint:
         record_map: the output files and records.
         source: ``resume.source_digest`` of the checkpoint.
         options: digest of everything that changes the output's bytes.
+        named: the same by option (``writers._manifest.NamedOptions``), so a resume names those that differ;
+            None: not recorded.
     """
 
     record_map: RecordMap
     source: SourceDigest | str
     options: str
+    named: NamedOptions | None = None
 
     def check(self, tmp: Path) -> None:
         """Raise unless ``tmp``'s manifest was written for this plan (``writers._manifest.check_manifest``)."""
         records = [r for _, r in self.record_map.records]
-        check_manifest(tmp, source=self.source, options=self.options, files=self.record_map.sizes, records=records)
+        files = self.record_map.sizes
+        check_manifest(tmp, source=self.source, options=self.options, files=files, records=records, named=self.named)
 
 
 def find_temporary(output: Path, tag: str | None, *, directory: bool, fingerprint: Fingerprint) -> Path | None:

@@ -33,7 +33,7 @@ from fsdp_convert.own_files import OwnFiles
 from fsdp_convert.writers._atomic import KEPT_ON, LeaveToOwner, kept_note, temporary_path, writing
 from fsdp_convert.writers._dcp_pickle import is_plain, value_payload
 from fsdp_convert.writers._lock import check_not_locked
-from fsdp_convert.writers._manifest import Record, RecordLog, digest, kept_records, start_manifest, written_bytes
+from fsdp_convert.writers._manifest import NamedOptions, Record, RecordLog, digest, kept_records, start_manifest, written_bytes
 from fsdp_convert.writers._output_check import check_output, check_output_free
 from fsdp_convert.writers._source_state import SourceDigest
 from fsdp_convert.writers._space import check_space, free_bytes
@@ -46,6 +46,7 @@ __all__ = [
     "KEPT_ON",
     "Fingerprint",
     "LeaveToOwner",
+    "NamedOptions",
     "Record",
     "RecordLog",
     "RecordMap",
@@ -113,7 +114,8 @@ class OutputTransaction:
         Args:
             output: OUT: a local path, ``file://`` path or fsspec URL.
             inputs: what the operation reads (the checkpoint, ``--hf-assets``); None entries are skipped.
-            overwrite: replace an existing OUT (at the final rename only).
+            overwrite: replace an existing OUT (at the final rename only), and discard the temporary an
+                interrupted run of it left (``writers._atomic.check_no_temporary``) rather than refuse it.
             force: with ``overwrite``, replace a folder that does not look like this tool's output too.
             tag: the job's shared tag (``launch.shared_tag(cluster)``), None on one node; with a tag
                 OUT may not be a URL (the nodes write to a filesystem they share).
@@ -126,7 +128,7 @@ class OutputTransaction:
             InvalidOptionError: OUT is an input, inside one, or one of its folders.
             OutputExistsError: OUT is a link, exists without ``overwrite``, or is a folder not this
                 tool's without ``force``.
-            OutputWriteError: an existing folder where a file is wanted.
+            InvalidOptionError: an existing folder where a file is wanted.
         """
         check_output(output, inputs, overwrite=overwrite, force=force, own_files=own_files)  # not onto an input, first
         self._requested = output
@@ -163,7 +165,7 @@ class OutputTransaction:
         Raises:
             OutputExistsError: OUT exists and ``overwrite`` is false, is a link, or is a folder not
                 this tool's and ``force`` is false.
-            OutputWriteError: an existing folder where a file is wanted, or the reverse.
+            InvalidOptionError: an existing folder where a file is wanted.
         """
         own = self._own_files
         check_output_free(self.output, overwrite=self._overwrite, force=self._force, directory=directory, own_files=own)
@@ -191,7 +193,7 @@ class OutputTransaction:
             OutputExistsError, OutputWriteError: as ``check_free``; the output does not fit
                 (``check_space``); the temporary or the lock cannot be made.
             OutputLockedError: another run holds the output's lock.
-            TemporaryExistsError: an earlier run's temporary is left and ``resume`` is false.
+            TemporaryExistsError: an earlier run's temporary is left, and neither ``resume`` nor ``overwrite`` is given.
             RuntimeError: called outside the ``with`` block, or twice.
         """
         if self._stack is None or self._begun:

@@ -78,7 +78,9 @@ def test_brackets_meant_literally_survive_rich_markup(runner: CliRunner) -> None
         assert "[default: keep]" in _help(runner, command, 250)
 
 
-@pytest.mark.parametrize(("command", "default"), [("consolidate", NPROC_DEFAULT), ("reshard", NPROC_DEFAULT), ("verify", "1")])
+@pytest.mark.parametrize(
+    ("command", "default"), [("consolidate", NPROC_DEFAULT), ("reshard", NPROC_DEFAULT), ("verify", NPROC_DEFAULT)]
+)
 def test_nproc_default_says_what_is_picked(runner: CliRunner, command: str, default: str) -> None:
     row = next(line for line in _help(runner, command, 250).splitlines() if re.match(r"│\s*--nproc ", line))
     assert f"[default: {default}]" in row and "--nproc-per-node" in row, row

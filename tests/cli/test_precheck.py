@@ -21,7 +21,7 @@ from tests._samples import Sample
 # was imported by then. {d} is a folder holding an empty folder "ck" and a file "exists.pt".
 USAGE_ERRORS = {
     "existing OUT": (["consolidate", "{d}/ck", "{d}/exists.pt"], 4, "{d}/exists.pt already exists; pass --overwrite"),
-    "existing OUT (reshard)": (["reshard", "{d}/ck", "{d}/exists.pt", "--world-size", "2"], 4, "{d}/exists.pt already exists"),
+    "file suffix (reshard)": (["reshard", "{d}/ck", "{d}/exists.pt", "--world-size", "2"], 2, "name OUT without a file suffix"),
     "OUT is the input": (["reshard", "{d}/ck", "{d}/ck", "--world-size", "2", "--overwrite"], 2, "{d}/ck is the input {d}/ck"),
     "bad suffix": (["consolidate", "{d}/ck", "{d}/out.txt"], 2, "unknown output suffix '.txt'"),
     "--dtype fp8": (["consolidate", "{d}/ck", "{d}/out.pt", "--dtype", "fp8"], 2, "--dtype 'fp8' is not a dtype"),
@@ -122,6 +122,7 @@ def test_output_checks_as_the_library_says(ws3_ckpt: Sample, tmp_path: Path) -> 
     message = _same(_consolidate_check(ck, tmp_path / "exists.pt"), _consolidate(ck, tmp_path / "exists.pt"))
     assert message.endswith("already exists; pass --overwrite to replace it")
     (tmp_path / "exists").mkdir()
+    (tmp_path / "exists" / "notes.txt").write_text("")  # an empty folder is a free OUT
     _same(
         lambda: check_reshard(str(ck), str(tmp_path / "exists"), overwrite=False, resume=False),
         lambda: reshard(ck, tmp_path / "exists", world_size=1),

@@ -121,6 +121,7 @@ def test_expert_parallel_reshard_loads_in_torchtitan_at_two_ranks(ep_runs: Path,
     sources = {}
     for name in EP_RUNS:
         out = tmp_path / name / EP_CKPT
+        out.parent.mkdir(parents=True)  # OUT's folder must exist, as for cp
         fsdp_convert.reshard(ep_runs / name / EP_CKPT, out, world_size=2)
         assert sorted(p.name for p in out.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
         sources[name] = tmp_path / name

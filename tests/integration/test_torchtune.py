@@ -93,6 +93,7 @@ def test_reshard_loads_in_torchtunes_own_client_at_three_ranks(torchtune_run: Pa
     ``CheckpointClient.load_distributed_checkpoint`` at 3 ranks, with ``NEW`` as its output_dir,
     finds it and holds the run's model, optimizer state and progress."""
     target = tmp_path / "ws3" / "dist_epoch_0"
+    target.parent.mkdir()  # OUT's folder exists, as cp asks
     result = CliRunner().invoke(app, ["reshard", str(torchtune_run / tt.OUTPUT), str(target), "--world-size", "3"])
     assert result.exit_code == 0, result.stderr
     assert fsdp_convert.inspect_checkpoint(target).world_size == 3

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_convert import output_table, producers
-from fsdp_convert.errors import InvalidOptionError, OutputExistsError, OutputWriteError
+from fsdp_convert.errors import InvalidOptionError, OutputExistsError
 from fsdp_convert.formats import dcp
 from fsdp_convert.remote import Url, normal_url
 from fsdp_convert.writers import _output_check, hf_assets
@@ -161,8 +161,9 @@ def test_check_output_free_rules(tmp_path: Path) -> None:
     with pytest.raises(OutputExistsError, match="already exists; pass overwrite=True"):
         check_output_free(tmp_path / "f.pt", overwrite=False)
     check_output_free(tmp_path / "f.pt", overwrite=True)
-    with pytest.raises(OutputWriteError, match="is a folder; give a file path"):
-        check_output_free(tmp_path / "dir", overwrite=True, directory=False)
+    for overwrite in (False, True):  # a usage error, before whether it may be replaced
+        with pytest.raises(InvalidOptionError, match="dir is a folder; this output is one file"):
+            check_output_free(tmp_path / "dir", overwrite=overwrite, directory=False)
     for link in ("link", "dangling"):
         for overwrite in (False, True):
             with pytest.raises(OutputExistsError, match="is a symbolic link"):
