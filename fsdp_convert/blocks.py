@@ -26,7 +26,7 @@ from fsdp_convert.errors import CorruptChunkError, ShapeMismatchError
 from fsdp_convert.formats import Reader
 from fsdp_convert.formats.crc import crc32
 from fsdp_convert.formats.index import ChunkEntry, TensorEntry
-from fsdp_convert.formats.reader import StoredBytes
+from fsdp_convert.formats.reader import StoredBytes, check_crc
 
 if TYPE_CHECKING:
     import torch
@@ -36,7 +36,6 @@ __all__ = [
     "ChunkReads",
     "ChunkSource",
     "pwrite_all",
-    "check_crc",
     "read_rows",
     "move_derived",
 ]
@@ -54,12 +53,6 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data:
         n = os.pwrite(fd, data, offset)
         data, offset = data[n:], offset + n
-
-
-def check_crc(stored: StoredBytes, crc: int) -> None:
-    """Raise ``CorruptChunkError`` when ``crc`` is not the chunk's stored CRC-32."""
-    if stored.crc32 is not None and crc != stored.crc32:
-        raise CorruptChunkError(f"{stored.where}: CRC-32 mismatch in the storage record; the data file is corrupt")
 
 
 class ChunkReads:

@@ -35,14 +35,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp_convert.blocks import COPY_BYTES, MIN_HINTED_BYTES, ChunkReads, ChunkSource, check_crc, move_derived, pwrite_all
+from fsdp_convert.blocks import COPY_BYTES, MIN_HINTED_BYTES, ChunkReads, ChunkSource, move_derived, pwrite_all
 from fsdp_convert.chunk_rows import box, rows_of, segment_runs
 from fsdp_convert.derive import Derived
 from fsdp_convert.dtypes import DType, as_dtype
 from fsdp_convert.formats import Reader
 from fsdp_convert.formats.crc import crc32
 from fsdp_convert.formats.index import ChunkEntry, TensorEntry
-from fsdp_convert.formats.reader import StoredBytes
+from fsdp_convert.formats.reader import StoredBytes, check_crc
 from fsdp_convert.pieces import Piece
 from fsdp_convert.writers.buffer import byte_view, dense
 

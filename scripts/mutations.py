@@ -422,8 +422,8 @@ MUTATIONS: list[Mutation] = [
         "reshard-reads-every-chunk",
         "Only the source chunks a target chunk meets are read (a chunk that must be decoded too: a remote source, a stream-transformed payload).",
         "fsdp_convert/formats/reader.py",
-        "            if chunk.numel == 0 or any(a >= b for a, b in zip(lo, hi, strict=True)):\n                continue\n            data = self.read_chunk(entry, chunk)",
-        "            data = self.read_chunk(entry, chunk) if chunk.numel else None\n            if chunk.numel == 0 or any(a >= b for a, b in zip(lo, hi, strict=True)):\n                continue",
+        "            if chunk.numel == 0 or any(a >= b for a, b in zip(lo, hi, strict=True)):\n                continue\n            if _read_in_place(",
+        "            data = self.read_chunk(entry, chunk) if chunk.numel else None\n            if chunk.numel == 0 or any(a >= b for a, b in zip(lo, hi, strict=True)):\n                continue\n            if _read_in_place(",
         "tests/unit/test_move.py::test_fallback_to_decode_gives_the_same_bytes[dim0-rows1-None]",
     ),
     Mutation(
@@ -581,7 +581,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "moved-chunk-crc-never-compared",
         "CRC-32: every zip record of every payload is checked as it is read",
-        "fsdp_convert/blocks.py",
+        "fsdp_convert/formats/reader.py",
         "if stored.crc32 is not None and crc != stored.crc32:",
         "if False:",
         "tests/unit/test_move.py::test_corrupt_chunk_is_refused[True-dim0-offsets0-5-None-None]",

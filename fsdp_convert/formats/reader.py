@@ -9,7 +9,9 @@ tensor, each chunk freed once copied.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +20,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from fsdp_convert.constants import READ_LOG_ENV
 from fsdp_convert.errors import CorruptChunkError, MissingDataFileError, ShapeMismatchError
+from fsdp_convert.formats.crc import crc32
 from fsdp_convert.formats.index import BytesEntry, ChunkEntry, Location, TensorEntry, Url, ValueShapeError, check_value
 from fsdp_convert.held_roots import follows_symlinks, open_inside
 from fsdp_convert.remote import as_location, read_range, size_of
@@ -25,7 +28,7 @@ from fsdp_convert.remote import as_location, read_range, size_of
 if TYPE_CHECKING:  # torch is imported where bytes are turned into tensors: inspect reads no tensor
     import torch
 
-__all__ = ["checked_value", "ChunkedReader", "StoredBytes", "check_payload", "read_bare_chunk"]
+__all__ = ["check_crc", "checked_value", "ChunkedReader", "StoredBytes", "check_payload", "read_bare_chunk"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,6 +52,12 @@ class StoredBytes:
     nbytes: int
     crc32: int | None
     where: str
+
+
+def check_crc(stored: StoredBytes, crc: int) -> None:
+    """Raise ``CorruptChunkError`` when ``crc`` is not the chunk's stored CRC-32 (none stored: nothing to check)."""
+    if stored.crc32 is not None and crc != stored.crc32:
+        raise CorruptChunkError(f"{stored.where}: CRC-32 mismatch in the storage record; the data file is corrupt")
 
 
 def checked_value(value: Any, where: str) -> Any:
@@ -259,6 +268,8 @@ class ChunkedReader:
             hi = [min(o + s, co + cs) for o, s, co, cs in zip(offsets, sizes, chunk.offsets, chunk.sizes, strict=True)]
             if chunk.numel == 0 or any(a >= b for a, b in zip(lo, hi, strict=True)):
                 continue
+            if _read_in_place(self, entry, chunk, box, offsets):
+                continue
             data = self.read_chunk(entry, chunk)
             dst, src = box, data
             for dim, (a, b) in enumerate(zip(lo, hi, strict=True)):
@@ -266,6 +277,46 @@ class ChunkedReader:
                 src = src.narrow(dim, a - chunk.offsets[dim], b - a)
             dst.copy_(src)
         return box
+
+
+def _read_in_place(
+    reader: ChunkedReader, entry: TensorEntry, chunk: ChunkEntry, box: torch.Tensor, offsets: tuple[int, ...]
+) -> bool:
+    """Read a chunk that lies whole in ``box`` as whole rows straight into its bytes, undecoded; False: not so stored.
+
+    A chunk whose elements the format stores as they are (``locate``) and that spans the box's
+    every dimension but the first is one contiguous byte range of ``box`` (contiguous, C order).
+
+    Raises:
+        As ``locate``; CorruptChunkError: a short read or a CRC-32 mismatch.
+    """
+    inner = all(co == o and cs == s for co, o, cs, s in zip(chunk.offsets[1:], offsets[1:], chunk.sizes[1:], box.shape[1:]))
+    rows = chunk.offsets[0] - offsets[0] if chunk.offsets else 0
+    if not inner or rows < 0 or rows + (chunk.sizes[0] if chunk.sizes else 1) > (box.shape[0] if chunk.sizes else 1):
+        return False
+    stored = reader.locate(entry, chunk)
+    if stored is None or stored.nbytes != chunk.numel * box.element_size():
+        return False
+    row_bytes = box.element_size() * (math.prod(box.shape[1:]) if chunk.sizes else 1)
+    _pread_into(stored, box.data_ptr() + rows * row_bytes)
+    return True
+
+
+def _pread_into(stored: StoredBytes, address: int) -> None:
+    """Read ``stored``'s bytes into the memory at ``address`` (``stored.nbytes`` writable bytes), checking its CRC-32.
+
+    Raises:
+        CorruptChunkError: a short read (the file changed while it was read), or a CRC-32 mismatch.
+    """
+    view = memoryview((ctypes.c_char * stored.nbytes).from_address(address)).cast("B")
+    done = 0
+    while done < stored.nbytes:  # one preadv moves at most about 2 GiB
+        got = os.preadv(stored.fd, [view[done:]], stored.offset + done)
+        if got <= 0:
+            raise CorruptChunkError(f"{stored.where}: short read; the file changed while it was read")
+        done += got
+    if stored.crc32 is not None:
+        check_crc(stored, crc32(view))
 
 
 def read_bare_chunk(fd: int, at: int, entry: TensorEntry, chunk: ChunkEntry, where: str) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch.distributed.checkpoint as dcp
 from fsdp_convert.formats import read_index
 from fsdp_convert.formats.dcp import DcpReader
 from fsdp_convert.formats.index import ChunkEntry, TensorEntry
+from fsdp_convert.formats.reader import StoredBytes
 
 FULL = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6)
 # four 2x3 quarters of FULL, each saved as its own tensor: (row, col) of the quarter
@@ -21,10 +22,18 @@ class _CountingReader(DcpReader):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.read: list[tuple[int, ...]] = []
+        self.in_place: list[tuple[int, ...]] = []
 
     def read_chunk(self, entry: TensorEntry, chunk: ChunkEntry) -> torch.Tensor:
         self.read.append(chunk.offsets)
         return super().read_chunk(entry, chunk)
+
+    def locate(self, entry: TensorEntry, chunk: ChunkEntry) -> StoredBytes | None:
+        stored = super().locate(entry, chunk)
+        if stored is not None:  # read_box then reads it undecoded, straight into the box
+            self.read.append(chunk.offsets)
+            self.in_place.append(chunk.offsets)
+        return stored
 
 
 @pytest.fixture
@@ -88,3 +97,32 @@ def test_read_tensor_places_row_chunks_stored_out_of_order(tmp_path: Path) -> No
     with DcpReader(tmp_path) as reader:
         full = reader.read_tensor(entry)
     assert torch.equal(full, FULL)
+
+
+def test_whole_rows_are_read_undecoded_into_the_tensor_and_their_crc_checked(tmp_path: Path) -> None:
+    """A row chunk stored as its bare storage is read straight into the full tensor (no decode, no copy), CRC-32 checked."""
+    from fsdp_convert.errors import CorruptChunkError
+
+    full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    dcp.save({"top": full[:2].clone(), "bottom": full[2:].clone()}, checkpoint_id=tmp_path, no_dist=True)
+    index = read_index(tmp_path)
+    halves = {e.fqn: e.chunks[0] for e in index.tensors()}
+    chunks = tuple(
+        ChunkEntry(
+            offsets=(r, 0), sizes=(2, 6), relative_path=c.relative_path, offset_bytes=c.offset_bytes, length_bytes=c.length_bytes
+        )
+        for r, c in ((0, halves["top"]), (2, halves["bottom"]))
+    )
+    entry = TensorEntry(fqn="w", path=("w",), shape=(4, 6), dtype=torch.float32, chunks=chunks)
+    with _CountingReader(tmp_path) as reader:
+        got = reader.read_tensor(entry)
+    assert torch.equal(got.view(torch.int32), full.view(torch.int32)) and reader.in_place == [(0, 0), (2, 0)]
+    with _CountingReader(tmp_path) as reader:
+        stored = reader.locate(entry, chunks[1])
+        assert stored is not None
+    data = tmp_path / chunks[1].relative_path
+    raw = bytearray(data.read_bytes())
+    raw[stored.offset] ^= 0x40  # one bit of the bottom half's elements
+    data.write_bytes(bytes(raw))
+    with _CountingReader(tmp_path) as reader, pytest.raises(CorruptChunkError, match="CRC-32 mismatch"):
+        reader.read_tensor(entry)
