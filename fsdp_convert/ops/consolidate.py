@@ -145,17 +145,7 @@ def consolidate(
             # 5. items: names, filters, re-keying, casts; a tied lm_head left out for --hf-assets
             items, transform = _items(source, opts, groups, assets)
             # 6. plan: every file placed, tensors striped over the workers
-            plan = plan_consolidate(
-                source.index,
-                items,
-                tx.output,
-                kind=kind,
-                nproc=job_world_size(opts.nproc, opts.cluster),
-                memory_budget_bytes=opts.memory_budget_bytes,
-                max_shard_bytes=opts.max_shard_bytes,
-                cpus=len(os.sched_getaffinity(0)),
-                ram_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-            )
+            plan = plan_for(source, items, tx.output, kind, opts)
             waves = tx.url is not None and len(plan.shards) > 1 and not opts.verify_output  # files go up in waves
             needed = (consolidate_staging_bytes(plan) if waves else output_bytes(plan)) if opts.space_check else None
             fingerprint = None if tx.url else consolidate_fingerprint(source.index, plan)  # a staged upload keeps none
@@ -174,6 +164,21 @@ def consolidate(
                 _verify(source, tmp, Path(tx.output), opts, transform)
     # 10. result: what was written (another node's process, or a non-zero rank of the user's torchrun, wrote nothing)
     return _result(plan, tx.shown, file_bytes if owner else 0, owner, time.monotonic() - start)
+
+
+def plan_for(source: Source, items: tuple[OutputItem, ...], output: Path, kind: OutputKind, opts: ConsolidateOptions) -> WorkPlan:
+    """Stage 6: ``plan.consolidate.plan_consolidate`` of the items for OUT, sized to this machine (CPUs, RAM)."""
+    return plan_consolidate(
+        source.index,
+        items,
+        output,
+        kind=kind,
+        nproc=job_world_size(opts.nproc, opts.cluster),
+        memory_budget_bytes=opts.memory_budget_bytes,
+        max_shard_bytes=opts.max_shard_bytes,
+        cpus=len(os.sched_getaffinity(0)),
+        ram_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+    )
 
 
 def _open_assets(opts: ConsolidateOptions, kind: OutputKind, groups: tuple[Group, ...]) -> HfAssets | None:

@@ -27,10 +27,10 @@ from typing import Any
 from fsdp_convert.errors import InvalidOptionError
 from fsdp_convert.formats import Source, open_checkpoint
 from fsdp_convert.held_roots import following_symlinks
-from fsdp_convert.launch import job_world_size, shared_tag
+from fsdp_convert.launch import shared_tag
 from fsdp_convert.lora import lora_only
 from fsdp_convert.ops._run_plan import SLACK_BYTES, PlannedFile, RunPlan
-from fsdp_convert.ops.consolidate import _items, _open_assets
+from fsdp_convert.ops.consolidate import _items, _open_assets, plan_for
 from fsdp_convert.ops.options import ConsolidateOptions, ReshardOptions
 from fsdp_convert.ops.reshard import _METADATA_BYTES_PER_CHUNK, _files_beside, _needed_bytes, _plans
 from fsdp_convert.output_table import METADATA_FILENAME
@@ -40,7 +40,6 @@ from fsdp_convert.plan.consolidate import (
     file_bytes,
     mover_buffers,
     output_bytes,
-    plan_consolidate,
 )
 from fsdp_convert.plan.items import prepare_items
 from fsdp_convert.plan.reshard import rank_file_bytes
@@ -178,17 +177,7 @@ def dry_run_consolidate(
         check_output_free(out, overwrite=opts.overwrite, force=opts.force, directory=kind.directory)
         source.check_data_files()
         items, _ = _items(source, opts, groups, assets)
-        plan = plan_consolidate(
-            source.index,
-            items,
-            out,
-            kind=kind,
-            nproc=job_world_size(opts.nproc, opts.cluster),
-            memory_budget_bytes=opts.memory_budget_bytes,
-            max_shard_bytes=opts.max_shard_bytes,
-            cpus=len(os.sched_getaffinity(0)),
-            ram_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-        )
+        plan = plan_for(source, items, out, kind, opts)  # the run's own stage 6
         threads, piece = mover_buffers(opts.memory_budget_bytes)
         in_process = plan.nproc == 1 and (opts.cluster is None or not opts.cluster.multi_node)
         local = opts.nproc if opts.cluster is not None and opts.cluster.multi_node and opts.nproc else plan.nproc
