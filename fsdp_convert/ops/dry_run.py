@@ -150,6 +150,57 @@ def _memory(transform: TransformOptions, workers: int, buffers: int, in_process:
     return baseline, note, workers + 1 + helpers, mover, workers * mover + (baseline + SLACK_BYTES) + helpers * baseline
 
 
+def _run_plan(
+    command: str,
+    checkpoint_id: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    source: Source,
+    producer: str,
+    output_kind: str,
+    files: tuple[PlannedFile, ...],
+    total_bytes: int,
+    loads: tuple[int, ...],
+    opts: ConsolidateOptions | ReshardOptions,
+    *,
+    budget_bytes: int,
+    temporary: Path,
+) -> RunPlan:
+    """The plan both commands print: their files and per-worker loads (bytes), with memory, space and time added."""
+    workers = len(loads)
+    threads, piece = mover_buffers(budget_bytes)
+    in_process = workers == 1 and (opts.cluster is None or not opts.cluster.multi_node)
+    local = opts.nproc if opts.cluster is not None and opts.cluster.multi_node and opts.nproc else workers
+    baseline, note, processes, peak, tree = _memory(opts.transform, local, threads * 2 * piece, in_process)
+    probed, probe_seconds, seconds, how = _estimate(source, sum(loads), workers)
+    folder = temporary.parent
+    return RunPlan(
+        command=command,
+        checkpoint=os.fspath(checkpoint_id),
+        output=os.fspath(output),
+        producer=producer,
+        output_kind=output_kind,
+        files=files,
+        output_bytes=total_bytes,
+        workers=workers,
+        worker_bytes=loads,
+        processes=processes,
+        baseline_bytes=baseline,
+        baseline_note=note,
+        buffer_bytes=threads * 2 * piece,
+        peak_process_bytes=peak,
+        peak_tree_bytes=tree,
+        temporary=str(temporary),
+        space_folder=os.path.abspath(_existing(folder)),
+        needed_bytes=total_bytes,
+        free_bytes=free_bytes(folder),
+        read_bytes=sum(loads),
+        probe_bytes=probed,
+        probe_seconds=probe_seconds,
+        seconds=seconds,
+        estimate_note=how,
+    )
+
+
 def dry_run_consolidate(
     checkpoint_id: str | os.PathLike[str],
     output: str | os.PathLike[str],
@@ -178,38 +229,12 @@ def dry_run_consolidate(
         source.check_data_files()
         items, _ = _items(source, opts, groups, assets)
         plan = plan_for(source, items, out, kind, opts)  # the run's own stage 6
-        threads, piece = mover_buffers(opts.memory_budget_bytes)
-        in_process = plan.nproc == 1 and (opts.cluster is None or not opts.cluster.multi_node)
-        local = opts.nproc if opts.cluster is not None and opts.cluster.multi_node and opts.nproc else plan.nproc
-        baseline, note, processes, peak, tree = _memory(opts.transform, local, threads * 2 * piece, in_process)
-        probed, probe_seconds, seconds, how = _estimate(source, plan.total_bytes, plan.nproc)
-        total = output_bytes(plan)
-        return RunPlan(
-            command="consolidate",
-            checkpoint=os.fspath(checkpoint_id),
-            output=os.fspath(output),
-            producer=detect_producer(source.index).name,
-            output_kind=kind.name,
-            files=tuple(PlannedFile(name=f.filename or "", nbytes=file_bytes(plan, f)) for f in plan.files),
-            output_bytes=total,
-            workers=plan.nproc,
-            worker_bytes=tuple(plan.bytes_per_rank()),
-            processes=processes,
-            baseline_bytes=baseline,
-            baseline_note=note,
-            buffer_bytes=threads * 2 * piece,
-            peak_process_bytes=peak,
-            peak_tree_bytes=tree,
-            temporary=str(temporary_path(out, shared_tag(opts.cluster), directory=kind.directory)),
-            space_folder=os.path.abspath(_existing(out.parent)),
-            needed_bytes=total,
-            free_bytes=free_bytes(out.parent),
-            read_bytes=plan.total_bytes,
-            probe_bytes=probed,
-            probe_seconds=probe_seconds,
-            seconds=seconds,
-            estimate_note=how,
-        )
+        files = tuple(PlannedFile(name=f.filename or "", nbytes=file_bytes(plan, f)) for f in plan.files)
+        return _run_plan(
+            "consolidate", checkpoint_id, output, source, detect_producer(source.index).name, kind.name,
+            files, output_bytes(plan), tuple(plan.bytes_per_rank()), opts, budget_bytes=opts.memory_budget_bytes,
+            temporary=temporary_path(out, shared_tag(opts.cluster), directory=kind.directory),
+        )  # fmt: skip
 
 
 def dry_run_reshard(
@@ -258,35 +283,8 @@ def dry_run_reshard(
             loads[0] += sum(item.nbytes for item in plan.items if not item.is_tensor)
         if isinstance(index.checkpoint_id, Path):
             files += [PlannedFile(name=name, nbytes=(index.checkpoint_id / name).stat().st_size) for name in beside.copied]
-        threads, piece = mover_buffers(DEFAULT_MEMORY_BUDGET_BYTES)  # reshard's workers move with the default budget
-        in_process = workers == 1 and (opts.cluster is None or not opts.cluster.multi_node)
-        local = opts.nproc if opts.cluster is not None and opts.cluster.multi_node and opts.nproc else workers
-        baseline, note, processes, peak, tree = _memory(opts.transform, local, threads * 2 * piece, in_process)
-        read = sum(loads)
-        probed, probe_seconds, seconds, how = _estimate(source, read, workers)
-        return RunPlan(
-            command="reshard",
-            checkpoint=os.fspath(checkpoint_id),
-            output=os.fspath(output),
-            producer=producer.name,
-            output_kind=kind.name,
-            files=tuple(files),
-            output_bytes=needed,
-            workers=workers,
-            worker_bytes=tuple(loads),
-            processes=processes,
-            baseline_bytes=baseline,
-            baseline_note=note,
-            buffer_bytes=threads * 2 * piece,
-            peak_process_bytes=peak,
-            peak_tree_bytes=tree,
-            temporary=str(temporary_path(out, shared_tag(opts.cluster), directory=kind.directory)),
-            space_folder=os.path.abspath(_existing(out.parent)),
-            needed_bytes=needed,
-            free_bytes=free_bytes(out.parent),
-            read_bytes=read,
-            probe_bytes=probed,
-            probe_seconds=probe_seconds,
-            seconds=seconds,
-            estimate_note=how,
-        )
+        return _run_plan(
+            "reshard", checkpoint_id, output, source, producer.name, kind.name, tuple(files), needed, tuple(loads), opts,
+            budget_bytes=DEFAULT_MEMORY_BUDGET_BYTES,  # reshard's workers move with the default budget
+            temporary=temporary_path(out, shared_tag(opts.cluster), directory=kind.directory),
+        )  # fmt: skip
