@@ -61,16 +61,15 @@ __all__ = [
 _DCP_FILE = re.compile("|".join(f"(?:{p})" for p in DCP_ROW.files))  # .metadata, __<rank>_<n>.distcp
 
 
-def check_not_one_dcp_file(checkpoint_id: str | os.PathLike[str] | Location) -> None:
+def check_not_one_dcp_file(root: Location) -> None:
     """Refuse a local file that is one file of a DCP folder (``.metadata``, ``__<rank>_<n>.distcp``): pass the folder.
 
     Reads no file (its name and that it is a file); a URL is left alone. The command line's
     precheck (``cli._precheck.check_checkpoint``) calls it before torch is imported.
 
     Raises:
-        NotADcpCheckpointError: ``checkpoint_id`` is such a file, naming the folder to pass (exit 3).
+        NotADcpCheckpointError: ``root`` (``remote.as_location``'s) is such a file, naming the folder to pass (exit 3).
     """
-    root = as_location(checkpoint_id)
     if isinstance(root, Path) and _DCP_FILE.fullmatch(root.name) and root.is_file():
         folder = root.parent
         raise NotADcpCheckpointError(f"{root} is one file of the DCP checkpoint {folder}: pass the folder {folder}")
