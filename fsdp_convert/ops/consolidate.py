@@ -139,11 +139,11 @@ def consolidate(
             # 4. output kind: chosen once from OUT, --format and --lora-only; what it holds
             kind = output_kind(tx.output, opts.output_format, lora=lora_only(opts.transform))
             groups = kind.groups(opts.only)
-            assets = _open_assets(opts, kind, groups)
+            assets = open_assets(opts, kind, groups)
             tx.check_free(directory=kind.directory)
             source.check_data_files()
             # 5. items: names, filters, re-keying, casts; a tied lm_head left out for --hf-assets
-            items, transform = _items(source, opts, groups, assets)
+            items, transform = output_items(source, opts, groups, assets)
             # 6. plan: every file placed, tensors striped over the workers
             plan = plan_for(source, items, tx.output, kind, opts)
             waves = tx.url is not None and len(plan.shards) > 1 and not opts.verify_output  # files go up in waves
@@ -181,14 +181,14 @@ def plan_for(source: Source, items: tuple[OutputItem, ...], output: Path, kind: 
     )
 
 
-def _open_assets(opts: ConsolidateOptions, kind: OutputKind, groups: tuple[Group, ...]) -> HfAssets | None:
+def open_assets(opts: ConsolidateOptions, kind: OutputKind, groups: tuple[Group, ...]) -> HfAssets | None:
     """``--hf-assets``, opened before anything is written (``writers.hf_assets.open_hf_assets``; its Raises)."""
     if opts.hf_assets is None:
         return None
     return open_hf_assets(opts.hf_assets, folder_output=kind.directory, model="model" in groups)
 
 
-def _items(
+def output_items(
     source: Source, opts: ConsolidateOptions, groups: tuple[Group, ...], assets: HfAssets | None
 ) -> tuple[tuple[OutputItem, ...], TransformOptions]:
     """The output items, and the transforms ``--verify`` reads the checkpoint through.

@@ -30,9 +30,9 @@ from fsdp_convert.held_roots import following_symlinks
 from fsdp_convert.launch import shared_tag
 from fsdp_convert.lora import lora_only
 from fsdp_convert.ops._run_plan import SLACK_BYTES, PlannedFile, RunPlan
-from fsdp_convert.ops.consolidate import _items, _open_assets, plan_for
+from fsdp_convert.ops.consolidate import open_assets, output_items, plan_for
 from fsdp_convert.ops.options import ConsolidateOptions, ReshardOptions
-from fsdp_convert.ops.reshard import _METADATA_BYTES_PER_CHUNK, _files_beside, _needed_bytes, _plans
+from fsdp_convert.ops.reshard import METADATA_BYTES_PER_CHUNK, files_beside, folder_plans, space_needed_bytes
 from fsdp_convert.output_table import METADATA_FILENAME
 from fsdp_convert.outputs import output_kind, own_files, reshard_kind
 from fsdp_convert.plan.consolidate import (
@@ -224,10 +224,10 @@ def dry_run_consolidate(
         source = open_checkpoint(as_location(checkpoint_id), full_files=True, check_crc=opts.check_crc)
         kind = output_kind(out, opts.output_format, lora=lora_only(opts.transform))
         groups = kind.groups(opts.only)
-        assets = _open_assets(opts, kind, groups)
+        assets = open_assets(opts, kind, groups)
         check_output_free(out, overwrite=opts.overwrite, force=opts.force, directory=kind.directory)
         source.check_data_files()
-        items, _ = _items(source, opts, groups, assets)
+        items, _ = output_items(source, opts, groups, assets)
         plan = plan_for(source, items, out, kind, opts)  # the run's own stage 6
         files = tuple(PlannedFile(name=f.filename or "", nbytes=file_bytes(plan, f)) for f in plan.files)
         return _run_plan(
@@ -264,9 +264,9 @@ def dry_run_reshard(
         source.check_data_files()
         items = prepare_items(source, opts.transform, kind.groups(), keep_layout=True)
         kind.check_keys(item.path for item in items)
-        plans, workers = _plans(index, items, opts)
-        beside = _files_beside(index, producer, plans)
-        needed = _needed_bytes(plans, index, beside, None)
+        plans, workers = folder_plans(index, items, opts)
+        beside = files_beside(index, producer, plans)
+        needed = space_needed_bytes(plans, index, beside, None)
         files = []
         loads = [0] * workers
         for sub, plan in plans:
@@ -275,7 +275,7 @@ def dry_run_reshard(
             files.append(
                 PlannedFile(
                     name=(Path(sub) / METADATA_FILENAME).as_posix(),
-                    nbytes=_METADATA_BYTES_PER_CHUNK * (sum(len(c) for c in plan.chunks) + 1),
+                    nbytes=METADATA_BYTES_PER_CHUNK * (sum(len(c) for c in plan.chunks) + 1),
                 )
             )
             for p in plan.payloads:

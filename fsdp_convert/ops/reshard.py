@@ -81,11 +81,11 @@ class ReshardResult:
     notes: tuple[str, ...] = ()
 
 
-_METADATA_BYTES_PER_CHUNK = 512  # .metadata per chunk (its FQN, offsets, sizes, where it lies): about 250 bytes
+METADATA_BYTES_PER_CHUNK = 512  # .metadata per chunk (its FQN, offsets, sizes, where it lies): about 250 bytes
 Plans = tuple[tuple[str, ReshardPlan], ...]
 
 
-def _files_beside(index: CheckpointIndex, producer: Producer, plans: Plans) -> Beside:
+def files_beside(index: CheckpointIndex, producer: Producer, plans: Plans) -> Beside:
     """Sort the entries of a local DCP source folder that are neither ``.metadata`` nor data files (``producers.sort_beside``).
 
     Nothing is opened. A full file, per-rank files or a remote source: nothing beside.
@@ -128,7 +128,7 @@ def _metadata_rows(plan: ReshardPlan) -> tuple[list[MetadataEntry], list[StoredC
 def _output_bytes(plans: Plans, root: Location, copied: tuple[str, ...]) -> int:
     """The resharded output's size, in bytes, from its plans (known before any data is read).
 
-    Every rank file as laid out, the values rank 0 appends, ``.metadata`` (``_METADATA_BYTES_PER_CHUNK``
+    Every rank file as laid out, the values rank 0 appends, ``.metadata`` (``METADATA_BYTES_PER_CHUNK``
     per chunk, an estimate on the high side) and the files copied beside.
     """
     total = 0
@@ -139,19 +139,23 @@ def _output_bytes(plans: Plans, root: Location, copied: tuple[str, ...]) -> int:
         values = [item for item in plan.items if not item.is_tensor]
         if values:
             ends[0] = plan.values_offset + sum(item.nbytes + RECORD_TAIL_BYTES for item in values)
-        total += sum(ends.values()) + _METADATA_BYTES_PER_CHUNK * (sum(len(c) for c in plan.chunks) + 1)
+        total += sum(ends.values()) + METADATA_BYTES_PER_CHUNK * (sum(len(c) for c in plan.chunks) + 1)
     if isinstance(root, Path):
         total += sum((root / name).stat().st_size for name in copied)
     return total
 
 
-def _needed_bytes(plans: Plans, index: CheckpointIndex, beside: Beside, waves: Url | None) -> int:
+def space_needed_bytes(plans: Plans, index: CheckpointIndex, beside: Beside, waves: Url | None) -> int:
     """What the space check asks for, in bytes: the whole output, or to a URL two waves of rank files (``ops._waves``)."""
     return reshard_staging_bytes(plans) if waves else _output_bytes(plans, index.checkpoint_id, beside.copied)
 
 
-def _plans(index: CheckpointIndex, items: tuple[OutputItem, ...], opts: ReshardOptions) -> tuple[Plans, int]:
-    """The workers, and a plan per DCP folder of the output (one, or accelerate's two)."""
+def folder_plans(index: CheckpointIndex, items: tuple[OutputItem, ...], opts: ReshardOptions) -> tuple[Plans, int]:
+    """The workers, and a plan per DCP folder of the output (one, or accelerate's two), keyed by subfolder.
+
+    Raises:
+        As ``plan.reshard.plan_reshard`` (CoverageError: a tensor's chunks do not tile it; InvalidOptionError).
+    """
     workers = job_world_size(opts.nproc, opts.cluster) or default_nproc(
         sum(item.nbytes for item in items), len(index.data_files) or 1, len(os.sched_getaffinity(0))
     )
@@ -281,13 +285,13 @@ def reshard(
         items = prepare_items(source, opts.transform, kind.groups(), keep_layout=True)
         kind.check_keys(item.path for item in items)  # what its own reader would refuse, before anything is written
         # 6. plan: one per DCP folder; the files beside, by the producer's record
-        plans, workers = _plans(index, items, opts)
-        beside = _files_beside(index, producer, plans)
+        plans, workers = folder_plans(index, items, opts)
+        beside = files_beside(index, producer, plans)
         waves = tx.url if opts.compress is None else None  # object storage: rank files go up wave by wave
         # 7. transaction: space, lock, temporary (resumable: a manifest; a staged upload keeps none)
         tmp, resumable = tx.begin(
             directory=kind.directory,
-            needed_bytes=_needed_bytes(plans, index, beside, waves) if opts.space_check else None,
+            needed_bytes=space_needed_bytes(plans, index, beside, waves) if opts.space_check else None,
             fingerprint=None if tx.url else reshard_fingerprint(index, plans, opts.compress),
             resume=opts.resume,
         )
@@ -304,7 +308,7 @@ def reshard(
             rows = stored + [StoredChunk.from_json(row) for row in values[sub]]
             kind.finish_metadata(tmp / sub, entries, rows, index.version, compress=opts.compress == "zstd")
         if beside.copied:
-            assert isinstance(index.checkpoint_id, Path)  # _files_beside: a local folder
+            assert isinstance(index.checkpoint_id, Path)  # files_beside: a local folder
             kind.finish_folder(tmp, source=index.checkpoint_id, beside=beside.copied)
         file_bytes = uploaded + sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
     # 10. result: what was written (another node's process, or a non-zero rank of the user's torchrun, wrote nothing)
