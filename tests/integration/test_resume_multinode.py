@@ -13,10 +13,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from fsdp_convert.lock_record import LockRecord, pid_alive
 from tests._dist import free_port
 from tests._resume import CASES, Reference, check_rereads, logged_records, manifest_of, read_log, run_env, same_output
 from tests._samples import Sample
@@ -65,6 +67,23 @@ def _argv(case: str, ws3_ckpt: Sample, folder: Path) -> list[str]:
     argv = [a.format(ck=ws3_ckpt.checkpoint, out=folder / out_name) for a in args]
     at = argv.index("--nproc")
     return argv[:at] + argv[at + 2 :]
+
+
+def _wait_for_lock_holder(folder: Path, timeout_s: float = 30.0) -> None:
+    """Wait until the process a lock in ``folder`` names has exited (at most ``timeout_s`` seconds).
+
+    torchrun starts each worker in a session of its own, so the rank that got its SIGTERM may still
+    be writing its note and releasing the lock when torchrun has returned; a scheduler starts the
+    next job once the last one's processes are gone.
+    """
+    deadline = time.monotonic() + timeout_s
+    for lock in folder.glob(".*.lock"):
+        try:
+            record = LockRecord.parse(lock.read_text())
+        except FileNotFoundError:
+            continue  # released meanwhile
+        while record is not None and pid_alive(record.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def _left(folder: Path) -> list[str]:
@@ -132,6 +151,7 @@ def test_a_users_torchrun_job_killed_mid_write_resumes(
     logged = logged_records(manifest_of(tmp_path))
     assert logged, "the job was killed before it logged a record"
 
+    _wait_for_lock_holder(tmp_path)
     resumed = _torchrun([*argv, "--resume"], run_env(logs=tmp_path / "resume-reads"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     reread, full = _finish("hf", argv, tmp_path, ref, logged)
