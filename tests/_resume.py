@@ -47,6 +47,17 @@ _lock = threading.Lock()
 _moved = [0]
 _termed = [False]
 _pwrite_all = _move.pwrite_all
+_logged = threading.Event()  # a batch of records is logged: a kill after it leaves some to keep
+_commit = _manifest.RecordLog._commit
+
+
+def _commit_and_tell(self, lines, data_fds):
+    _commit(self, lines, data_fds)
+    if lines:
+        _logged.set()
+
+
+_manifest.RecordLog._commit = _commit_and_tell
 
 
 def _kill():
@@ -65,6 +76,7 @@ def pwrite_all(fd, data, offset):
         os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler's preemption does, before its SIGKILL
     if over:
         _pwrite_all(fd, memoryview(data)[: len(data) // 2], offset)  # half of it lands: a torn write
+        _logged.wait(10)  # another thread may still be fdatasync'ing the first batch (a slow disk): let it log
         _kill()
     _pwrite_all(fd, data, offset)
 
