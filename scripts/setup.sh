@@ -21,4 +21,7 @@ fi
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,lint]'
 # OLMo-core without its declared dependencies (scripts/requirements-olmo.txt says why)
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r scripts/requirements-olmo.txt
+# DeepSpeed (tests/_deepspeed.py trains and saves ZeRO checkpoints with it): a source package, built
+# pure-Python without its CUDA ops (DS_BUILD_OPS=0, about 30 s); pip skips it once installed
+DS_BUILD_OPS=0 "$VENV/bin/python" -m pip install -q --disable-pip-version-check "deepspeed==0.19.8"
 echo "$VENV"

@@ -148,6 +148,9 @@ def _render(result: InspectResult, out: Console = console, *, whole: bool = Fals
     )
     if result.payload_formats and result.payload_formats != ("torch_save",):  # FileSystemWriter options that change them
         out.print(escape_controls(f"payloads: {', '.join(result.payload_formats)}"), markup=False, highlight=False)
+    if result.details:
+        line = "   ".join(f"{label}: {value}" for label, value in result.details)
+        out.print(escape_controls(line), markup=False, highlight=False)
     if any(r.kind == "tensor" for r in result.entries):
         for line in cuts_lines(result, out.width):
             out.print(line, highlight=False)

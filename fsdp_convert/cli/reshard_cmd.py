@@ -67,8 +67,12 @@ Examples:
   fsdp-convert reshard ckpt/step-1000 ckpt/ws1 --world-size 1 --overwrite
   fsdp-convert reshard ckpt/step-1000 ckpt/ws8 --world-size 8 --compress zstd
   fsdp-convert reshard accelerate-ckpt/ accelerate-ws8/ --world-size 8
+  fsdp-convert reshard ds-ckpt/ ds-ws8/ --world-size 8
+  fsdp-convert reshard ds-ckpt/ fsdp2-ws8/ --world-size 8 --format dcp
 
 An accelerate checkpoint's folders are both resharded; its RNG pickles are left out.
+A DeepSpeed save becomes a DeepSpeed save for N ranks (engine.load_checkpoint);
+--format dcp makes it a DCP checkpoint for FSDP2 (dcp.load + set_state_dict).
 """
 
 OutDirArg = Annotated[str, typer.Argument(metavar="OUT", help="The output DCP folder (or an fsspec URL).", show_default=False)]
@@ -78,6 +82,26 @@ WorldSizeOpt = Annotated[
 NprocOpt = Annotated[
     int | None,
     nproc_option(f"Worker processes writing rank files (alias: --nproc-per-node). \\[default: {NPROC_DEFAULT}]"),
+]
+
+
+class ReshardFormatChoice(Choice):
+    """``reshard --format``: the kind of checkpoint written."""
+
+    auto = "auto"
+    dcp = "dcp"
+    deepspeed = "deepspeed"
+
+
+ReshardFormatOpt = Annotated[
+    ReshardFormatChoice,
+    choice_option(
+        ReshardFormatChoice,
+        "--format",
+        help="dcp: a DCP folder (dcp.load; FSDP2 via set_state_dict); deepspeed: a DeepSpeed ZeRO save of the same "
+        "stage that engine.load_checkpoint reads at N ranks (a DeepSpeed source only); auto: the source's own kind.",
+        rich_help_panel=OUTPUT,
+    ),
 ]
 
 
@@ -111,6 +135,7 @@ def reshard_command(
     checkpoint: CheckpointArg,
     output: OutDirArg,
     world_size: WorldSizeOpt,
+    output_format: ReshardFormatOpt = ReshardFormatChoice.auto,
     compress: CompressOpt = None,
     optim_keys: OptimKeysOpt = OptimKeysChoice.names,
     include: IncludeOpt = None,
@@ -144,7 +169,7 @@ def reshard_command(
     quiet: QuietOpt = 0,
     debug: DebugOpt = False,
 ) -> None:
-    """Write CHECKPOINT_DIR as a DCP checkpoint for --world-size ranks, each rank's chunks in its own file."""
+    """Write CHECKPOINT_DIR for --world-size ranks: DCP, each rank's chunks in its own file (DeepSpeed: a DeepSpeed save)."""
     set_verbosity(verbose, quiet, debug)
     with handle_errors(), following_symlinks(follow_symlinks):
         # what needs no torch first (cli._precheck), so a usage mistake is told at once
@@ -184,6 +209,7 @@ def reshard_command(
             cluster=cluster_options(nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id),
             compress=None if compress is None else compress.value,
             progress=show_progress(progress, json_output),
+            output_format=output_format.value,
         )
         if dry_run:  # the run's own stages up to its lock (ops.dry_run): nothing is created
             from fsdp_convert.ops.dry_run import dry_run_reshard
@@ -194,7 +220,7 @@ def reshard_command(
     print_result(
         result,
         json_output=json_output,
-        done=f"wrote {result.output} (DCP, world size {result.target_world_size}, {result.chunks} chunks, "
+        done=f"wrote {result.output} ({result.kind}, world size {result.target_world_size}, {result.chunks} chunks, "
         f"{human_bytes(result.file_bytes)}) in {result.seconds:.1f} s",
         elsewhere=f"this node's share of the rank files is in place; rank 0 wrote {result.output}/.metadata",
         prefix=rank_prefix(),

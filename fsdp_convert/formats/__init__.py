@@ -109,23 +109,32 @@ def _has_sharding_info(root: Location) -> bool:
     return isinstance(root, Path) and root.is_dir() and has_sharding_info(root)
 
 
+def _is_deepspeed(root: Location) -> bool:
+    from fsdp_convert.formats._deepspeed_files import is_deepspeed
+
+    return is_deepspeed(root)
+
+
 def _is_full_checkpoint(root: Location) -> bool:
     from fsdp_convert.formats.full_file import is_full_checkpoint
 
     return is_full_checkpoint(root)
 
 
-_DCP, _RANK, _HF, _FULL = (f"fsdp_convert.formats.{m}" for m in ("dcp", "rank_files", "hf_storage", "full_file"))
+_DCP, _RANK, _HF, _FULL, _DS = (
+    f"fsdp_convert.formats.{m}" for m in ("dcp", "rank_files", "hf_storage", "full_file", "deepspeed")
+)
 
 # The source formats, in the order a path is tried; a path none claims is read as DCP, whose
 # reader names what is wrong with it.
 FORMATS: tuple[SourceFormat, ...] = (
     SourceFormat("full_file", _is_full_checkpoint, _lazy(_FULL, "file_index"), _lazy(_FULL, "FileBoxReader"), full=True),
+    SourceFormat("deepspeed", _is_deepspeed, _lazy(_DS, "deepspeed_index"), _lazy(f"{_DS}_reader", "DeepSpeedReader")),
     SourceFormat("dcp", _is_dcp, _lazy(_DCP, "read_dcp_index"), _lazy(_DCP, "DcpReader")),
     SourceFormat("rank_files", _has_rank_files, _lazy(_RANK, "rank_files_index"), _lazy(_RANK, "RankFilesReader")),
     SourceFormat("hf_storage", _has_sharding_info, _lazy(_HF, "describe_safetensors_dcp"), _lazy(_HF, "HfStorageReader")),
 )
-_FALLBACK = FORMATS[1]
+_FALLBACK = next(f for f in FORMATS if f.name == "dcp")
 
 
 def source_format_named(name: str) -> SourceFormat:

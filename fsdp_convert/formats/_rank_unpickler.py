@@ -29,7 +29,7 @@ from fsdp_convert.signals import torch_call
 from fsdp_convert.torch_compat import REBUILD_TENSOR_V2
 from fsdp_convert.zip_records import ZipFormatError, read_records
 
-__all__ = ["Record", "SHARDED_TENSOR", "kind", "load_rank_file", "local_value"]
+__all__ = ["Record", "SHARDED_TENSOR", "kind", "load_rank_file", "local_value", "record_classes"]
 
 
 class Record:
@@ -42,6 +42,7 @@ class Record:
     qualname = "?"
     args: tuple[Any, ...]
     state: Any
+    newobj = False  # made by NEWOBJ (``cls.__new__``), not called (REDUCE)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Record:
         obj = object.__new__(cls)
@@ -104,7 +105,14 @@ _RECORD_NAMES = (
     "torch.distributed._shard.sharding_spec.api.EnumerableShardingSpec",
     "torch.distributed.remote_device._remote_device",
 )
-_RECORDS: dict[str, type[Record]] = {name: type(name.rsplit(".", 1)[-1], (Record,), {"qualname": name}) for name in _RECORD_NAMES}
+
+
+def record_classes(names: tuple[str, ...]) -> dict[str, type[Record]]:
+    """One ``Record`` class per pickled class name (``module.Qualname``): what ``load_rank_file`` makes of each, inert."""
+    return {name: type(name.rsplit(".", 1)[-1], (Record,), {"qualname": name}) for name in names}
+
+
+_RECORDS: dict[str, type[Record]] = record_classes(_RECORD_NAMES)
 SHARDED_TENSOR = _RECORDS["torch.distributed._shard.sharded_tensor.api.ShardedTensor"]
 
 
@@ -139,10 +147,19 @@ def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> An
         obj.__setstate__(state)
         return obj
     if func is _rebuild_tensor and (new_type is torch.Tensor or new_type is torch.nn.Parameter) and type(args) is tuple:
-        if state not in (None, {}) and not (isinstance(state, tuple) and not any(state)):
-            raise RefusedError("a tensor with Python attributes is not allowed")
-        return func(*args)
+        if not _scalar_attributes(state):
+            raise RefusedError("a tensor with Python attributes other than numbers and strings is not allowed")
+        return func(*args)  # scalar attributes (DeepSpeed's ``ds_id``) are dropped: the tensor is what is read
     raise RefusedError(f"rebuilding {described(new_type)} is not allowed")
+
+
+def _scalar_attributes(state: Any) -> bool:
+    """Whether a tensor's pickled ``__dict__`` state is empty or holds only numbers, strings, bools and None."""
+    if isinstance(state, tuple):
+        return all(_scalar_attributes(part) for part in state)
+    if state is None:
+        return True
+    return type(state) is dict and all(type(v) in (int, float, str, bool, type(None)) for v in state.values())
 
 
 def _restricted_getattr(obj: Any, name: Any) -> Any:
@@ -176,7 +193,8 @@ _FUNCTIONS: dict[str, Any] = {
 }
 # by id: a lookup must not hash what the pickle put on the stack (a deep tuple would crash it)
 _FUNCTION_BY_ID = {id(f): f for f in _FUNCTIONS.values()}
-_RECORD_BY_ID: dict[int, type[Record]] = {id(cls): cls for cls in _RECORDS.values()}
+_RECORD_BY_ID: dict[int, type[Record]] = {id(cls): cls for cls in _RECORDS.values()}  # the wrapper subclasses' own
+_TENSOR_TYPES = {"torch.Tensor": torch.Tensor, "torch.nn.parameter.Parameter": torch.nn.Parameter}
 _STORAGE_TYPES = frozenset(name for name, v in vars(torch).items() if name.endswith("Storage") and isinstance(v, type))
 
 
@@ -188,17 +206,24 @@ class _RankFileUnpickler(SafeUnpickler):
     records this load made get a state.
     """
 
-    def __init__(self, data: bytes, storages: dict[str, tuple[int, int]], buffer: mmap.mmap) -> None:
+    def __init__(
+        self, data: bytes, storages: dict[str, tuple[int, int]], buffer: mmap.mmap, classes: dict[str, type[Record]]
+    ) -> None:
         super().__init__(data)
         self._storages = storages  # key -> (data offset, size) in the file, in bytes
         self._buffer = buffer
+        self._classes = {**_RECORDS, **classes}
+        self._record_by_id = {id(cls): cls for cls in self._classes.values()}
+        self.file_offsets: dict[int, int] = {}  # a storage's data_ptr -> its first byte's offset in the file
 
     def find_class(self, module: str, name: str) -> Any:
         full = f"{module}.{name}"
         if full in _FUNCTIONS:
             return _FUNCTIONS[full]
-        if full in _RECORDS:
-            return _RECORDS[full]
+        if full in self._classes:
+            return self._classes[full]
+        if full in _TENSOR_TYPES:  # only as ``_rebuild_from_type_v2``'s type: never called nor built
+            return _TENSOR_TYPES[full]
         if module == "torch" and name in TORCH_DTYPES:
             return TORCH_DTYPES[name]
         if module == "torch" and name in _STORAGE_TYPES:
@@ -206,16 +231,18 @@ class _RankFileUnpickler(SafeUnpickler):
         raise RefusedError(f"global {shown(full)} is not allowed")
 
     def call(self, func: Any, args: tuple[Any, ...]) -> Any:
-        vetted = _FUNCTION_BY_ID.get(id(func)) or _RECORD_BY_ID.get(id(func))
+        vetted = _FUNCTION_BY_ID.get(id(func)) or self._record_by_id.get(id(func))
         if vetted is None or vetted is not func:
             raise RefusedError(f"calling {described(func)} is not allowed")
         return vetted(*args)
 
     def new(self, cls: Any, args: tuple[Any, ...]) -> Any:
-        record = _RECORD_BY_ID.get(id(cls))
+        record = self._record_by_id.get(id(cls))
         if record is None or record is not cls:
             raise RefusedError(f"creating an instance of {described(cls)} is not allowed")
-        return record.__new__(record, *args)
+        obj = record.__new__(record, *args)
+        obj.newobj = True
+        return obj
 
     def build(self, obj: Any, state: Any) -> None:
         if isinstance(obj, Record):  # only call and new above make one, fresh in this load
@@ -236,13 +263,16 @@ class _RankFileUnpickler(SafeUnpickler):
             raise MalformedError(f"storage {shown(key)} does not fit in its record of the file")
         if nbytes:
             data = torch.frombuffer(self._buffer, dtype=torch.uint8, count=nbytes, offset=offset)
+            self.file_offsets[data.data_ptr()] = offset
         else:
             data = torch.empty(0, dtype=torch.uint8)
         return torch.storage.TypedStorage(wrap_storage=data.untyped_storage(), dtype=dtype, _internal=True)  # type: ignore[no-untyped-call]
 
 
-def load_rank_file(path: Path) -> Any:
+def load_rank_file(path: Path, classes: dict[str, type[Record]] | None = None) -> Any:
     """Load a per-rank torch.save file (the zip format of ``torch/serialization.py``) without running it.
+
+    ``load_with_offsets`` also says where each tensor's bytes lie in the file.
 
     ``data.pkl`` is read by ``_RankFileUnpickler``: tensors are memory-mapped from the file's
     storage records (nothing is read until used); DTensor, DeviceMesh, ShardedTensor and their
@@ -251,6 +281,23 @@ def load_rank_file(path: Path) -> Any:
     Raises:
         UnsafeContentError: the pickle names anything else (it could run code).
         CorruptChunkError: not a torch.save zip, or a storage it names is missing or short.
+    """
+    return load_with_offsets(path, classes)[0]
+
+
+def load_with_offsets(path: Path, classes: dict[str, type[Record]] | None = None) -> tuple[Any, dict[int, int]]:
+    """``load_rank_file`` of ``path``, and where its storages lie: ``{storage data_ptr: byte offset in the file}``.
+
+    Args:
+        path: a torch.save file (``FdPath`` of an open descriptor, or a path).
+        classes: more classes to read as inert ``Record`` stand-ins (``record_classes``), by
+            ``module.Qualname``: a format's own classes (DeepSpeed's loss scaler).
+
+    A tensor's elements start at byte ``offsets[t.untyped_storage().data_ptr()] + t.storage_offset() * t.itemsize``
+    of the file (memory-mapped: the data pointers stay valid while the loaded object lives).
+
+    Raises:
+        As ``load_rank_file``.
     """
     try:
         with open(path, "rb") as f:
@@ -267,7 +314,7 @@ def load_rank_file(path: Path) -> Any:
     prefix = pickles[0].name[: -len("data.pkl")] + "data/"
     storages = {r.name[len(prefix) :]: (r.data_offset, r.size) for r in records if r.name.startswith(prefix)}
     data = buffer[pickles[0].data_offset : pickles[0].data_offset + pickles[0].size]
-    unpickler = _RankFileUnpickler(data, storages, buffer)
+    unpickler = _RankFileUnpickler(data, storages, buffer, classes or {})
     try:
         with torch_call():
             obj = unpickler.load()
@@ -277,7 +324,7 @@ def load_rank_file(path: Path) -> Any:
         raise CorruptChunkError(f"{path}: does not load ({e})") from e
     if unpickler.end != len(data):
         raise CorruptChunkError(f"{path}: data.pkl has data after the end of its pickle (at byte {unpickler.end})")
-    return obj
+    return obj, unpickler.file_offsets
 
 
 def local_value(obj: Any, record: ObjPath) -> Any:

@@ -72,8 +72,9 @@ _DATA_FILE_RE = re.compile(r"^__(\d{1,9})_(\d+)\.distcp$")  # a rank past 10^9 i
 # ``rank_files``: per-rank torch.save files, not DCP (``formats/rank_files.py``); ``sharded_tensor``:
 # one of them holds torch's ``ShardedTensor`` values; ``safetensors``: safetensors files read as DCP
 # chunks (``formats/hf_storage.py``); ``dcp_sharding_info``: a header of theirs carries
-# ``DCP_SHARDING_INFO`` (torch's ``HuggingFaceStorageWriter``).
-Mark = Literal["rank_files", "sharded_tensor", "safetensors", "dcp_sharding_info", "weights_alone"]
+# ``DCP_SHARDING_INFO`` (torch's ``HuggingFaceStorageWriter``); ``deepspeed``: a DeepSpeed ZeRO save
+# (``formats/deepspeed.py``).
+Mark = Literal["rank_files", "sharded_tensor", "safetensors", "dcp_sharding_info", "weights_alone", "deepspeed"]
 
 # Caps far above real checkpoints. A 1T-parameter MoE with its experts unstacked and Adam holds
 # about 200k entries; on 2048 ranks FSDP stores 2048 chunks of each tensor, split on dim 0 (tensor
@@ -240,6 +241,8 @@ class CheckpointIndex:
             the process's setting (``location.following_symlinks``) refused such links when it was
             indexed; a later stage that reads one of them refuses it (``location.inside``).
         marks: what the format saw in the files that tells their writers apart (``Mark``).
+        details: what the format read about how the checkpoint was written, as ``inspect`` shows
+            it: (label, value) pairs (a DeepSpeed save's ZeRO stage and dtypes).
 
     The format reports these facts and nothing more: which producer wrote the checkpoint is
     decided from them, and from the keys, by ``producers.detect_producer``.
@@ -255,6 +258,7 @@ class CheckpointIndex:
     beside: frozenset[str] = frozenset()
     links_out: frozenset[str] = frozenset()
     marks: frozenset[Mark] = frozenset()
+    details: tuple[tuple[str, str], ...] = ()
     _writer_ranks: tuple[int, ...] = field(init=False, repr=False, compare=False)  # parsed once: asked per entry
 
     def __post_init__(self) -> None:

@@ -52,6 +52,8 @@ class InspectResult:
     ``payload_formats`` (DCP folders only): how the payloads are stored, as
     ``formats.dcp.payload_formats`` names them: ``torch_save`` zips, bare ``safetensors`` elements
     (``FileSystemWriter(serialization_format=SAFETENSORS)``) and stream transforms (``stream.zstd/1``).
+    ``details``: what the format read about how it was written (``CheckpointIndex.details``: a
+    DeepSpeed save's ZeRO stage and dtypes), as (label, value) pairs.
     """
 
     checkpoint_id: Location
@@ -62,6 +64,7 @@ class InspectResult:
     version: str | None
     entries: tuple[EntrySummary, ...]
     payload_formats: tuple[str, ...] = ()
+    details: tuple[tuple[str, str], ...] = ()
 
     def to_json_dict(self) -> dict[str, Any]:
         """JSON-ready form: dtypes as strings, shapes as lists, ``schema_version`` 1."""
@@ -87,6 +90,7 @@ class InspectResult:
             "data_files": list(self.data_files),
             "dcp_version": self.version,
             "payload_formats": list(self.payload_formats),
+            **({"details": dict(self.details)} if self.details else {}),
             "groups": groups,
         }
 
@@ -166,4 +170,5 @@ def inspect_checkpoint(checkpoint_id: str | os.PathLike[str], *, follow_symlinks
         version=index.version,
         entries=tuple(rows),
         payload_formats=payload_formats(index) if source.format.name == "dcp" else (),
+        details=index.details,
     )

@@ -199,9 +199,15 @@ class ReshardOptions:
     follow_symlinks: bool | None = None
     """As for ``consolidate``: links out of the checkpoint's folder are read (True), refused (False), or as the
     process's setting says (None)."""
+    output_format: Literal["auto", "dcp", "deepspeed"] = "auto"
+    """``dcp``: a DCP folder (``dcp.load``; FSDP2 with ``set_state_dict``); ``deepspeed``: a DeepSpeed ZeRO save of
+    the same stage and dtype that ``engine.load_checkpoint`` reads at ``world_size`` ranks (a DeepSpeed source
+    only); ``auto``: the source's own kind (DeepSpeed for a DeepSpeed save, else DCP)."""
 
     def __post_init__(self) -> None:
         _set(self, "world_size", count("--world-size", self.world_size))
+        if self.output_format not in ("auto", "dcp", "deepspeed"):
+            raise InvalidOptionError(f"--format {self.output_format}: choose auto, dcp or deepspeed")
         _set(self, "transform", transform_options(self.transform, keyword="transform"))
         _set(self, "nproc", None if self.nproc is None else count("--nproc", self.nproc))
         if self.compress is not None:

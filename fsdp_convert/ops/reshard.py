@@ -29,6 +29,7 @@ from fsdp_convert.formats.index import CheckpointIndex, Location, Url, dcp_key
 from fsdp_convert.held_roots import following_symlinks
 from fsdp_convert.item import OutputItem
 from fsdp_convert.launch import job_world_size, shared_tag
+from fsdp_convert.ops._deepspeed_reshard import reshard_zero, writes_zero
 from fsdp_convert.ops._reshard_rank import ReshardJob, reshard_rank
 from fsdp_convert.ops._waves import reshard_in_waves, reshard_staging_bytes
 from fsdp_convert.ops.options import ReshardOptions
@@ -66,6 +67,7 @@ class ReshardResult:
         copied: files beside the source's DCP data copied byte for byte (``meta.pt``...).
         left_out: files beside the source's DCP data not carried over (``random_states_0.pkl``...).
         notes: one line per kind of file left out, saying why (also printed on stderr by the CLI).
+        kind: what was written: ``DCP``, or ``DeepSpeed ZeRO-<stage>`` (``chunks``: its partition tensors).
     """
 
     output: Location
@@ -79,6 +81,7 @@ class ReshardResult:
     copied: tuple[str, ...] = ()
     left_out: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    kind: str = "DCP"
 
 
 METADATA_BYTES_PER_CHUNK = 512  # .metadata per chunk (its FQN, offsets, sizes, where it lies): about 250 bytes
@@ -190,6 +193,12 @@ def _result(
     )
 
 
+def _source_bytes(index: CheckpointIndex) -> int:
+    """The source's data files' size, in bytes: what a DeepSpeed save for another world size needs, about."""
+    assert isinstance(index.checkpoint_id, Path)
+    return sum((index.checkpoint_id / name).stat().st_size for name in index.data_files)
+
+
 def reshard(
     checkpoint_id: str | os.PathLike[str],
     output: str | os.PathLike[str],
@@ -277,6 +286,22 @@ def reshard(
         # 3. source: a DCP-like folder, or a full file / HF folder, its format decided once; its producer
         source = open_checkpoint(as_location(checkpoint_id), full_files=True, check_crc=opts.check_crc)
         index, producer = source.index, detect_producer(source.index)
+        if writes_zero(opts, producer.name):  # stages 4 to 9 of a DeepSpeed save written as DeepSpeed's loader reads it
+            tmp, _ = tx.begin(
+                directory=True, needed_bytes=_source_bytes(index) if opts.space_check else None, fingerprint=None, resume=False
+            )
+            workers = opts.nproc or default_nproc(index.total_bytes, len(index.data_files), os.cpu_count() or 1)
+            chunks, file_bytes = reshard_zero(source, tmp, opts.world_size, workers)
+            seconds = time.monotonic() - start
+            return ReshardResult(
+                output=tx.shown,
+                target_world_size=opts.world_size,
+                chunks=chunks,
+                file_bytes=file_bytes,
+                nproc=workers,
+                seconds=seconds,
+                kind=f"DeepSpeed {index.details[0][1]}" if index.details else "DeepSpeed",
+            )
         # 4. output kind: a DCP folder (a folder of them for accelerate's), the outputs table's reshard row
         kind = reshard_kind()
         tx.check_free(directory=kind.directory)

@@ -34,6 +34,7 @@ from fsdp_convert.producers.detect import (
     accelerate,
     any_dcp,
     by_keys,
+    deepspeed,
     fsdp1,
     fsdp1_rank_files,
     hf_storage,
@@ -236,6 +237,19 @@ PRODUCERS: tuple[Producer, ...] = (
         notes="only headers are read to index",
         consolidate_loader=_AS_FSDP2,
         reshard_loader=_DCP_LOAD,
+    ),
+    Producer(
+        name="deepspeed",
+        detect=deepspeed,
+        label="`deepspeed`",
+        tested="deepspeed 0.19.8 (ZeRO-1, 2, 3 and BF16_Optimizer; fp32 and bf16)",
+        on_disk="`latest` and `<tag>/`: `mp_rank_00_model_states.pt` (ZeRO-3: one per rank) and "
+        "`[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`: flat fp32 partitions per data-parallel rank",
+        notes="pass the folder with `latest` or the tag folder; the model is the fp32 master weights with buffers and "
+        "frozen parameters as the module holds them, the optimizer state per parameter name; DeepSpeed's classes "
+        "are read as inert records; tensor or pipeline parallelism (mp_rank_01, layer files) is refused",
+        consolidate_loader='`{"model", "optim"}`: `model.load_state_dict` (what `zero_to_fp32` returns, and the optimizer)',
+        reshard_loader="FSDP2: `dcp.load` + `set_state_dict` at M ranks",
     ),
     Producer(
         name="verl",

@@ -100,6 +100,11 @@ def verl(index: CheckpointIndex) -> bool:
     return "rank_files" in marks and "sharded_tensor" not in marks and any("_world_size_" in f for f in index.data_files)
 
 
+def deepspeed(index: CheckpointIndex) -> bool:
+    """A DeepSpeed ZeRO save (``formats/deepspeed.py`` marks it)."""
+    return "deepspeed" in index.marks
+
+
 def torch_save(index: CheckpointIndex) -> bool:
     """Any per-rank torch.save files."""
     return "rank_files" in index.marks

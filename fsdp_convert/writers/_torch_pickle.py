@@ -30,7 +30,7 @@ import sys
 from typing import Any, Protocol
 
 __all__ = ["DtypeLike", "PICKLE_PROTOCOL", "STORAGE_CLASS_NAMES", "dtype_name", "storage_class_name"]
-__all__ += ["StorageRef", "TensorRef", "dumps", "dumps_with_storages", "Global", "PurePickler"]
+__all__ += ["StorageRef", "TensorRef", "dumps", "dumps_with_storages", "Global", "PurePickler", "Reduced"]
 
 PICKLE_PROTOCOL = 2  # torch.serialization.DEFAULT_PROTOCOL
 
@@ -112,6 +112,21 @@ def _global(module: str, name: str) -> Global:
     return Global(module, name)
 
 
+class Reduced:
+    """Stands for an instance of the class ``module.name``, made by the unpickler from ``args`` and ``state``.
+
+    Pickles as ``GLOBAL module name``, the ``args`` tuple, ``NEWOBJ`` (``cls.__new__(cls, *args)``,
+    as protocol 2 pickles a plain object) or ``REDUCE`` (``cls(*args)``, as an ``Enum`` member
+    pickles), then ``state`` and ``BUILD`` unless it is None: a class of another package (DeepSpeed's
+    loss scaler) written without importing it.
+    """
+
+    __slots__ = ("cls", "args", "state", "newobj")
+
+    def __init__(self, module: str, name: str, args: tuple[Any, ...], state: Any, *, newobj: bool) -> None:
+        self.cls, self.args, self.state, self.newobj = _global(module, name), args, state, newobj
+
+
 class StorageRef:
     """Stands for the storage of record ``data/<key>``: ``numel`` elements of ``dtype``."""
 
@@ -161,6 +176,17 @@ def _save_global(pickler: Any, obj: Global) -> None:
     else:
         pickler.write(pickle.GLOBAL + obj.module.encode("ascii") + b"\n" + obj.name.encode("ascii") + b"\n")
     pickler.memoize(obj)
+
+
+def _save_reduced(pickler: Any, obj: Reduced) -> None:
+    # pickle._Pickler.save_reduce of (copyreg.__newobj__ | cls, args, state), the class a stand-in
+    pickler.save(obj.cls)
+    pickler.save(obj.args)
+    pickler.write(pickle.NEWOBJ if obj.newobj else pickle.REDUCE)
+    pickler.memoize(obj)
+    if obj.state is not None:
+        pickler.save(obj.state)
+        pickler.write(pickle.BUILD)
 
 
 _BATCHSIZE = 1000  # _pickle.c's BATCHSIZE, as pickle._Pickler._BATCHSIZE
@@ -246,7 +272,7 @@ class PurePickler(pickle._Pickler):
     Protocol 2 or more (torch.save's 2, ``pickle.dump``'s default 4 or 5).
     """
 
-    dispatch = {**pickle._Pickler.dispatch, Global: _save_global, dict: _save_dict, list: _save_list}
+    dispatch = {**pickle._Pickler.dispatch, Global: _save_global, Reduced: _save_reduced, dict: _save_dict, list: _save_list}
     dispatch[set] = _save_set
 
 

@@ -39,7 +39,15 @@ from typing import TYPE_CHECKING, Any
 from fsdp_convert.dtypes import is_tensor
 from fsdp_convert.formats.crc import crc32
 from fsdp_convert.formats.index import ObjPath, unflatten
-from fsdp_convert.writers._torch_pickle import PICKLE_PROTOCOL, DtypeLike, StorageRef, TensorRef, dumps, dumps_with_storages
+from fsdp_convert.writers._torch_pickle import (
+    PICKLE_PROTOCOL,
+    DtypeLike,
+    Reduced,
+    StorageRef,
+    TensorRef,
+    dumps,
+    dumps_with_storages,
+)
 from fsdp_convert.writers._torch_zip import STORAGE_ALIGNMENT, TorchZipWriter
 from fsdp_convert.writers._zipcrc import patch_crcs
 from fsdp_convert.zip_records import read_records
@@ -55,6 +63,7 @@ __all__ = [
     "tensor_payload_placement",
     "write_tensor_payload_headers",
     "PICKLE_PROTOCOL",
+    "Reduced",  # a class of another package, pickled by name (``_torch_pickle.Reduced``)
 ]
 
 

@@ -143,8 +143,8 @@ def test_a_source_travels_to_workers_and_reads_without_detecting_again(
 
 
 def test_the_format_table_is_tried_in_order_full_files_first(tmp_path: Path) -> None:
-    assert [f.name for f in FORMATS] == ["full_file", "dcp", "rank_files", "hf_storage"]
-    assert [f.full for f in FORMATS] == [True, False, False, False]
+    assert [f.name for f in FORMATS] == ["full_file", "deepspeed", "dcp", "rank_files", "hf_storage"]
+    assert [f.full for f in FORMATS] == [True, False, False, False, False]
     path = _full_file(tmp_path / "ck")
     assert source_format(path).name == "dcp"  # without full files: read as DCP, which names it
     assert source_format(path, full_files=True) is FORMATS[0]

@@ -1,0 +1,173 @@
+"""DeepSpeed ZeRO checkpoints, the files: which ones a save wrote, and loading them without running anything.
+
+``engine.save_checkpoint(dir, tag)`` (``deepspeed/runtime/engine.py``, 0.19) writes ``dir/latest``
+(the tag) and ``dir/<tag>/``: ``mp_rank_00_model_states.pt`` (ZeRO-1/2, BF16_Optimizer) or one
+``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` per data-parallel rank (ZeRO-3), and one
+``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per rank. They are torch.save files whose
+pickles name three DeepSpeed classes besides torch's: ``LossScaler``, ``ZeroStageEnum`` and
+``fragment_address``. They are loaded by ``_rank_unpickler`` with these three as inert ``Record``
+stand-ins (never imported); any other class is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+from fsdp_convert.errors import MissingDataFileError, NotADcpCheckpointError, UnsupportedTransformError
+from fsdp_convert.held_roots import open_inside
+from fsdp_convert.location import FdPath, Location
+
+__all__ = ["DS_CLASS_NAMES", "DeepSpeedFiles", "LATEST", "deepspeed_files", "is_deepspeed", "load_ds_file", "stage_of"]
+
+LATEST = "latest"  # the file naming the last tag (deepspeed/runtime/engine.py save_checkpoint)
+_MODEL_RE = re.compile(r"^(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt$")
+_OPTIM_RE = re.compile(r"^(?P<bf16>bf16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
+_LAYER_RE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")  # pipeline parallelism's per-layer files
+_MAX_TAG = 255
+
+# DeepSpeed's classes its files pickle, read as inert records (``_rank_unpickler.record_classes``, made at first load:
+# finding a save's files imports no torch)
+DS_CLASS_NAMES = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+_DS_RECORDS: dict[str, Any] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class DeepSpeedFiles:
+    """The files of one DeepSpeed save, relative to the path the user gave.
+
+    Attributes:
+        tag: the tag folder's path relative to that path (``step2/``), or ``""`` when it is the tag folder.
+        model: the model states files by data-parallel rank (one, rank 0, for ZeRO-1/2).
+        optim: the optimizer states files by data-parallel rank, 0..N-1.
+        bf16: the optimizer files carry the ``bf16_`` prefix.
+    """
+
+    tag: str
+    model: tuple[str, ...]
+    optim: tuple[str, ...]
+    bf16: bool
+
+    @property
+    def world_size(self) -> int:
+        """The data-parallel size: the number of optimizer files."""
+        return len(self.optim)
+
+
+def _tag_folder(root: Path) -> str | None:
+    """``root``'s tag folder relative to it: ``""`` when ``root`` holds model states, ``<tag>/`` named by ``latest``."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return None
+    if any(_MODEL_RE.match(n) or _LAYER_RE.match(n) for n in names):
+        return ""
+    if LATEST not in names or not (root / LATEST).is_file():
+        return None
+    with open(root / LATEST, "rb") as f:
+        raw = f.read(_MAX_TAG + 1)
+    tag = raw.decode("utf-8", "replace").strip()
+    if not tag or len(raw) > _MAX_TAG or "/" in tag or "\\" in tag or tag in (".", "..") or not tag.isprintable():
+        return None
+    if not (root / tag).is_dir() or (root / tag).is_symlink():
+        return None
+    return f"{tag}/"
+
+
+def is_deepspeed(root: Location) -> bool:
+    """A local folder holding a DeepSpeed save's model states, or a ``latest`` naming a tag folder that does."""
+    if not isinstance(root, Path) or not root.is_dir():
+        return False
+    tag = _tag_folder(root)
+    if tag is None:
+        return False
+    try:
+        return any(_MODEL_RE.match(n) or _LAYER_RE.match(n) for n in os.listdir(root / tag))
+    except OSError:
+        return False
+
+
+def deepspeed_files(root: Path) -> DeepSpeedFiles:
+    """The files of the save at ``root`` (the tag folder, or the folder whose ``latest`` names it).
+
+    Raises:
+        NotADcpCheckpointError: no model states; files of tensor or pipeline parallelism
+            (``mp_rank_01``, ``layer_*``), which this tool does not read (names one).
+        MissingDataFileError: an optimizer or model states file of a rank is missing (names it).
+    """
+    tag = _tag_folder(root)
+    if tag is None:
+        raise NotADcpCheckpointError(f"{root} holds no DeepSpeed model states file (*mp_rank_00_model_states.pt)")
+    folder = root / tag
+    names = sorted(os.listdir(folder))
+    for name in names:
+        m = _MODEL_RE.match(name) or _OPTIM_RE.match(name)
+        if _LAYER_RE.match(name) or (m and int(m.group("mp")) != 0):
+            raise NotADcpCheckpointError(
+                f"{folder / name}: a DeepSpeed save with tensor or pipeline parallelism (mp or layer files); "
+                "this tool reads data-parallel ZeRO saves (mp_rank_00 only)"
+            )
+    optim = {int(m.group("dp")): (name, bool(m.group("bf16"))) for name in names if (m := _OPTIM_RE.match(name))}
+    model = {int(m.group("dp") or 0): name for name in names if (m := _MODEL_RE.match(name))}
+    if not model:
+        raise NotADcpCheckpointError(f"{folder} holds no DeepSpeed model states file (*mp_rank_00_model_states.pt)")
+    if not optim:
+        raise MissingDataFileError(f"{folder} holds no *_optim_states.pt file: the save has no ZeRO optimizer state")
+    world_size = max(optim) + 1
+    bf16 = optim[0][1] if 0 in optim else next(iter(optim.values()))[1]
+    for rank in range(world_size):
+        if rank not in optim:
+            prefix = "bf16_" if bf16 else ""
+            raise MissingDataFileError(f"{folder / f'{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt'} is missing")
+    zero3 = any(k is not None for k in (_MODEL_RE.match(n).group("dp") for n in model.values()))  # type: ignore[union-attr]
+    if zero3:
+        for rank in range(world_size):
+            if rank not in model:
+                raise MissingDataFileError(f"{folder / f'zero_pp_rank_{rank}_mp_rank_00_model_states.pt'} is missing")
+    ordered_model = tuple(tag + model[r] for r in range(world_size)) if zero3 else (tag + model[0],)
+    return DeepSpeedFiles(tag, ordered_model, tuple(tag + optim[r][0] for r in range(world_size)), bf16)
+
+
+def load_ds_file(root: Path, relative: str, follow_symlinks: bool | None = None) -> tuple[Any, dict[int, int]]:
+    """Load one DeepSpeed file under ``root`` (opened inside it), and where its storages lie (``load_with_offsets``).
+
+    Raises:
+        MissingDataFileError: it cannot be opened. UnsafeContentError: a link out of ``root``, or a
+            class other than torch's and DeepSpeed's three (names it). CorruptChunkError: not a torch.save file.
+    """
+    from fsdp_convert.formats._rank_unpickler import load_with_offsets, record_classes
+
+    if not _DS_RECORDS:
+        _DS_RECORDS.update(record_classes(DS_CLASS_NAMES))
+    path = root / relative
+    try:
+        fd = open_inside(root, path, follow_symlinks=follow_symlinks)
+    except OSError as e:
+        raise MissingDataFileError(f"cannot open {path}: {e.strerror}") from e
+    try:
+        return load_with_offsets(cast(Path, FdPath(fd, path)), _DS_RECORDS)
+    finally:
+        os.close(fd)
+
+
+def stage_of(optim_state: dict[str, Any], where: str) -> int:
+    """The ZeRO stage an optimizer file's ``optimizer_state_dict`` says: 1, 2 or 3; 0 for BF16_Optimizer (no ``zero_stage``).
+
+    Raises:
+        UnsupportedTransformError: a stage this tool does not read.
+    """
+    stage = optim_state.get("zero_stage")
+    if stage is None:
+        return 0
+    value = stage.args[0] if getattr(stage, "args", None) else stage  # a ZeroStageEnum record: its pickled value
+    if type(value) is not int or value not in (1, 2, 3):
+        raise UnsupportedTransformError(f"{where}: ZeRO stage {value!r} is not one this tool reads (1, 2, 3)")
+    return value
