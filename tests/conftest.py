@@ -55,3 +55,11 @@ def megatron_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("megatron_run")
     run_ranks(_megatron.megatron_run, 2, out, timeout=300)
     return out
+
+
+@pytest.fixture(scope="session")
+def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """DeepSpeed's own ZeRO saves (``tests/_deepspeed.py``) at 2 and 3 ranks: ``{ws: dir}``; ``dir/<variant>/truth.pt``."""
+    from tests._deepspeed import train_launches
+
+    return train_launches(tmp_path_factory.mktemp("deepspeed_runs"), world_sizes=(2, 3), timeout=300)
