@@ -62,7 +62,7 @@ _DCP_FILE = re.compile("|".join(f"(?:{p})" for p in DCP_ROW.files))  # .metadata
 
 
 def check_not_one_dcp_file(root: Location) -> None:
-    """Refuse a local file that is one file of a DCP folder (``.metadata``, ``__<rank>_<n>.distcp``): pass the folder.
+    """Refuse a local file that is one file of a DCP folder (``.metadata``, ``__<rank>_<n>.distcp``) or a DeepSpeed save.
 
     Reads no file (its name and that it is a file); a URL is left alone. The command line's
     precheck (``cli._precheck.check_checkpoint``) calls it before torch is imported.
@@ -73,6 +73,11 @@ def check_not_one_dcp_file(root: Location) -> None:
     if isinstance(root, Path) and _DCP_FILE.fullmatch(root.name) and root.is_file():
         folder = root.parent
         raise NotADcpCheckpointError(f"{root} is one file of the DCP checkpoint {folder}: pass the folder {folder}")
+    from fsdp_convert.formats._deepspeed_files import is_deepspeed_file  # a name test; imports no torch
+
+    if isinstance(root, Path) and is_deepspeed_file(root.name) and root.is_file():
+        folder = root.parent
+        raise NotADcpCheckpointError(f"{root} is one file of the DeepSpeed save {folder}: pass the folder {folder}")
 
 
 def _lazy(module: str, attr: str) -> Callable[..., Any]:

@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 from fsdp_convert.errors import NotADcpCheckpointError
+from fsdp_convert.formats._deepspeed_files import deepspeed_tags
 from fsdp_convert.formats.index import CheckpointIndex, Entry, Location, TensorEntry
 from fsdp_convert.held_roots import inside
 from fsdp_convert.output_table import METADATA_FILENAME
@@ -69,6 +70,8 @@ def dcp_folders_in(root: Path) -> list[Path] | Path:
         return newest
     if not subs:  # OLMo-core's save folder: stepN/ folders, each a checkpoint (its DCP folder one level down)
         subs = sorted(d.parent for d in root.glob(f"*/{OLMO_CORE_DIRNAME}") if (d / METADATA_FILENAME).is_file())
+    if not subs:  # DeepSpeed's save folder without ``latest``: its tag folders
+        subs = deepspeed_tags(root)
     if len(subs) == 1:
         raise NotADcpCheckpointError(f"{root} has no {METADATA_FILENAME}, but {subs[0]} has: pass that folder")
     if subs:

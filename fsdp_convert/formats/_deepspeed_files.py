@@ -17,11 +17,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from fsdp_convert.errors import MissingDataFileError, NotADcpCheckpointError, UnsupportedTransformError
+from fsdp_convert.errors import CorruptChunkError, MissingDataFileError, NotADcpCheckpointError, UnsupportedTransformError
 from fsdp_convert.held_roots import open_inside
 from fsdp_convert.location import FdPath, Location
 
-__all__ = ["DS_CLASS_NAMES", "DeepSpeedFiles", "LATEST", "deepspeed_files", "is_deepspeed", "load_ds_file", "stage_of"]
+__all__ = [
+    "DS_CLASS_NAMES",
+    "DeepSpeedFiles",
+    "LATEST",
+    "LoadedSave",
+    "deepspeed_files",
+    "deepspeed_tags",
+    "is_deepspeed",
+    "is_deepspeed_file",
+    "load_ds_file",
+    "stage_of",
+]
 
 LATEST = "latest"  # the file naming the last tag (deepspeed/runtime/engine.py save_checkpoint)
 _MODEL_RE = re.compile(r"^(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt$")
@@ -82,6 +93,26 @@ def _tag_folder(root: Path) -> str | None:
     return f"{tag}/"
 
 
+def deepspeed_tags(root: Path) -> list[Path]:
+    """The folders in ``root`` that hold a DeepSpeed save's model states (its tags), sorted; none when it cannot be listed."""
+    try:
+        return sorted(d for d in root.iterdir() if d.is_dir() and not d.is_symlink() and _holds_model_states(d))
+    except OSError:
+        return []
+
+
+def _holds_model_states(folder: Path) -> bool:
+    try:
+        return any(_MODEL_RE.match(n) for n in os.listdir(folder))
+    except OSError:
+        return False
+
+
+def is_deepspeed_file(name: str) -> bool:
+    """Whether a file name is one a DeepSpeed save writes (``*_model_states.pt``, ``*_optim_states.pt``)."""
+    return bool(_MODEL_RE.match(name) or _OPTIM_RE.match(name) or _LAYER_RE.match(name))
+
+
 def is_deepspeed(root: Location) -> bool:
     """A local folder holding a DeepSpeed save's model states, or a ``latest`` naming a tag folder that does."""
     if not isinstance(root, Path) or not root.is_dir():
@@ -134,6 +165,30 @@ def deepspeed_files(root: Path) -> DeepSpeedFiles:
                 raise MissingDataFileError(f"{folder / f'zero_pp_rank_{rank}_mp_rank_00_model_states.pt'} is missing")
     ordered_model = tuple(tag + model[r] for r in range(world_size)) if zero3 else (tag + model[0],)
     return DeepSpeedFiles(tag, ordered_model, tuple(tag + optim[r][0] for r in range(world_size)), bf16)
+
+
+class LoadedSave:
+    """The save's files, loaded (memory-mapped, nothing run) with where their storages lie."""
+
+    def __init__(self, root: Path, files: DeepSpeedFiles) -> None:
+        self.root, self.files = root, files
+        self.model = [load_ds_file(root, name) for name in files.model]
+        self.optim = [load_ds_file(root, name) for name in files.optim]
+
+    def byte_offset(self, tensor: Any, loaded: tuple[Any, dict[int, int]], where: str) -> int:
+        """Where ``tensor``'s first element lies in its file, in bytes.
+
+        Raises:
+            CorruptChunkError: not a contiguous tensor of the file's storages.
+        """
+        import torch
+
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_contiguous():
+            raise CorruptChunkError(f"{where}: not a contiguous tensor")
+        base = loaded[1].get(tensor.untyped_storage().data_ptr())
+        if base is None:
+            raise CorruptChunkError(f"{where}: a tensor with no storage in the file")
+        return base + int(tensor.storage_offset()) * tensor.element_size()
 
 
 def load_ds_file(root: Path, relative: str, follow_symlinks: bool | None = None) -> tuple[Any, dict[int, int]]:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from fsdp_convert.errors import CorruptChunkError, InvalidOptionError, UnsupportedTransformError
-from fsdp_convert.formats._deepspeed_files import DeepSpeedFiles, deepspeed_files, load_ds_file, stage_of
+from fsdp_convert.formats._deepspeed_files import DeepSpeedFiles, LoadedSave, deepspeed_files, stage_of
 from fsdp_convert.formats._flat_ranges import Piece, flat_boxes, zero3_pieces, zero12_pieces
 from fsdp_convert.formats.index import (
     MAX_ENTRIES,
@@ -35,39 +35,29 @@ from fsdp_convert.formats.index import (
     ObjPath,
     TensorEntry,
     Url,
+    ValueShapeError,
     dcp_key,
     dtype_name,
+    flatten_with_paths,
 )
 
 __all__ = ["ModuleTensor", "Piece", "ZeroSave", "deepspeed_index", "zero_save", "zero3_pieces", "zero12_pieces"]
 
 # The model states file's keys that describe the layout (read here), not state to keep.
+# ``dp_world_size`` describes the save, not the run: a reshard rewrites it (and ``verify`` of the two is equal).
 _LAYOUT_KEYS = frozenset(
-    {"module", "buffer_names", "param_shapes", "frozen_param_shapes", "frozen_param_fragments", "shared_params", "optimizer"}
+    {
+        "module",
+        "buffer_names",
+        "param_shapes",
+        "frozen_param_shapes",
+        "frozen_param_fragments",
+        "shared_params",
+        "optimizer",
+        "dp_world_size",
+    }
 )
 _MAX_DIMS = 64
-
-
-class _Loaded:
-    """The save's files, loaded (memory-mapped, nothing run) with where their storages lie."""
-
-    def __init__(self, root: Path, files: DeepSpeedFiles) -> None:
-        self.root, self.files = root, files
-        self.model = [load_ds_file(root, name) for name in files.model]
-        self.optim = [load_ds_file(root, name) for name in files.optim]
-
-    def byte_offset(self, tensor: Any, loaded: tuple[Any, dict[int, int]], where: str) -> int:
-        """Where ``tensor``'s first element lies in its file, in bytes.
-
-        Raises:
-            CorruptChunkError: not a contiguous tensor of the file's storages.
-        """
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_contiguous():
-            raise CorruptChunkError(f"{where}: not a contiguous tensor")
-        base = loaded[1].get(tensor.untyped_storage().data_ptr())
-        if base is None:
-            raise CorruptChunkError(f"{where}: a tensor with no storage in the file")
-        return base + int(tensor.storage_offset()) * tensor.element_size()
 
 
 def _chunks(shape: tuple[int, ...], itemsize: int, pieces: list[tuple[str, int, int, int]]) -> tuple[ChunkEntry, ...]:
@@ -94,7 +84,7 @@ def _shape(value: Any, where: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _frozen_fragments(loaded: _Loaded, name: str, shape: tuple[int, ...]) -> TensorEntry:
+def _frozen_fragments(loaded: LoadedSave, name: str, shape: tuple[int, ...]) -> TensorEntry:
     """A ZeRO-3 frozen parameter: ``ceil(numel / N)`` elements in each rank's ``frozen_param_fragments``."""
     ws, numel = loaded.files.world_size, math.prod(shape)
     part, located, dtype = -(-numel // ws), [], None
@@ -124,7 +114,7 @@ def _frozen_fragments(loaded: _Loaded, name: str, shape: tuple[int, ...]) -> Ten
 class _Builder:
     """Builds the index's entries from the loaded files (see the module docstring)."""
 
-    def __init__(self, loaded: _Loaded) -> None:
+    def __init__(self, loaded: LoadedSave) -> None:
         self.loaded, self.files = loaded, loaded.files
         self.model0 = loaded.model[0][0]
         if not isinstance(self.model0, dict) or not isinstance(self.model0.get("module"), dict):
@@ -246,9 +236,16 @@ class _Builder:
         self.model_entries(pieces)
         self.optimizer_entries(pieces, shapes, flats)
         model_file = self.files.model[0]
-        for key in self.model0:
-            if key not in _LAYOUT_KEYS and isinstance(key, str):
-                self.value((key,), model_file, (key,))
+        rest = {k: v for k, v in self.model0.items() if k not in _LAYOUT_KEYS and isinstance(k, str)}
+        try:  # nested dicts as leaves, as DCP flattens them (a consolidated file read back gives the same keys)
+            leaves = flatten_with_paths(rest)
+        except (ValueShapeError, ValueError) as e:
+            raise CorruptChunkError(f"{self.loaded.root / model_file}: {e}") from None
+        for path, value in leaves.values():
+            if isinstance(value, torch.Tensor):
+                self.add(self.whole_entry(path, value, 0, True, f"{self.loaded.root / model_file} {dcp_key(path)}"))
+            else:
+                self.value(path, model_file, path)
 
     def model_entries(self, pieces: dict[str, list[Piece]]) -> None:
         module, model_file = self.model0["module"], self.files.model[0]
@@ -331,7 +328,7 @@ def deepspeed_index(root: Path | Url) -> CheckpointIndex:
     if isinstance(root, Url):
         raise InvalidOptionError(f"{root}: DeepSpeed checkpoints are read from local paths only")
     files = deepspeed_files(root)
-    builder = _Builder(_Loaded(root, files))
+    builder = _Builder(LoadedSave(root, files))
     builder.build()
     return CheckpointIndex(
         checkpoint_id=root,
@@ -386,7 +383,7 @@ def zero_save(root: Path) -> ZeroSave:
         As ``deepspeed_index``.
     """
     files = deepspeed_files(root)
-    loaded = _Loaded(root, files)
+    loaded = LoadedSave(root, files)
     builder = _Builder(loaded)
     shapes = builder.param_shapes()
     groups = shapes

@@ -23,19 +23,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdp_convert.errors import CorruptChunkError, InvalidOptionError, UnsupportedTransformError
-from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, DictKey, ObjPath, TensorEntry
+from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, DictKey, ObjPath, TensorEntry, unflatten
 from fsdp_convert.formats.source import Reader, Source
 from fsdp_convert.held_roots import open_inside
 from fsdp_convert.ops.options import ReshardOptions
 from fsdp_convert.transform import TransformOptions
 from fsdp_convert.writers.copied_torch_save import ByteCopy, CopiedTensor, write_copied_files
-from fsdp_convert.writers.torch_save import Reduced, TensorSlot
+from fsdp_convert.writers.torch_save import STORAGE_ALIGNMENT, Reduced, TensorSlot, dumps_with_storages
 
 if TYPE_CHECKING:  # imported where a save is written: deciding whether one is (writes_zero) imports no torch
     from fsdp_convert.formats.deepspeed import ZeroSave
     from fsdp_convert.plan.deepspeed import ZeroLayout
 
-__all__ = ["reshard_zero", "writes_zero"]
+__all__ = ["reshard_zero", "writes_zero", "zero_files"]
+
+_ZIP_BYTES_PER_RECORD = 256  # a zip record's local header, data descriptor and central entry (zip64), at most
 
 _Flat = list[tuple[int, int, str, int]]  # a tensor's stored flat ranges: [lo, hi) elements, file, byte offset of lo
 
@@ -220,6 +222,43 @@ def writes_zero(opts: ReshardOptions, producer: str) -> bool:
     return True
 
 
+def _target_files(source: Source, world_size: int) -> tuple[str, list[tuple[str, list[tuple[ObjPath, Any]]]]]:
+    """The target save's tag folder (``"<tag>/"``) and its files: (name under OUT, items), none written."""
+    from fsdp_convert.formats.deepspeed import zero_save
+    from fsdp_convert.plan.deepspeed import zero_layout
+
+    root = source.index.checkpoint_id
+    assert isinstance(root, Path)  # deepspeed_index reads local folders only
+    save = zero_save(root)
+    layout = zero_layout(save.stage, world_size, save.groups, save.paddings, save.sub_group_size)
+    tag = save.files.tag or f"{root.name}/"
+    prefix = "bf16_" if save.files.bf16 else ""
+    with source.open_reader() as reader:
+        target = _Target(save, layout, source.index, reader)
+        files = [(tag + name, items) for name, items in _model_files(target, save, layout)]
+        for rank in range(world_size):
+            files.append((f"{tag}{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", target.optim_file(rank)))
+    return tag, files
+
+
+def zero_files(source: Source, world_size: int) -> list[tuple[str, int]]:
+    """What ``reshard_zero`` would write: each file's name under OUT and size in bytes (an upper bound), ``latest`` last.
+
+    Raises:
+        As ``reshard_zero`` before it writes.
+    """
+    tag, files = _target_files(source, world_size)
+    out = []
+    for name, items in files:
+        tensors = sum(v.slot.nbytes + STORAGE_ALIGNMENT for _, v in items if isinstance(v, CopiedTensor))
+        small = sum(v.numel() * v.element_size() + STORAGE_ALIGNMENT for _, v in items if hasattr(v, "untyped_storage"))
+        plain = [(p, None if isinstance(v, CopiedTensor) or hasattr(v, "untyped_storage") else v) for p, v in items]
+        out.append(
+            (name, tensors + small + len(dumps_with_storages(unflatten(plain), 0)[0]) + _ZIP_BYTES_PER_RECORD * (len(items) + 8))
+        )
+    return [*out, ("latest", len(tag) - 1)]
+
+
 def reshard_zero(source: Source, tmp: Path, world_size: int, workers: int) -> tuple[int, int]:
     """Write ``source`` (a DeepSpeed save) into the empty folder ``tmp`` as a save for ``world_size`` ranks.
 
@@ -230,23 +269,10 @@ def reshard_zero(source: Source, tmp: Path, world_size: int, workers: int) -> tu
         CorruptChunkError, UnsupportedTransformError: the source's index and files disagree.
         OSError: a write failed.
     """
-    from fsdp_convert.formats.deepspeed import zero_save
-    from fsdp_convert.plan.deepspeed import zero_layout
-
     root = source.index.checkpoint_id
-    assert isinstance(root, Path)  # deepspeed_index reads local folders only
-    save = zero_save(root)
-    layout = zero_layout(save.stage, world_size, save.groups, save.paddings, save.sub_group_size)
-    with source.open_reader() as reader:
-        target = _Target(save, layout, source.index, reader)
-        tag = save.files.tag or f"{root.name}/"
-        (tmp / tag).mkdir()
-        prefix = "bf16_" if save.files.bf16 else ""
-        files: list[tuple[str, list[tuple[ObjPath, Any]]]] = []
-        for name, items in _model_files(target, save, layout):
-            files.append((tag + name, items))
-        for rank in range(world_size):
-            files.append((f"{tag}{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", target.optim_file(rank)))
+    assert isinstance(root, Path)
+    tag, files = _target_files(source, world_size)
+    (tmp / tag).mkdir()
     fds: dict[str, int] = {}
 
     def source_fd(name: str) -> int:

@@ -29,6 +29,7 @@ from fsdp_convert.formats import Source, open_checkpoint
 from fsdp_convert.held_roots import following_symlinks
 from fsdp_convert.launch import shared_tag
 from fsdp_convert.lora import lora_only
+from fsdp_convert.ops._deepspeed_reshard import writes_zero, zero_files
 from fsdp_convert.ops._run_plan import SLACK_BYTES, PlannedFile, RunPlan
 from fsdp_convert.ops.consolidate import open_assets, output_items, plan_for
 from fsdp_convert.ops.options import ConsolidateOptions, ReshardOptions
@@ -259,6 +260,14 @@ def dry_run_reshard(
         out = _local_output(output)
         source = open_checkpoint(as_location(checkpoint_id), full_files=True, check_crc=opts.check_crc)
         index, producer = source.index, detect_producer(source.index)
+        if writes_zero(opts, producer.name):  # a DeepSpeed save for M ranks (ops._deepspeed_reshard), as the run writes it
+            check_output_free(out, overwrite=opts.overwrite, force=opts.force, directory=True, own_files=names)
+            zero = tuple(PlannedFile(name=name, nbytes=nbytes) for name, nbytes in zero_files(source, opts.world_size))
+            total = sum(f.nbytes for f in zero)
+            return _run_plan(
+                "reshard", checkpoint_id, output, source, producer.name, "deepspeed", zero, total, (total,), opts,
+                budget_bytes=DEFAULT_MEMORY_BUDGET_BYTES, temporary=temporary_path(out, shared_tag(opts.cluster), directory=True),
+            )  # fmt: skip
         kind = reshard_kind()
         check_output_free(out, overwrite=opts.overwrite, force=opts.force, directory=kind.directory, own_files=names)
         source.check_data_files()

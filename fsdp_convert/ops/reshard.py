@@ -162,7 +162,7 @@ def folder_plans(index: CheckpointIndex, items: tuple[OutputItem, ...], opts: Re
     workers = job_world_size(opts.nproc, opts.cluster) or default_nproc(
         sum(item.nbytes for item in items), len(index.data_files) or 1, len(os.sched_getaffinity(0))
     )
-    parts = split_by_folder(items)
+    parts = split_by_folder(items, index.folders)
     return tuple((sub, plan_reshard(index, part, opts.world_size, nproc=workers)) for sub, part in parts), workers
 
 

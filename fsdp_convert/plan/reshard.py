@@ -116,8 +116,11 @@ def dim0_boxes(shape: tuple[int, ...], world_size: int) -> list[TargetChunk]:
     return chunks
 
 
-def _folder(entry: Entry) -> str | None:
-    """The folder of the data file holding ``entry``'s payloads, relative to the checkpoint (``""``: its own)."""
+def _folder(entry: Entry, folders: tuple[str, ...]) -> str | None:
+    """The DCP folder (one of ``folders``) of the data file holding ``entry``'s payloads; ``""``: the checkpoint's own.
+
+    A data file in another subfolder (a DeepSpeed save's tag folder) belongs to the checkpoint itself.
+    """
     if isinstance(entry, TensorEntry):
         path = next((c.relative_path for c in entry.chunks if c.relative_path is not None), None)
     else:
@@ -125,11 +128,11 @@ def _folder(entry: Entry) -> str | None:
     if path is None:
         return None
     parent = PurePosixPath(path).parent.as_posix()
-    return "" if parent == "." else parent
+    return parent if parent in folders else ""
 
 
-def split_by_folder(items: tuple[OutputItem, ...]) -> tuple[tuple[str, tuple[OutputItem, ...]], ...]:
-    """The items by the folder their source data lie in, in order of first appearance.
+def split_by_folder(items: tuple[OutputItem, ...], folders: tuple[str, ...]) -> tuple[tuple[str, tuple[OutputItem, ...]], ...]:
+    """The items by the DCP folder (``CheckpointIndex.folders``) their source data lie in, in order of first appearance.
 
     A DCP folder gives one group, ``""``. accelerate's checkpoint folder, read as one index whose
     data file names carry their folder (``pytorch_model_fsdp_0/__0_0.distcp``), gives one group
@@ -139,7 +142,7 @@ def split_by_folder(items: tuple[OutputItem, ...]) -> tuple[tuple[str, tuple[Out
     groups: dict[str, list[OutputItem]] = {}
     homeless = []
     for item in items:
-        folder = _folder(item.entry)
+        folder = _folder(item.entry, folders)
         if folder is None:
             homeless.append(item)
         else:

@@ -249,7 +249,8 @@ PRODUCERS: tuple[Producer, ...] = (
         "frozen parameters as the module holds them, the optimizer state per parameter name; DeepSpeed's classes "
         "are read as inert records; tensor or pipeline parallelism (mp_rank_01, layer files) is refused",
         consolidate_loader='`{"model", "optim"}`: `model.load_state_dict` (what `zero_to_fp32` returns, and the optimizer)',
-        reshard_loader="FSDP2: `dcp.load` + `set_state_dict` at M ranks",
+        reshard_loader="DeepSpeed's own `engine.load_checkpoint(OUT)` at M ranks (the same stage and dtype); "
+        "`--format dcp`: FSDP2's `dcp.load` + `set_state_dict` at M ranks",
     ),
     Producer(
         name="verl",

@@ -64,6 +64,8 @@ __all__ = [
     "write_tensor_payload_headers",
     "PICKLE_PROTOCOL",
     "Reduced",  # a class of another package, pickled by name (``_torch_pickle.Reduced``)
+    "STORAGE_ALIGNMENT",  # bytes a storage's data is aligned to (``_torch_zip``)
+    "dumps_with_storages",  # data.pkl of a nested dict (``_torch_pickle``): a plan sizes its files with it
 ]
 
 
