@@ -18,15 +18,19 @@ groups and torch's AdamW, ``STEPS`` steps on each rank's own batches, then
      "global_steps": int, "client": CLIENT_STATE, "stage": int, "dtype": "fp32" | "bf16",
      "optimizer_class": str, "world_size": int}
 
-``load --variant V --checkpoint DIR --truth truth.pt --out result.json`` builds the same engine at
-this launch's world size, calls plain ``engine.load_checkpoint(DIR)`` (the tag ``latest`` names),
-compares the loaded live state with ``truth.pt`` bit for bit, takes one more training step, and
-rank 0 writes ``{"ok": bool, "mismatches": [str, ...], "error": str | None, "loss": float | None}``
-to ``--out``. It exits 0 whatever it found (a refused load is ``ok: false`` with DeepSpeed's
-message in ``error``); the test asserts on the JSON. DeepSpeed itself loads only at the world size
-that saved: ZeRO-1/2 and BF16_Optimizer refuse another with ``ZeRORuntimeException: The checkpoint
-being loaded used a DP world size of 2 but the current world size is 3 ...``; ZeRO-3 fails inside
-with ``RuntimeError: The size of tensor a (38) must match the size of tensor b (56) ...``.
+``load --out results.json --case VARIANT DIR TRUTH [--case ...]`` checks each case in turn in the one
+launch: it builds a fresh engine of ``VARIANT`` at this launch's world size, calls plain
+``engine.load_checkpoint(DIR)`` (the tag ``latest`` names), compares the loaded live state with
+``TRUTH`` (a ``truth.pt``) bit for bit, takes one more training step and destroys the engine. Rank 0
+writes a JSON list to ``--out``, one entry per case in order, rewritten after each case (a launch cut
+short leaves the cases it finished): ``{"variant": str, "checkpoint": str, "ok": bool, "mismatches":
+[str, ...], "error": str | None, "loss": float | None}``. It exits 0 whatever it found (a refused
+load is ``ok: false`` with DeepSpeed's message in ``error``); the test asserts on the JSON.
+
+DeepSpeed itself loads only at the world size that saved: ZeRO-1/2 and BF16_Optimizer refuse
+another with ``ZeRORuntimeException: The checkpoint being loaded used a DP world size of 2 but the
+current world size is 3 ...``; ZeRO-3 fails inside with ``RuntimeError: The size of tensor a (38)
+must match the size of tensor b (56) ...``.
 
 DeepSpeed quirks met here (see /work/shared/FRAMEWORKS.md "DeepSpeed"): ``deepspeed.init_distributed
 (dist_backend="gloo")``, its inference-only shared-memory op left unbuilt (``main``); ZeRO-3 ranks
@@ -123,19 +127,29 @@ def config(variant: str) -> dict[str, Any]:
     return cfg
 
 
-def build(variant: str) -> tuple[Any, Any]:
+def build(variant: str, *, scramble: bool = False) -> tuple[Any, Any]:
     """A fresh seeded ``TinyLM`` in ``deepspeed.initialize`` for ``variant``: ``(engine, optimizer)``.
 
     Two param groups: the trainable weights (``weight_decay`` 0.1) and the biases (no decay, ``lr`` 2e-2).
+    ``scramble`` (the load mode): another seed, buffers each plus 1, and other ``lr``/``weight_decay``
+    in both groups, so what the training run's truth holds can only come from the checkpoint loaded.
     """
     import deepspeed  # type: ignore[import-untyped,unused-ignore]
 
-    torch.manual_seed(SEED)
+    torch.manual_seed(SEED + 1 if scramble else SEED)
     model = TinyLM()
+    off = 1 if scramble else 0
+    with torch.no_grad():
+        for buffer in model.buffers():
+            buffer.add_(off)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [
-        {"params": [p for n, p in trainable if n.endswith("weight")], "weight_decay": WEIGHT_DECAY},
-        {"params": [p for n, p in trainable if not n.endswith("weight")], "weight_decay": 0.0, "lr": BIAS_LR},
+        {
+            "params": [p for n, p in trainable if n.endswith("weight")],
+            "weight_decay": WEIGHT_DECAY * (1 + off),
+            "lr": LR * (1 + off),
+        },
+        {"params": [p for n, p in trainable if not n.endswith("weight")], "weight_decay": 0.0 + off, "lr": BIAS_LR * (1 + off)},
     ]
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config(variant))
     return engine, optimizer
@@ -262,10 +276,17 @@ def _differences(path: str, got: Any, want: Any) -> list[str]:
     return [] if got == want else [f"{path}: {got!r}, want {want!r}"]
 
 
-def _load(variant: str, checkpoint: Path, truth_path: Path, out: Path) -> None:
+def _check_case(variant: str, checkpoint: Path, truth_path: Path) -> dict[str, Any]:
+    """Load ``checkpoint`` into a fresh engine of ``variant``, compare with ``truth_path``, train a step (every rank).
+
+    Returns the case's result (the same on every rank but ``loss``, which is this rank's); the engine is destroyed.
+    """
+    import torch.distributed as dist
+
     truth = torch.load(truth_path, weights_only=True)
-    engine, optimizer = build(variant)
-    result: dict[str, Any] = {"ok": False, "mismatches": [], "error": None, "loss": None}
+    engine, optimizer = build(variant, scramble=True)
+    result: dict[str, Any] = {"variant": variant, "checkpoint": str(checkpoint)}
+    result.update(ok=False, mismatches=[], error=None, loss=None)
     try:
         _, client = engine.load_checkpoint(str(checkpoint))
     except Exception as e:  # DeepSpeed's refusal is the result
@@ -283,8 +304,20 @@ def _load(variant: str, checkpoint: Path, truth_path: Path, out: Path) -> None:
         if not math.isfinite(loss):
             mismatches.append(f"loss after one more step is {loss}")
         result.update(ok=not mismatches, mismatches=mismatches, loss=loss)
-    if engine.global_rank == 0:
-        out.write_text(json.dumps(result, indent=1))
+    dist.barrier()
+    engine.destroy()
+    return result
+
+
+def _load(cases: list[tuple[str, Path, Path]], out: Path) -> None:
+    """Check each ``(variant, checkpoint, truth)`` in turn; rank 0 rewrites ``out`` (a JSON list) after each."""
+    import torch.distributed as dist
+
+    results = []
+    for variant, checkpoint, truth_path in cases:
+        results.append(_check_case(variant, checkpoint, truth_path))
+        if dist.get_rank() == 0:
+            out.write_text(json.dumps(results, indent=1))
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -358,39 +391,85 @@ def train_launches(root: Path, world_sizes: tuple[int, ...] = (2, 3), timeout: f
     return outs
 
 
+Case = tuple[str, Path, Path]
+"""A load mode case: ``(variant, checkpoint folder, truth.pt)``."""
+
+
+def _case_args(cases: list[Case]) -> list[str]:
+    return [a for variant, checkpoint, truth in cases for a in ("--case", variant, str(checkpoint), str(truth))]
+
+
+def load_launches(root: Path, cases: dict[int, list[Case]], timeout: float = 180.0) -> dict[int, list[dict[str, Any]]]:
+    """Run the ``load`` mode once per world size, all launched at once; each checks its cases in turn.
+
+    ``cases`` maps a world size to its ``(variant, checkpoint, truth.pt)`` cases. Returns ``{world_size:
+    [result, ...]}``, one result per case in order (the ``load`` mode's JSON entry). Each launch writes
+    ``root/load_ws<N>.json`` and its log ``root/load_ws<N>.log``.
+
+    Raises:
+        RuntimeError: a launch failed or ran past ``timeout`` seconds (the log's tail in the message).
+    """
+    deadline = time.monotonic() + timeout
+    root.mkdir(parents=True, exist_ok=True)
+    outs = {ws: root / f"load_ws{ws}.json" for ws in cases}
+    procs = {
+        ws: _torchrun(ws, ["load", "--out", str(outs[ws]), *_case_args(cases[ws])], outs[ws].with_suffix(".log")) for ws in cases
+    }
+    try:
+        for ws, proc in procs.items():
+            _finish(proc, outs[ws].with_suffix(".log"), deadline)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    results: dict[int, list[dict[str, Any]]] = {}
+    for ws, out in outs.items():
+        results[ws] = json.loads(out.read_text())
+        if len(results[ws]) != len(cases[ws]):
+            raise RuntimeError(f"{out} holds {len(results[ws])} results for {len(cases[ws])} cases")
+    return results
+
+
 def load_launch(
     variant: str, checkpoint: Path, truth: Path, out: Path, *, world_size: int, timeout: float = 120.0
 ) -> dict[str, Any]:
-    """Run the ``load`` mode at ``world_size`` ranks on ``checkpoint`` against ``truth``; the JSON it wrote to ``out``.
+    """Run the ``load`` mode at ``world_size`` ranks on one case; its result (the JSON list's one entry).
 
-    The result: ``{"ok": bool, "mismatches": [str, ...], "error": str | None, "loss": float | None}``;
-    the launch's log is ``out`` with the suffix ``.log``.
+    The result: ``{"variant", "checkpoint", "ok": bool, "mismatches": [str, ...], "error": str | None,
+    "loss": float | None}``; the JSON list is written to ``out``, the launch's log is ``out`` with the suffix ``.log``.
 
     Raises:
         RuntimeError: the launch failed or ran past ``timeout`` seconds.
     """
     log = out.with_suffix(".log")
-    args = ["load", "--variant", variant, "--checkpoint", str(checkpoint), "--truth", str(truth), "--out", str(out)]
+    args = ["load", "--out", str(out), *_case_args([(variant, checkpoint, truth)])]
     _finish(_torchrun(world_size, args, log), log, time.monotonic() + timeout)
-    result: dict[str, Any] = json.loads(out.read_text())
-    return result
+    results: list[dict[str, Any]] = json.loads(out.read_text())
+    return results[0]
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``train OUT [VARIANT ...]`` or ``load --variant V --checkpoint DIR --truth FILE --out JSON``; ends with ``os._exit(0)``."""
+    """``train OUT [VARIANT ...]`` or ``load --out JSON --case VARIANT DIR TRUTH ...``; ends with ``os._exit(0)``."""
     parser = argparse.ArgumentParser(prog="python -m tests._deepspeed")
     sub = parser.add_subparsers(dest="mode", required=True)
     train = sub.add_parser("train")
     train.add_argument("out", type=Path)
     train.add_argument("variants", nargs="*", metavar="VARIANT", help=f"of {', '.join(VARIANTS)} (default: all)")
     load = sub.add_parser("load")
-    load.add_argument("--variant", choices=list(VARIANTS), required=True)
-    load.add_argument("--checkpoint", type=Path, required=True)
-    load.add_argument("--truth", type=Path, required=True)
     load.add_argument("--out", type=Path, required=True)
+    load.add_argument(
+        "--case",
+        nargs=3,
+        action="append",
+        required=True,
+        metavar=("VARIANT", "DIR", "TRUTH"),
+        help="repeatable; checked in order",
+    )
     args = parser.parse_args(argv)
-    if args.mode == "train" and not set(args.variants) <= set(VARIANTS):
-        parser.error(f"unknown variants {sorted(set(args.variants) - set(VARIANTS))}; known: {', '.join(VARIANTS)}")
+    named = args.variants if args.mode == "train" else [variant for variant, _, _ in args.case]
+    if not set(named) <= set(VARIANTS):
+        parser.error(f"unknown variants {sorted(set(named) - set(VARIANTS))}; known: {', '.join(VARIANTS)}")
 
     import deepspeed  # type: ignore[import-untyped,unused-ignore]
 
@@ -403,7 +482,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.mode == "train":
         _train(args.out, args.variants or list(VARIANTS))
     else:
-        _load(args.variant, args.checkpoint, args.truth, args.out)
+        _load([(variant, Path(checkpoint), Path(truth)) for variant, checkpoint, truth in args.case], args.out)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # ZeRO-3 ranks may abort in interpreter teardown

@@ -20,6 +20,7 @@ from typing import Any, cast
 from fsdp_convert.errors import CorruptChunkError, MissingDataFileError, NotADcpCheckpointError, UnsupportedTransformError
 from fsdp_convert.held_roots import open_inside
 from fsdp_convert.location import FdPath, Location
+from fsdp_convert.output_table import METADATA_FILENAME
 
 __all__ = [
     "DS_CLASS_NAMES",
@@ -74,23 +75,45 @@ class DeepSpeedFiles:
 
 
 def _tag_folder(root: Path) -> str | None:
-    """``root``'s tag folder relative to it: ``""`` when ``root`` holds model states, ``<tag>/`` named by ``latest``."""
+    """``root``'s tag folder relative to it: ``""`` when ``root`` holds model states, ``<tag>/`` named by ``latest``.
+
+    None: neither (no model states, no ``latest``).
+
+    Raises:
+        NotADcpCheckpointError: ``latest`` names no tag folder inside ``root`` (missing, a link, a
+            path rather than a name, unreadable), naming ``latest`` and what it says.
+    """
     try:
         names = os.listdir(root)
     except OSError:
         return None
     if any(_MODEL_RE.match(n) or _LAYER_RE.match(n) for n in names):
         return ""
-    if LATEST not in names or not (root / LATEST).is_file():
+    if LATEST not in names or (root / METADATA_FILENAME).exists():
         return None
-    with open(root / LATEST, "rb") as f:
-        raw = f.read(_MAX_TAG + 1)
+    latest = root / LATEST
+    try:
+        with open(latest, "rb") as f:
+            raw = f.read(_MAX_TAG + 1)
+    except OSError as e:
+        raise NotADcpCheckpointError(f"{latest} cannot be read ({e.strerror}); it names the DeepSpeed save's tag") from e
     tag = raw.decode("utf-8", "replace").strip()
     if not tag or len(raw) > _MAX_TAG or "/" in tag or "\\" in tag or tag in (".", "..") or not tag.isprintable():
-        return None
-    if not (root / tag).is_dir() or (root / tag).is_symlink():
-        return None
+        raise NotADcpCheckpointError(
+            f"{latest} does not name a tag folder ({shown_tag(tag.encode())}); pass the tag folder itself"
+        )
+    folder = root / tag
+    if folder.is_symlink() or not folder.is_dir():
+        what = "is a symbolic link" if folder.is_symlink() else "does not exist"
+        tags = ", ".join(d.name for d in deepspeed_tags(root)[:5]) or "none"
+        raise NotADcpCheckpointError(f"{latest} names tag {tag}, but {folder} {what} (tags here: {tags}); pass a tag folder")
     return f"{tag}/"
+
+
+def shown_tag(raw: bytes) -> str:
+    """What ``latest`` holds, as one short printable line."""
+    text = raw[:60].decode("utf-8", "replace")
+    return repr(text if text.isprintable() else text.encode("unicode_escape").decode())
 
 
 def deepspeed_tags(root: Path) -> list[Path]:
@@ -117,7 +140,10 @@ def is_deepspeed(root: Location) -> bool:
     """A local folder holding a DeepSpeed save's model states, or a ``latest`` naming a tag folder that does."""
     if not isinstance(root, Path) or not root.is_dir():
         return False
-    tag = _tag_folder(root)
+    try:
+        tag = _tag_folder(root)
+    except NotADcpCheckpointError:
+        return True  # a save whose latest is wrong: read as one, whose index names what is wrong
     if tag is None:
         return False
     try:
