@@ -8,11 +8,12 @@ files back and must find that truth bit for bit.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from tests._deepspeed import VARIANTS, load_launch
+from tests._deepspeed import VARIANTS, load_launches
 
 pytestmark = pytest.mark.slow
 
@@ -52,18 +53,23 @@ def test_zero_to_fp32_refuses_bf16_optimizer(deepspeed_runs: dict[int, Path]) ->
         get_fp32_state_dict_from_zero_checkpoint(str(run))
 
 
-@pytest.mark.parametrize("variant", ["z1", "z3b"])
-def test_load_mode_finds_truth_at_the_same_world_size(deepspeed_runs: dict[int, Path], variant: str, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def same_size_loads(deepspeed_runs: dict[int, Path], tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """One launch at 3 ranks: DeepSpeed's own resume of its ZeRO-1 and ZeRO-3 bf16 saves, and of a 2-rank ZeRO-1 save."""
+    cases = [(v, deepspeed_runs[ws] / v, deepspeed_runs[ws] / v / "truth.pt") for v, ws in (("z1", 3), ("z3b", 3), ("z1", 2))]
+    return load_launches(tmp_path_factory.mktemp("ds-load"), {3: cases})[3]
+
+
+@pytest.mark.parametrize("case", [0, 1])
+def test_load_mode_finds_truth_at_the_same_world_size(same_size_loads: list[dict[str, Any]], case: int) -> None:
     """DeepSpeed's own resume (``engine.load_checkpoint``) at 3 ranks restores the truth bit for bit and trains on."""
-    run = deepspeed_runs[3] / variant
-    result = load_launch(variant, run, run / "truth.pt", tmp_path / "result.json", world_size=3)
+    result = same_size_loads[case]
     assert result["ok"], result
     assert result["mismatches"] == [] and result["error"] is None
 
 
-def test_load_mode_reports_a_refused_load(deepspeed_runs: dict[int, Path], tmp_path: Path) -> None:
+def test_load_mode_reports_a_refused_load(same_size_loads: list[dict[str, Any]]) -> None:
     """A ZeRO-1 save of 2 ranks loaded at 3: DeepSpeed refuses, and the load mode says so in its JSON."""
-    run = deepspeed_runs[2] / "z1"
-    result = load_launch("z1", run, run / "truth.pt", tmp_path / "result.json", world_size=3)
+    result = same_size_loads[2]
     assert not result["ok"]
     assert "used a DP world size of 2 but the current world size is 3" in result["error"], result
