@@ -16,6 +16,7 @@ from fsdp_convert.cli._output import console, err_console
 from fsdp_convert.cli._precheck import check_argv
 from fsdp_convert.cli._terminal import escape_controls
 from fsdp_convert.cli._verbosity import DebugOpt, QuietOpt, VerboseOpt, set_verbosity
+from fsdp_convert.cli.adapters_cmd import adapters_command
 from fsdp_convert.cli.consolidate_cmd import consolidate_command
 from fsdp_convert.cli.inspect_cmd import inspect_command
 from fsdp_convert.cli.reshard_cmd import reshard_command
@@ -110,6 +111,7 @@ app.command("inspect", cls=_Command, epilog=EXIT_CODES)(inspect_command)
 app.command("consolidate", cls=_Command, epilog=EXIT_CODES)(consolidate_command)
 app.command("reshard", cls=_Command, epilog=EXIT_CODES)(reshard_command)
 app.command("verify", cls=_Command, epilog=verify_cmd.EXIT_CODES)(verify_cmd.verify_command)
+app.command("adapters", cls=_Command, epilog=EXIT_CODES)(adapters_command)
 
 
 def _on_terminate(signum: int, frame: object) -> None:

@@ -100,7 +100,7 @@ ReshardFormatOpt = Annotated[
         "--format",
         help="dcp: a DCP folder (dcp.load; FSDP2 via set_state_dict); deepspeed: a DeepSpeed ZeRO save of the same "
         "stage that engine.load_checkpoint reads at N ranks (a DeepSpeed source only); auto: the source's own kind.",
-        rich_help_panel=OUTPUT,
+        rich_help_panel="Output kind",
     ),
 ]
 

@@ -202,6 +202,7 @@ def build_items(
     items: list[OutputItem] = []
     if options.adapter is not None:  # model weights only: optimizer and other state keep the old FQNs, left out
         groups = tuple(g for g in groups if g == "model")
+    nest: tuple[str, ...] = getattr(options.adapter, "nest", ())  # where reshard files an adapter's outputs
     if "model" in groups:
         seen: dict[str, str] = {}
         for entry, out, derived, sources in _model_sources(index, slots, options, name, layers):
@@ -209,6 +210,7 @@ def build_items(
                 raise InvalidOptionError(f"{seen[out]} and {entry.fqn} would both be written as model key {out!r}")
             seen[out] = entry.fqn
             prefix = entry.path[:1] if keep_layout and entry.path[0] == "model" else () if keep_layout else ("model",)
+            prefix = nest if keep_layout and nest else prefix
             dtype = _cast(entry, options.dtype, keep=fp8.keeps_dtype(derived), src=derived.dtype if derived else None)
             item = OutputItem(entry=entry, path=(*prefix, out), group="model", dtype=dtype, derived=derived, sources=sources)
             items.append(item)

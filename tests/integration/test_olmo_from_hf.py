@@ -34,9 +34,9 @@ TARGET = 3
 
 
 @pytest.fixture
-def registered(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What its row in ``adapters.ADAPTERS`` does."""
-    monkeypatch.setitem(adapters.ADAPTERS, NAME, olmo.from_hf)
+def registered() -> None:
+    """Its record in ``adapters.ADAPTER_RECORDS`` is the built-in ``hf-to-olmo-core``."""
+    assert adapters.ADAPTERS[NAME] is olmo.from_hf
 
 
 def _convert_state_from_hf(hf: Path, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -119,11 +119,6 @@ def _want(hf: Path, tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reshard files an adapter's outputs of an HF folder at the top level (embeddings.weight); "
-    "OLMo-core reads model.embeddings.weight: needs the reshard change in the issue 35 report",
-)
 def test_hf_to_olmo_core_reshard_loads_with_load_model_and_optim_state_at_three_ranks(
     registered: None, runner: CliRunner, tmp_path: Path
 ) -> None:
