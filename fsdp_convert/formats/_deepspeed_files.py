@@ -17,7 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from fsdp_convert.errors import CorruptChunkError, MissingDataFileError, NotADcpCheckpointError, UnsupportedTransformError
+from fsdp_convert.errors import (
+    CorruptChunkError,
+    MissingDataFileError,
+    NotADcpCheckpointError,
+    UnsafeContentError,
+    UnsupportedTransformError,
+)
 from fsdp_convert.held_roots import open_inside
 from fsdp_convert.location import FdPath, Location
 from fsdp_convert.output_table import METADATA_FILENAME
@@ -93,10 +99,15 @@ def _tag_folder(root: Path) -> str | None:
         return None
     latest = root / LATEST
     try:
-        with open(latest, "rb") as f:
-            raw = f.read(_MAX_TAG + 1)
+        fd = open_inside(root, latest)  # a regular file inside the save (no FIFO, no link out), as every file it reads
+    except UnsafeContentError:
+        raise
     except OSError as e:
         raise NotADcpCheckpointError(f"{latest} cannot be read ({e.strerror}); it names the DeepSpeed save's tag") from e
+    try:
+        raw = os.pread(fd, _MAX_TAG + 1, 0)
+    finally:
+        os.close(fd)
     tag = raw.decode("utf-8", "replace").strip()
     if not tag or len(raw) > _MAX_TAG or "/" in tag or "\\" in tag or tag in (".", "..") or not tag.isprintable():
         raise NotADcpCheckpointError(

@@ -73,19 +73,38 @@ def _copies(stored: _Flat, lo: int, hi: int, itemsize: int, dst: int) -> list[By
     return out
 
 
-def _plain(value: Any) -> Any:
-    """A loaded value with DeepSpeed's inert records (``_rank_unpickler.Record``) made ``Reduced`` stand-ins again."""
-    if isinstance(value, dict):
-        return type(value)((k, _plain(v)) for k, v in value.items()) if type(value) in (dict, OrderedDict) else value
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, tuple) and type(value) is tuple:
-        return tuple(_plain(v) for v in value)
+_SCALARS = (type(None), bool, int, float, str, bytes)
+
+
+def _plain(value: Any, where: str = "a value") -> Any:
+    """A loaded value with DeepSpeed's inert records (``_rank_unpickler.Record``) made ``Reduced`` stand-ins again.
+
+    Only plain data (``None``, numbers, strings, bytes, and dicts, lists and tuples of them),
+    tensors, ``torch.Size``/``torch.dtype`` and record instances are written back: a class, a
+    function or anything else the source's pickle named would be pickled by this tool's own names.
+
+    Raises:
+        UnsupportedTransformError: another object, naming its type and where it sits.
+    """
+    import torch
+
+    if type(value) in _SCALARS or isinstance(value, (torch.Tensor, torch.Size, torch.dtype)):
+        return value
+    if type(value) in (dict, OrderedDict):
+        return type(value)((k, _plain(v, where)) for k, v in value.items())
+    if type(value) is list:
+        return [_plain(v, where) for v in value]
+    if type(value) is tuple:
+        return tuple(_plain(v, where) for v in value)
     qualname = getattr(type(value), "qualname", None)
-    if qualname is not None and hasattr(value, "args"):  # a record: pickled again as its class
+    if isinstance(qualname, str) and not isinstance(value, type) and hasattr(value, "args"):  # a record instance
         module, name = qualname.rsplit(".", 1)
-        return Reduced(module, name, tuple(_plain(a) for a in value.args), _plain(value.state), newobj=value.newobj)
-    return value
+        args = tuple(_plain(a, where) for a in value.args)
+        return Reduced(module, name, args, _plain(value.state, where), newobj=value.newobj)
+    raise UnsupportedTransformError(
+        f"{where}: holds a {type(value).__name__} ({qualname or type(value).__qualname__}), not plain data; "
+        "a DeepSpeed save for another world size writes only data, records and tensors back"
+    )
 
 
 def _state_fqn(key: str, name: str) -> str:
@@ -150,7 +169,8 @@ class _Target:
         groups = []
         for g, group in enumerate(base["param_groups"]):
             groups.append({**group, "params": [c for c, of in enumerate(layout.group_of) if of == g]})
-        new_base = {"state": state, "param_groups": _plain(groups)}
+        where = str(self.save.files.optim[0])
+        new_base = {"state": state, "param_groups": _plain(groups, where)}
         fields: dict[str, Any] = {}
         for key, value in osd.items():
             if key == base_key:
@@ -166,8 +186,8 @@ class _Target:
                     OrderedDict((n, _fragment(*m)) for n, m in mapping.items()) for mapping in layout.slice_mappings[rank]
                 ]
             else:
-                fields[key] = _plain(value)
-        top = {k: (fields if k == "optimizer_state_dict" else _plain(v)) for k, v in src.items()}
+                fields[key] = _plain(value, f"{where} optimizer_state_dict.{key}")
+        top = {k: (fields if k == "optimizer_state_dict" else _plain(v, f"{where} {k}")) for k, v in src.items()}
         _flatten(top, (), items)
         return items
 
@@ -304,7 +324,7 @@ def _model_files(target: _Target, save: ZeroSave, layout: ZeroLayout) -> list[tu
         else:
             nbytes = math.prod(m.shape) * m.dtype.itemsize
             module[m.name] = CopiedTensor(TensorSlot(m.dtype, m.shape), (ByteCopy(m.file, m.offset, nbytes, 0),))
-    rest = {k: _plain(v) for k, v in save.model_states.items() if k != "module"}
+    rest = {k: _plain(v, f"{save.files.model[0]} {k}") for k, v in save.model_states.items() if k != "module"}
     rest["dp_world_size"] = layout.world_size
     if layout.stage != 3:
         items: list[tuple[ObjPath, Any]] = [(("module", n), v) for n, v in module.items()]
