@@ -972,6 +972,31 @@ MUTATIONS: list[Mutation] = [
         "files = [DCP_FILE_RE]",
         "tests/integration/test_reshard_overwrite_own.py::test_reshard_overwrite_onto_its_own_output_needs_no_force[megatron-core]",
     ),
+    # --- DeepSpeed ZeRO (docs/producers.md "DeepSpeed ZeRO") ---
+    Mutation(
+        "zero3-share-floored",
+        "docs/producers.md: consolidate of a DeepSpeed save writes the fp32 master weights, what zero_to_fp32 returns, bit for bit",
+        "fsdp_convert/formats/_flat_ranges.py",
+        "part = -(-numel // ws)",
+        "part = numel // ws",
+        "tests/integration/test_deepspeed.py::test_consolidate_pt_equals_the_runs_state[z3-3]",
+    ),
+    Mutation(
+        "zero12-alignment-padding-ignored",
+        "docs/producers.md: ZeRO-1/2 with parameter_alignment consolidates bit for bit (padding between parameters left out)",
+        "fsdp_convert/formats/_flat_ranges.py",
+        "offset += numel + pad",
+        "offset += numel",
+        "tests/integration/test_deepspeed.py::test_consolidate_pt_equals_the_runs_state[z2a-3]",
+    ),
+    Mutation(
+        "zero-layout-without-nccl-alignment",
+        "docs/producers.md: reshard writes the partitions and paddings an engine at M ranks builds",
+        "fsdp_convert/plan/deepspeed.py",
+        "align = _NCCL_START_ALIGNMENT_FACTOR * world_size",
+        "align = world_size",
+        "tests/unit/test_deepspeed_layout.py::test_layout_for_another_world_size_is_what_deepspeed_saves[z2-2-3]",
+    ),
     Mutation(
         "format-names-not-from-the-table",
         "docs/architecture.md: the `--format` name of a new output row is taken and listed by the CLI from the table",
