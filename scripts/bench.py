@@ -32,6 +32,15 @@ fsdp-convert consolidate with default options: wall, GB/s, peak RSS of the proce
 --moe-mb 200 instead prints the MoE row (scripts/_bench_moe.py): plain consolidate to a folder vs
 the same with --adapter torchtitan-qwen3-to-hf (an expert split), and their ratio.
 
+--deepspeed-gb 1 instead prints the DeepSpeed row (scripts/_bench_deepspeed.py): a real ZeRO-3 save
+(DeepSpeed 0.19.8, 4 ranks under torchrun, cached) of about that size, consolidated by DeepSpeed's
+own zero_to_fp32.py (pytorch_model.bin, and --safe_serialization) and by fsdp-convert consolidate
+--only model to the same kind of file (default workers and --nproc 1), plus the model + optimizer
+.pt; wall, peak RSS of the tree and of the largest process, ratios to zero_to_fp32, the bitwise
+check of the outputs against zero_to_fp32's, and a cProfile of one run.
+
+    python scripts/bench.py --deepspeed-gb 1 --rounds 2
+
 --warm instead prints the warm-cache table (scripts/_bench_warm.py): `cat` and `cp` of the data
 files against consolidate --nproc 1, 2 to disk and to tmpfs, and `inspect`, with tree CPU per GB and
 the time to the first output byte; --scaling 1,2,4,8,16 the scaling table of --nproc (OUT on
@@ -430,6 +439,7 @@ def main() -> None:
     parser.add_argument("--moe-mb", type=int, default=None, help="e.g. 200: the MoE expert-split row (scripts/_bench_moe.py)")
     parser.add_argument("--moe-shape", default="128,64,128", help="E,F,D of the MoE row's expert weights (default 128,64,128)")
     parser.add_argument("--moe-nproc", type=int, default=1, help="--nproc of the MoE row's runs (default 1)")
+    parser.add_argument("--deepspeed-gb", type=float, default=None, help="e.g. 1: the ZeRO-3 row (_bench_deepspeed.py)")
     parser.add_argument("--warm", action="store_true", help="the warm-cache table (scripts/_bench_warm.py)")
     parser.add_argument("--warm-nproc", default="1,2", help="--nproc values of the warm table's consolidate rows (default 1,2)")
     parser.add_argument("--scaling", default=None, help="e.g. 1,2,4,8,16: the --nproc scaling table, warm cache, OUT on tmpfs")
@@ -443,6 +453,10 @@ def main() -> None:
 
         ck = args.checkpoint.resolve() if args.checkpoint else make_checkpoint(args.size_gb, args.cache)
         (bench_scaling if args.scaling else bench_warm)(args, ck)
+    elif args.deepspeed_gb:
+        from _bench_deepspeed import bench_deepspeed
+
+        bench_deepspeed(args)
     elif args.moe_mb:
         from _bench_moe import bench_moe
 

@@ -270,8 +270,8 @@ MUTATIONS: list[Mutation] = [
         "rank-file-builds-real-classes",
         "Per-rank files: DTensor, DeviceMesh and ShardedTensor are read as inert records (no process group)",
         "fsdp_convert/formats/_rank_unpickler.py",
-        "if full in _RECORDS:\n            return _RECORDS[full]",
-        'if full in _RECORDS:\n            return getattr(__import__("importlib").import_module(module), name)',
+        "if full in self._classes:\n            return self._classes[full]",
+        'if full in self._classes:\n            return getattr(__import__("importlib").import_module(module), name)',
         "tests/integration/test_producers.py::test_rank_files_never_build_a_mesh",
     ),
     Mutation(
@@ -766,8 +766,8 @@ MUTATIONS: list[Mutation] = [
         "fp8-adapter-without-implied-dequantize",
         "an `hf-to-torchtitan-*` adapter implies `--dequantize` on a block-FP8 folder",
         "fsdp_convert/adapters/__init__.py",
-        "        return with_fp8(bound, dequantize=True) or bound",
-        "        return bound",
+        "        adapter = with_fp8(bound, dequantize=True) or bound",
+        "        adapter = bound",
         "tests/integration/test_fp8_adapter.py::test_hf_fp8_to_torchtitan_dequantizes_as_torch_reader_then_from_hf",
     ),
     Mutation(
