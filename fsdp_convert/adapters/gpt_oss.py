@@ -20,6 +20,13 @@ expert the transpose of torchtitan's (``x @ gate_up_proj[e]`` where torchtitan c
 expert by expert: each expert is one dim-0 row, so an output block of experts is built from the
 same experts' input rows (a transpose, no value changed) within the mover's buffers, at least one
 expert at a time.
+
+gpt-oss as released holds those experts in MXFP4: uint8 ``*_blocks`` with ``*_scales`` beside them
+(``transform.mxfp4``). ``--dequantize`` (implied by ``hf-to-torchtitan-gpt-oss``) gives them as
+torch's ``QuantizedHuggingFaceStorageReader`` does, float ``*_blocks`` in torchtitan's ``(E, 2F,
+D)`` and ``(E, D, F)`` layout, which both ``from_hf`` and ``from_transformers`` take as they are
+(transformers' own MXFP4 loader gives the same values transposed, under the names without
+``_blocks``). Nibbles not dequantized are refused.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from fsdp_convert.adapters._common import abstract_key, moved, warn_left_out
 from fsdp_convert.derive import Derived, Input, TensorInfo
 from fsdp_convert.dtypes import DType
 from fsdp_convert.errors import UnsupportedTransformError
+from fsdp_convert.transform.mxfp4 import BLOCKS_SUFFIX
 
 if TYPE_CHECKING:
     import torch
@@ -65,8 +73,11 @@ TO_HF = {v: k for k, v in FROM_HF.items()}
 # the expert names torchtitan's own map still spells (before the model's _EGD-style suffixes)
 TO_HF.update({k.rsplit("_", 1)[0]: v for k, v in TO_HF.items() if k.startswith(_EXPERTS)})
 _LEFT_OUT = "layers.{}.moe.expert_bias_E"
-# transformers' GptOssExperts reads the same map with the *_blocks names' suffix dropped, each expert transposed
-FROM_TRANSFORMERS = {k.removesuffix("_blocks"): v for k, v in FROM_HF.items()}
+# transformers' GptOssExperts reads the same map with the *_blocks names' suffix dropped, each expert transposed;
+# a float *_blocks (the released MXFP4 experts dequantized, torch's reader's layout) is torchtitan's layout as it is
+FROM_TRANSFORMERS = {k.removesuffix("_blocks"): v for k, v in FROM_HF.items()} | {
+    k: v for k, v in FROM_HF.items() if k.endswith("_blocks")
+}
 TO_TRANSFORMERS = {k: v.removesuffix("_blocks") for k, v in TO_HF.items()}
 _TRANSPOSED = {k.removesuffix("_blocks") for k in FROM_HF if k.endswith("_blocks")} | {
     k for k, v in TO_HF.items() if v.endswith("_blocks")
@@ -93,12 +104,10 @@ def _transposed(info: TensorInfo) -> Derived:
 def _refused(fqn: str, adapter: str, dtype: DType) -> UnsupportedTransformError:
     """The one-line refusal of a key ``adapter``'s map does not know, with the adapter to use when another fits."""
     hint = ""
-    if fqn.endswith("_scales") or (fqn.endswith("_blocks") and dtype == DType("uint8")):
-        hint = " (MXFP4-quantized experts: dequantize the checkpoint first)"
+    if fqn.endswith("_scales") or (fqn.endswith(BLOCKS_SUFFIX) and dtype == DType("uint8")):
+        hint = " (MXFP4-quantized experts: --dequantize, with each *_blocks's *_scales beside it)"
     elif fqn.endswith(("experts.gate_up_proj", "experts.down_proj")):
         hint = " (transformers' transposed expert layout: use the transformers-to-torchtitan-gpt-oss adapter)"
-    elif fqn.endswith("_blocks"):
-        hint = " (torchtitan's expert layout, as torchtitan-gpt-oss-to-hf writes it: use the hf-to-torchtitan-gpt-oss adapter)"
     return UnsupportedTransformError(f"{fqn}: not a gpt-oss weight {adapter} maps{hint}")
 
 
@@ -110,13 +119,16 @@ def _adapt(
     From torchtitan (``from_titan``), ``_LEFT_OUT`` is left out with a warning, as its ``to_hf`` leaves it.
 
     Raises:
-        UnsupportedTransformError: a key ``names`` does not know, or a transposed weight that is not 3-d.
+        UnsupportedTransformError: a key ``names`` does not know, MXFP4 nibbles (uint8 ``*_blocks``:
+            not dequantized), or a transposed weight that is not 3-d.
     """
     out: dict[str, Derived] = {}
     left_out: list[str] = []
     for info in tensors:
         abstract, numbers = abstract_key(info.fqn)
         target = names.get(abstract)
+        if abstract.endswith(BLOCKS_SUFFIX) and info.dtype == DType("uint8"):
+            raise _refused(info.fqn, adapter, info.dtype)
         if target is not None:
             out[target.format(*numbers)] = _transposed(info) if transpose and abstract in _TRANSPOSED else moved(info)
         elif abstract == _LEFT_OUT and from_titan:
@@ -157,7 +169,8 @@ def from_hf(tensors: Sequence[TensorInfo], config: Mapping[str, Any]) -> dict[st
 
     Raises:
         UnsupportedTransformError: a key torchtitan's map does not know, naming it (MXFP4
-            ``*_scales``, or transformers' own transposed ``experts.gate_up_proj``, among them).
+            ``*_scales`` and uint8 ``*_blocks`` not dequantized, or transformers' own transposed
+            ``experts.gate_up_proj``, among them).
     """
     return _adapt(tensors, FROM_HF, "hf-to-torchtitan-gpt-oss", from_titan=False)
 
@@ -186,14 +199,15 @@ def from_transformers(tensors: Sequence[TensorInfo], config: Mapping[str, Any]) 
 
     The inverse of ``to_transformers``: ``gate_up_proj`` ``(E, D, 2F)`` to ``mlp1_weight_EGD``
     ``(E, 2F, D)`` and ``down_proj`` ``(E, F, D)`` to ``mlp2_weight_EDF`` ``(E, D, F)``, each expert
-    transposed; every other tensor under ``from_hf``'s map, as it is.
+    transposed; every other tensor under ``from_hf``'s map, as it is, float ``*_blocks`` too (the
+    released MXFP4 experts dequantized, ``--dequantize``: already torchtitan's layout).
 
     Args:
         tensors: the HF folder's tensors.
         config: unused; the map needs no sizes.
 
     Raises:
-        UnsupportedTransformError: a key the map does not know, naming it (MXFP4 ``*_blocks`` /
-            ``*_scales``, or torchtitan's own ``*_blocks`` layout, among them), or an expert weight that is not 3-d.
+        UnsupportedTransformError: a key the map does not know, naming it (MXFP4 uint8 ``*_blocks`` /
+            ``*_scales`` not dequantized among them), or an expert weight that is not 3-d.
     """
     return _adapt(tensors, FROM_TRANSFORMERS, "transformers-to-torchtitan-gpt-oss", from_titan=False, transpose=True)

@@ -264,8 +264,8 @@ DequantizeOpt = Annotated[
     typer.Option(
         "--dequantize",
         metavar="",
-        help="Dequantize block FP8 weights (DeepSeek-V3's) to float32, first (then --adapter, --dtype); "
-        "implied by hf-to-torchtitan-*.",
+        help="Dequantize block FP8 (DeepSeek-V3's) and MXFP4 (gpt-oss's experts) weights to float32, before any "
+        "adapter or cast; implied by hf-to-torchtitan-*.",
         rich_help_panel=CASTING,
     ),
 ]

@@ -6,7 +6,8 @@ as ``float8_e4m3fn`` beside ``<fqn>_scale_inv`` (``W.weight_scale_inv``), float3
 ``(ceil(rows / 128), ceil(cols / 128))``. The weight's value is ``W.float() * scale_inv[i // 128,
 j // 128]`` at ``(i, j)``: the Hub reference ``weight_dequant`` and torch's
 ``QuantizedHuggingFaceStorageReader`` (block 128, float32 target), one float32 multiply each.
-``dequantize_rules`` makes that a ``derive.Derived`` per weight, built row block by row block;
+``dequantize_rules`` makes that a ``derive.Derived`` per weight, built row block by row block, and
+does the same for gpt-oss's MXFP4 experts (``*_blocks`` with ``*_scales``: ``transform.mxfp4``);
 ``quantize_rules`` the other way (transformers' ``Fp8Quantize``). ``with_fp8`` puts either around a
 model-family adapter (``transform.chain.Chain``): dequantized before it (``--dequantize``, implied by
 an ``hf-to-torchtitan-*`` adapter), quantized after it (``--quantize fp8-block128``).
@@ -22,6 +23,7 @@ from fsdp_convert.derive import Adapter, Derived, Input, TensorInfo, copy_of
 from fsdp_convert.dtypes import DType, as_dtype
 from fsdp_convert.errors import UnsupportedTransformError
 from fsdp_convert.transform.chain import Chain, Staged
+from fsdp_convert.transform.mxfp4 import dequantize_rule, mxfp4_pairs
 
 if TYPE_CHECKING:
     import torch
@@ -107,26 +109,34 @@ def quantized_fqns(tensors: Sequence[TensorInfo]) -> list[str]:
 
 
 def dequantize_rules(tensors: Sequence[TensorInfo]) -> Mapping[str, Derived]:
-    """Every tensor as it is, but block FP8 weights dequantized to float32, scales left out (a ``derive.Adapter``).
+    """Every tensor as it is, but block FP8 and MXFP4 weights dequantized to float32, scales left out (a ``derive.Adapter``).
 
     Args:
         tensors: the model's tensors; a ``float8_e4m3fn`` ``<fqn>`` with ``<fqn>_scale_inv`` beside
-            it is quantized (``quantized_fqns``).
+            it is block FP8 (``quantized_fqns``), a uint8 ``<name>_blocks`` with a uint8
+            ``<name>_scales`` MXFP4 (``transform.mxfp4.mxfp4_pairs``).
 
     Returns:
-        Output FQN to rule, in input order: a quantized weight ``(rows, cols)`` read with its
-        scales (``ScaleRows``, ``BlockDequant``), float32, under its own FQN; the others copied.
+        Output FQN to rule, in input order: a block FP8 weight ``(rows, cols)`` read with its
+        scales (``ScaleRows``, ``BlockDequant``), float32, under its own FQN; MXFP4 nibbles
+        ``(*prefix, G, B)`` with theirs as float32 ``(*prefix, G * 2 * B)`` under the ``*_blocks``
+        FQN (``transform.mxfp4.dequantize_rule``, torch's reader's name and shape); the others copied.
 
     Raises:
-        UnsupportedTransformError: a quantized tensor that is not 2-D, or whose scales are not
-            ``(ceil(rows / 128), ceil(cols / 128))`` (names the tensor).
+        UnsupportedTransformError: a block FP8 tensor that is not 2-D, or whose scales are not
+            ``(ceil(rows / 128), ceil(cols / 128))``; MXFP4 scales that are not the nibbles' shape
+            without its last dim (names the tensor).
     """
     by_fqn = {t.fqn: t for t in tensors}
     quantized = quantized_fqns(tensors)
-    scales = {fqn + SCALE_SUFFIX for fqn in quantized}
+    mxfp4 = mxfp4_pairs(tensors)
+    scales = {fqn + SCALE_SUFFIX for fqn in quantized} | set(mxfp4.values())
     rules: dict[str, Derived] = {}
     for info in tensors:
         if info.fqn in scales:
+            continue
+        if info.fqn in mxfp4:
+            rules[info.fqn] = dequantize_rule(info, by_fqn[mxfp4[info.fqn]])
             continue
         if info.fqn not in quantized:
             rules[info.fqn] = copy_of(info)
@@ -290,14 +300,14 @@ def keeps_dtype(derived: Derived | None) -> bool:
 
 
 def dequantizes(adapter: Adapter | None) -> bool:
-    """True when ``adapter`` dequantizes block FP8 weights before anything else (``dequantize_rules``, first in a chain)."""
+    """True when ``adapter`` dequantizes (block FP8, MXFP4) before anything else (``dequantize_rules``, first in a chain)."""
     while isinstance(adapter, Chain):
         adapter = adapter.first
     return adapter is dequantize_rules
 
 
 def with_fp8(adapter: Adapter | None, *, dequantize: bool = False, quantize: bool = False) -> Adapter | None:
-    """``adapter`` with block FP8 around it: dequantized before it, quantized after it (``transform.chain.Chain``).
+    """``adapter`` with block FP8 around it: dequantized before it (MXFP4 too), quantized after it (``transform.chain.Chain``).
 
     Args:
         adapter: the model-family adapter, or None.

@@ -272,8 +272,6 @@ def test_gpt_oss_adapters_refuse_unknown_keys() -> None:
         from_hf([info("model.layers.0.mlp.experts.down_proj")], {})
     with pytest.raises(UnsupportedTransformError, match="layers.0.moe.tokens_per_expert_E: .*-to-transformers"):
         to_transformers([info("layers.0.moe.tokens_per_expert_E")], {})
-    with pytest.raises(UnsupportedTransformError, match="gate_up_proj_blocks: .*use the hf-to-torchtitan-gpt-oss adapter"):
-        from_transformers([info("model.layers.0.mlp.experts.gate_up_proj_blocks")], {})
     mxfp4 = TensorInfo(fqn="model.layers.0.mlp.experts.down_proj_blocks", shape=(4, 16, 1, 16), dtype=torch.uint8)
     with pytest.raises(UnsupportedTransformError, match="down_proj_blocks: .*MXFP4"):
         from_transformers([mxfp4], {})
