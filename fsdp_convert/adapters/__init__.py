@@ -5,9 +5,11 @@ Each built-in adapter follows the framework's own converter, named in its module
 copies: key maps, the Q/K RoPE row permutation, fused-QKV splits, stacked-expert splits and joins.
 
 One record per built-in (``AdapterRecord``) in one ordered table, ``ADAPTER_RECORDS``: its name,
-function, direction, family, the converter it follows, the config fields it reads and the steps it
-implies. ``fsdp-convert adapters`` prints the table, and docs/huggingface.md's list is rendered from
-it (``adapters.tables``; a test keeps them equal). Adding an adapter is its module and one record here.
+function, direction, family, the converter it follows, the config fields it reads, the steps it
+implies and, for a target whose loader wants more than tensors, where ``reshard`` files its keys
+and the values and files it writes beside them (Megatron's). ``fsdp-convert adapters`` prints the
+table, and docs/huggingface.md's list is rendered from it (``adapters.tables``; a test keeps them
+equal). Adding an adapter is its module and one record here.
 
 ``load_adapter(name, config)`` binds one to the model's configuration (a Hugging Face
 ``config.json``'s fields: ``num_attention_heads``, ``num_key_value_heads``, ``tie_word_embeddings``,
@@ -44,7 +46,8 @@ AdapterFunction = Callable[[Sequence[TensorInfo], Mapping[str, Any]], Mapping[st
 DEQUANTIZE = "dequantize"
 UNSTACK = "unstack"
 STEPS = {
-    DEQUANTIZE: "a block-FP8 folder is read dequantized to float32, as with `--dequantize` (an unquantized one as it is)",
+    DEQUANTIZE: "a block-FP8 folder (DeepSeek) or MXFP4 experts (gpt-oss) are read dequantized to float32, as with "
+    "`--dequantize` (an unquantized folder as it is)",
     UNSTACK: "layers stacked on a leading dim are split per layer by the adapter itself (no `--unstack-layers`)",
 }
 """The steps an adapter may imply (``AdapterRecord.implies``), each with what it does (Markdown)."""
@@ -68,6 +71,13 @@ class AdapterRecord:
         changes: what it does besides renaming keys (Markdown); ``keys only`` when nothing.
         nest: the top-level keys ``reshard`` files its outputs under, as the target's own loader
             wants them (OLMo-core's ``model.<fqn>``); ``()``: at the top, as the adapter names them.
+        values: the bytes entries ``reshard`` writes beside the adapter's tensors, as the target's
+            loader wants them (Megatron's per-layer ``_extra_state``): ``values(config)`` gives
+            ``{FQN: plain value}``, each filed under ``nest`` too and stored as ``torch.save(value)``;
+            called once the function has accepted the tensors. None: none.
+        files: the files ``reshard`` writes beside its output's DCP data, as the target's loader
+            wants them (Megatron's ``common.pt`` and ``metadata.json``): ``files(config)`` gives
+            ``{file name: bytes}``, written after ``.metadata`` and counted in the space check. None: none.
     """
 
     name: str
@@ -81,6 +91,8 @@ class AdapterRecord:
     implies: tuple[str, ...] = ()
     changes: str = "keys only"
     nest: tuple[str, ...] = ()
+    values: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+    files: Callable[[Mapping[str, Any]], dict[str, bytes]] | None = None
 
     @property
     def direction(self) -> str:
@@ -207,6 +219,7 @@ ADAPTER_RECORDS: tuple[AdapterRecord, ...] = (
         source="transformers",
         target="torchtitan",
         follows=f"{_TORCHTITAN} `GptOssStateDictAdapter.from_hf`, experts as transformers' `GptOssForCausalLM` holds them",
+        implies=(DEQUANTIZE,),
         changes="each expert transposed back: `(E, 2F, D)` and `(E, D, F)`",
     ),
     AdapterRecord(
@@ -251,6 +264,22 @@ ADAPTER_RECORDS: tuple[AdapterRecord, ...] = (
         needs=("num_attention_heads", "num_hidden_layers"),
         implies=(UNSTACK,),
         changes="`linear_qkv` split per query group into q/k/v, `linear_fc1` into gate/up; `lm_head` left out when tied",
+    ),
+    AdapterRecord(
+        name="hf-to-megatron-gpt",
+        function=megatron.from_hf,
+        family="GPT (Llama layout)",
+        source="HF",
+        target="Megatron-Core",
+        follows="Megatron-Bridge 0.3.1 `LlamaBridge.mapping_registry`, inverted; Megatron-Core 0.16.1 `torch_dist`",
+        reads=(*_HEADS, "num_hidden_layers", "tie_word_embeddings"),
+        needs=("num_attention_heads", "num_hidden_layers"),
+        changes=(
+            "layers stacked; q/k/v fused per query group into `linear_qkv`, gate/up into `linear_fc1`; `lm_head` left "
+            "out when tied; `reshard` adds each layer module's `_extra_state`, `common.pt` and `metadata.json`"
+        ),
+        values=megatron.extra_state,
+        files=megatron.checkpoint_files,
     ),
 )
 """The built-in adapters, in the order ``fsdp-convert adapters`` and docs/huggingface.md list them."""
@@ -310,7 +339,8 @@ def load_adapter(name: str, config: Mapping[str, Any] | None = None) -> Adapter:
         The bound adapter; for a built-in whose record implies ``dequantize`` (the
         ``hf-to-torchtitan-*`` ones), chained after ``transform.fp8.dequantize_rules``, so a
         block-FP8 folder's weights reach it as float32 without their scales (an unquantized folder
-        passes unchanged).
+        passes unchanged). Its record's ``nest`` is its attribute ``nest``, and its ``values`` and
+        ``files``, bound to ``config``, are zero-argument callables ``values`` and ``files``.
 
     Raises:
         InvalidOptionError: an unknown name (the message lists the built-in ones), or a user module
@@ -334,6 +364,10 @@ def load_adapter(name: str, config: Mapping[str, Any] | None = None) -> Adapter:
         adapter = with_fp8(bound, dequantize=True) or bound
     if record is not None and record.nest:
         adapter.nest = record.nest  # read by transform.build_items for reshard's keys (a partial keeps attributes)
+    if record is not None and record.values is not None:
+        adapter.values = partial(record.values, dict(config or {}))  # read by transform.build_items, for reshard
+    if record is not None and record.files is not None:
+        adapter.files = partial(record.files, dict(config or {}))  # read by ops.reshard, at its finish
     return cast(Adapter, adapter)
 
 

@@ -1,4 +1,4 @@
-"""Megatron-Core's GPT (Llama layout) and Hugging Face's ``LlamaForCausalLM``: layers unstacked, fused QKV and gate/up split.
+"""Megatron-Core's GPT and HF's ``LlamaForCausalLM``, both ways: layers (un)stacked, QKV and gate/up split or fused.
 
 Follows Megatron-Bridge 0.3.1's ``LlamaBridge.mapping_registry``
 (``megatron/bridge/models/llama/llama_bridge.py``): its key map (local and Transformer Engine
@@ -9,19 +9,28 @@ and ``GatedMLPMapping`` (``linear_fc1`` is ``[gate; up]``). Megatron-Bridge maps
 per-layer names (``decoder.layers.N.…``); a ``torch_dist`` checkpoint stores each of
 ``decoder.layers.*`` once, stacked on a leading layer dim (``TransformerBlock.sharded_state_dict``),
 so layer ``N`` is that tensor's ``N``-th slice, read through a ``(layers * rows, ...)`` view.
+
+``from_hf`` is the inverse (``hf-to-megatron-gpt``): each HF layer tensor a row segment of its
+stacked Megatron tensor (``linear_qkv``'s per query group), so the mover copies bytes only
+(``chunk_rows.segment_runs``). A ``torch_dist`` folder Megatron-Core 0.16.1's
+``dist_checkpointing.load`` reads also holds what ``extra_state`` and ``checkpoint_files`` give
+(``AdapterRecord.values`` and ``files``): one ``_extra_state`` bytes entry per layer module, and
+``common.pt`` and ``metadata.json`` as a model-only ``dist_checkpointing.save`` writes them.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fsdp_convert.adapters._common import config_int, heads, tied, warn_left_out
-from fsdp_convert.derive import Derived, Gather, Input, Segment, TensorInfo
+from fsdp_convert.derive import Derived, Gather, Input, Segment, TensorInfo, copy_of
 from fsdp_convert.errors import UnsupportedTransformError
 from fsdp_convert.transform.unstack import check_split
 
-__all__ = ["TO_HF", "to_hf"]
+__all__ = ["TO_HF", "FROM_HF", "to_hf", "from_hf", "extra_state", "checkpoint_files"]
 
 NAME = "megatron-gpt-to-hf"
 LAYERS = "decoder.layers."
@@ -41,6 +50,30 @@ QKV = "self_attention.linear_qkv.weight"
 FC1 = "mlp.linear_fc1.weight"
 _ATTN = "model.layers.{}.self_attn.{}_proj.weight"
 _MLP = "model.layers.{}.mlp.{}_proj.weight"
+# the inverse of TO_HF: HF key (per layer: "model.layers.N.") -> Megatron key, norms under
+# Transformer Engine's names, which Megatron's local layer spec saves them under too
+# (get_gpt_layer_local_spec's sharded_state_dict_keys_map)
+FROM_HF: dict[str, str] = {
+    "model.embed_tokens.weight": "embedding.word_embeddings.weight",
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+    "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+    "model.norm.weight": "decoder.final_layernorm.weight",
+    "lm_head.weight": "output_layer.weight",
+}
+_QKV_PARTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+_FC1_PARTS = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# the layer modules whose ShardedObject Megatron saves (their get_extra_state: None, saved as [None])
+EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+# metadata.json as Megatron-Core 0.16.1's dist_checkpointing.save(..., ("torch_dist", 1)) writes it
+MEGATRON_METADATA = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
 
 
 def _qkv_rows(rows: int, n_heads: int, n_groups: int, info: TensorInfo) -> tuple[list[int], list[int], list[int]]:
@@ -153,3 +186,164 @@ def _hf_order(fqn: str) -> tuple[int, int, str]:
     if fqn.startswith("model.layers."):
         return (1, int(fqn.split(".")[2]), fqn)
     return (0 if fqn == "model.embed_tokens.weight" else 2, 0, fqn)
+
+
+_Part = tuple[TensorInfo, int, int]  # (HF tensor, its first row, row count): a row segment of one layer's slice
+
+
+def _stack(layers: Sequence[Sequence[_Part]]) -> Derived:
+    """Each layer's parts joined on dim 0, the layers stacked: ``(layers, rows, ...)``, built as ``(layers * rows, ...)``.
+
+    Every input is a ``Segment`` of the output's view in input order, so the mover copies bytes
+    (``chunk_rows.segment_runs``); a 1-d tensor (a norm weight) stacks in a 1-d view of its elements.
+    """
+    first = layers[0][0][0]
+    rows = sum(count for _, _, count in layers[0])
+    inputs, at = [], 0
+    for parts in layers:
+        for info, src, count in parts:
+            inputs.append(Input(fqn=info.fqn, rows=Segment(at, count, src)))
+            at += count
+    cols = first.shape[1:]
+    return Derived(inputs=tuple(inputs), shape=(len(layers), rows, *cols), dtype=first.dtype, view=(len(layers) * rows, *cols))
+
+
+def _alike(infos: Sequence[TensorInfo], what: str) -> TensorInfo:
+    """The first of ``infos``, each checked to have its shape (not 0-dim) and dtype: tensors stacked or fused into one."""
+    first = infos[0]
+    for info in infos:
+        if not info.shape or (info.shape, info.dtype) != (first.shape, first.dtype):
+            raise UnsupportedTransformError(
+                f"{info.fqn}: shape {info.shape} {info.dtype.name}, where {first.fqn} is {first.shape} {first.dtype.name}; "
+                f"{what} needs one shape and dtype"
+            )
+    return first
+
+
+def _qkv_parts(q: TensorInfo, k: TensorInfo, v: TensorInfo, n_heads: int, n_groups: int) -> list[_Part]:
+    """One layer's ``linear_qkv`` rows: per query group its query heads' rows of ``q``, then its key head's, then its value's.
+
+    Raises:
+        UnsupportedTransformError: the rows do not split into ``n_heads`` query heads and
+            ``n_groups`` key and value heads of one ``head_dim``, or the three differ in columns or dtype.
+    """
+    _alike((k, v), f"{LAYERS}{QKV}")
+    if len(q.shape) != 2 or q.shape[1:] != k.shape[1:] or q.dtype != k.dtype:
+        raise UnsupportedTransformError(
+            f"{q.fqn}: shape {q.shape} {q.dtype.name} does not fuse with {k.fqn}'s {k.shape} {k.dtype.name} into {LAYERS}{QKV}"
+        )
+    hd = q.shape[0] // n_heads
+    if n_heads % n_groups or q.shape[0] % n_heads or hd == 0 or k.shape[0] != n_groups * hd:
+        raise UnsupportedTransformError(
+            f"{q.fqn} ({q.shape[0]} rows) and {k.fqn} ({k.shape[0]} rows) do not split into {n_heads} query heads in "
+            f"{n_groups} groups of one head_dim; check num_attention_heads / num_key_value_heads"
+        )
+    # inputs are made per group: bounded by the bytes held, whatever the shape claims ((10**9, 0) holds none)
+    check_split(q.fqn, q.shape, q.dtype, n_groups, "query groups (num_key_value_heads)")
+    per = n_heads // n_groups
+    return [part for j in range(n_groups) for part in ((q, j * per * hd, per * hd), (k, j * hd, hd), (v, j * hd, hd))]
+
+
+def from_hf(tensors: Sequence[TensorInfo], config: Mapping[str, Any]) -> dict[str, Derived]:
+    """``hf-to-megatron-gpt``: ``LlamaForCausalLM``'s tensors to a Megatron-Core GPT's ``torch_dist`` model tensors.
+
+    The inverse of ``to_hf`` (Megatron-Bridge 0.3.1's Llama mapping): each per-layer tensor stacked
+    on a leading layer dim under Megatron's name (norms under Transformer Engine's), ``q_proj``,
+    ``k_proj`` and ``v_proj`` fused into ``linear_qkv`` per query group (its query heads, its key
+    head, its value head), ``gate_proj`` and ``up_proj`` into ``linear_fc1`` (``[gate; up]``);
+    ``lm_head.weight`` left out when ``tie_word_embeddings`` (Megatron's shared output layer saves
+    none). Every output is row segments of its inputs: bytes copied. Other tensors (``rotary_emb``
+    buffers, biases a Llama has not) are left out with a warning.
+
+    Args:
+        tensors: an HF folder's tensors (``model.layers.0.self_attn.q_proj.weight``...).
+        config: ``num_attention_heads``, ``num_key_value_heads`` (default: as many),
+            ``num_hidden_layers``, ``tie_word_embeddings`` (HF ``config.json`` names).
+
+    Raises:
+        InvalidOptionError: no layer or head count in ``config``.
+        UnsupportedTransformError: a tensor Megatron's GPT needs is missing (every layer's nine, the
+            embedding, the final norm, the head when untied), a layer past ``num_hidden_layers``,
+            layers of different shapes, or q/k/v whose rows do not split into those heads.
+    """
+    n_heads, n_groups = heads(config)
+    layers = config_int(config, "num_hidden_layers", "num_layers")
+    per_layer: dict[str, dict[int, TensorInfo]] = {}  # by HF name in a layer, by layer
+    top: dict[str, TensorInfo] = {}
+    left_out = []
+    for info in tensors:
+        match = _HF_LAYER.fullmatch(info.fqn)
+        name = match[2] if match else info.fqn
+        if match is None and name in FROM_HF:
+            top[name] = info
+        elif match is None or match[1] != str(int(match[1])) or name not in (*FROM_HF, *_QKV_PARTS, *_FC1_PARTS):
+            left_out.append(info.fqn)
+        elif int(match[1]) >= layers:
+            raise UnsupportedTransformError(f"{info.fqn}: layer {match[1]}, but num_hidden_layers is {layers}")
+        else:
+            per_layer.setdefault(name, {})[int(match[1])] = info
+
+    def each_layer(name: str) -> list[TensorInfo]:
+        infos = per_layer.get(name, {})
+        if len(infos) < layers:  # a count from the config: the first layer missing is at most len(infos)
+            missing = next(n for n in range(layers) if n not in infos)
+            raise UnsupportedTransformError(
+                f"model.layers.{missing}.{name}: missing; Megatron's GPT needs it in each of {layers} layers"
+            )
+        found = [infos[n] for n in range(layers)]
+        _alike(found, f"{LAYERS}{FROM_HF.get(name, name)} stacking {layers} layers")
+        return found
+
+    def whole(name: str) -> Derived:
+        if name not in top:
+            raise UnsupportedTransformError(f"{name}: missing; Megatron's GPT needs it as {FROM_HF[name]}")
+        return copy_of(top[name])
+
+    def plain(name: str) -> Derived:
+        return _stack([[(info, 0, info.shape[0])] for info in each_layer(name)])
+
+    qkv = [each_layer(name) for name in _QKV_PARTS]
+    _qkv_parts(qkv[0][0], qkv[1][0], qkv[2][0], n_heads, n_groups)  # checks layer 0; the others have its shapes
+    gate, up = (each_layer(name) for name in _FC1_PARTS)
+    _alike((gate[0], up[0]), f"{LAYERS}{FC1}")
+    out = {
+        FROM_HF["model.embed_tokens.weight"]: whole("model.embed_tokens.weight"),
+        LAYERS + FROM_HF["input_layernorm.weight"]: plain("input_layernorm.weight"),
+        LAYERS + QKV: _stack([_qkv_parts(q, k, v, n_heads, n_groups) for q, k, v in zip(*qkv, strict=True)]),
+        LAYERS + FROM_HF["self_attn.o_proj.weight"]: plain("self_attn.o_proj.weight"),
+        LAYERS + FROM_HF["post_attention_layernorm.weight"]: plain("post_attention_layernorm.weight"),
+        LAYERS + FC1: _stack([[(g, 0, g.shape[0]), (u, 0, u.shape[0])] for g, u in zip(gate, up, strict=True)]),
+        LAYERS + FROM_HF["mlp.down_proj.weight"]: plain("mlp.down_proj.weight"),
+        FROM_HF["model.norm.weight"]: whole("model.norm.weight"),
+    }
+    if not tied(config):
+        out[FROM_HF["lm_head.weight"]] = whole("lm_head.weight")
+    warn_left_out("hf-to-megatron-gpt", left_out)
+    return out
+
+
+def extra_state(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``_extra_state`` bytes entries of a Megatron GPT's layers, as ``dist_checkpointing.save`` stores them.
+
+    One per layer module with one (``EXTRA_STATE_MODULES``) and layer ``n`` of ``L``
+    (``num_hidden_layers``): ``decoder.layers.<module>._extra_state/shard_<n>_<L>``, the
+    ``ShardedObject`` of the stacked layers, holding ``[None]`` (its modules' ``get_extra_state``
+    in a list); Megatron's loader refuses a folder without them.
+
+    Raises:
+        InvalidOptionError: no ``num_hidden_layers``.
+    """
+    layers = config_int(config, "num_hidden_layers", "num_layers")
+    return {f"{LAYERS}{module}._extra_state/shard_{n}_{layers}": [None] for n in range(layers) for module in EXTRA_STATE_MODULES}
+
+
+def checkpoint_files(config: Mapping[str, Any]) -> dict[str, bytes]:
+    """``common.pt`` and ``metadata.json`` as Megatron-Core 0.16.1's model-only ``dist_checkpointing.save`` writes them.
+
+    ``common.pt``: ``torch.save({})`` (the state a model's sharded state dict leaves common: none),
+    its bytes as torch.save writes them to a buffer; ``metadata.json``: its ``torch_dist`` backend
+    and ``torch`` common backend, version 1 each, byte for byte. Neither depends on ``config``.
+    """
+    from fsdp_convert.writers.transaction import value_payload  # torch.save's bytes, without torch
+
+    return {"common.pt": value_payload({}), "metadata.json": json.dumps(MEGATRON_METADATA).encode()}

@@ -33,7 +33,7 @@ from fsdp_convert.ops._deepspeed_reshard import writes_zero, zero_files
 from fsdp_convert.ops._run_plan import SLACK_BYTES, PlannedFile, RunPlan
 from fsdp_convert.ops.consolidate import open_assets, output_items, plan_for
 from fsdp_convert.ops.options import ConsolidateOptions, ReshardOptions
-from fsdp_convert.ops.reshard import METADATA_BYTES_PER_CHUNK, files_beside, folder_plans, space_needed_bytes
+from fsdp_convert.ops.reshard import METADATA_BYTES_PER_CHUNK, adapter_files, files_beside, folder_plans, space_needed_bytes
 from fsdp_convert.output_table import METADATA_FILENAME
 from fsdp_convert.outputs import output_kind, own_files, reshard_kind
 from fsdp_convert.plan.consolidate import (
@@ -247,8 +247,9 @@ def dry_run_reshard(
     """The plan of ``ops.reshard.reshard`` with the same arguments, creating nothing.
 
     The run's stages, in its order: OUT checked, the checkpoint opened and its producer detected,
-    the items prepared and checked, a plan per DCP folder, the files beside sorted. Nothing is
-    locked or written; up to ``PROBE_BYTES`` of the data files are read to time the source.
+    the items prepared and checked, a plan per DCP folder, the files beside sorted (the adapter's
+    own too: ``AdapterRecord.files``). Nothing is locked or written; up to ``PROBE_BYTES`` of the
+    data files are read to time the source.
 
     Raises:
         As ``reshard`` before its lock. InvalidOptionError: OUT is a URL.
@@ -275,7 +276,8 @@ def dry_run_reshard(
         kind.check_keys(item.path for item in items)
         plans, workers = folder_plans(index, items, opts)
         beside = files_beside(index, producer, plans)
-        needed = space_needed_bytes(plans, index, beside, None)
+        added = adapter_files(opts.transform, beside)
+        needed = space_needed_bytes(plans, index, beside, None, added)
         files = []
         loads = [0] * workers
         for sub, plan in plans:
@@ -292,6 +294,7 @@ def dry_run_reshard(
             loads[0] += sum(item.nbytes for item in plan.items if not item.is_tensor)
         if isinstance(index.checkpoint_id, Path):
             files += [PlannedFile(name=name, nbytes=(index.checkpoint_id / name).stat().st_size) for name in beside.copied]
+        files += [PlannedFile(name=name, nbytes=len(data)) for name, data in added.items()]
         return _run_plan(
             "reshard", checkpoint_id, output, source, producer.name, kind.name, tuple(files), needed, tuple(loads), opts,
             budget_bytes=DEFAULT_MEMORY_BUDGET_BYTES,  # reshard's workers move with the default budget

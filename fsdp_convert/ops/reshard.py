@@ -19,10 +19,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdp_convert.errors import InvalidOptionError
 from fsdp_convert.formats import open_checkpoint
 from fsdp_convert.formats.dcp import DCP_FILE_RE
 from fsdp_convert.formats.index import CheckpointIndex, Location, Url, dcp_key
@@ -43,7 +45,7 @@ from fsdp_convert.remote import as_location
 from fsdp_convert.resume import reshard_fingerprint
 from fsdp_convert.transform import TransformOptions
 from fsdp_convert.writers.dcp import MetadataEntry, StoredChunk, rank_filename
-from fsdp_convert.writers.transaction import LeaveToOwner, OutputTransaction
+from fsdp_convert.writers.transaction import LeaveToOwner, OutputTransaction, is_plain, value_payload
 
 __all__ = ["ReshardResult", "reshard"]
 
@@ -68,6 +70,8 @@ class ReshardResult:
         left_out: files beside the source's DCP data not carried over (``random_states_0.pkl``...).
         notes: one line per kind of file left out, saying why (also printed on stderr by the CLI).
         kind: what was written: ``DCP``, or ``DeepSpeed ZeRO-<stage>`` (``chunks``: its partition tensors).
+        added: files the adapter writes beside the DCP data (``AdapterRecord.files``: Megatron's
+            ``common.pt`` and ``metadata.json``).
     """
 
     output: Location
@@ -82,6 +86,7 @@ class ReshardResult:
     left_out: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     kind: str = "DCP"
+    added: tuple[str, ...] = ()
 
 
 METADATA_BYTES_PER_CHUNK = 512  # .metadata per chunk (its FQN, offsets, sizes, where it lies): about 250 bytes
@@ -128,6 +133,11 @@ def _metadata_rows(plan: ReshardPlan) -> tuple[list[MetadataEntry], list[StoredC
     return entries, stored
 
 
+def _value_bytes(item: OutputItem) -> int:
+    """A value's payload size, in bytes: a constant's (a plain one, as written: an adapter's ``_extra_state``) too."""
+    return len(value_payload(item.value)) if item.constant and is_plain(item.value) else item.nbytes
+
+
 def _output_bytes(plans: Plans, root: Location, copied: tuple[str, ...]) -> int:
     """The resharded output's size, in bytes, from its plans (known before any data is read).
 
@@ -141,16 +151,48 @@ def _output_bytes(plans: Plans, root: Location, copied: tuple[str, ...]) -> int:
             ends[p.chunk.rank] = max(ends[p.chunk.rank], p.offset + p.placement.size)
         values = [item for item in plan.items if not item.is_tensor]
         if values:
-            ends[0] = plan.values_offset + sum(item.nbytes + RECORD_TAIL_BYTES for item in values)
+            ends[0] = plan.values_offset + sum(_value_bytes(item) + RECORD_TAIL_BYTES for item in values)
         total += sum(ends.values()) + METADATA_BYTES_PER_CHUNK * (sum(len(c) for c in plan.chunks) + 1)
     if isinstance(root, Path):
         total += sum((root / name).stat().st_size for name in copied)
     return total
 
 
-def space_needed_bytes(plans: Plans, index: CheckpointIndex, beside: Beside, waves: Url | None) -> int:
-    """What the space check asks for, in bytes: the whole output, or to a URL two waves of rank files (``ops._waves``)."""
-    return reshard_staging_bytes(plans) if waves else _output_bytes(plans, index.checkpoint_id, beside.copied)
+def space_needed_bytes(
+    plans: Plans, index: CheckpointIndex, beside: Beside, waves: Url | None, added: Mapping[str, bytes] | None = None
+) -> int:
+    """What the space check asks for, in bytes: the whole output, or to a URL two waves of rank files (``ops._waves``).
+
+    Either way with the files the adapter adds (``added``: ``adapter_files``).
+    """
+    extra = sum(len(data) for data in (added or {}).values())
+    return extra + (reshard_staging_bytes(plans) if waves else _output_bytes(plans, index.checkpoint_id, beside.copied))
+
+
+def adapter_files(transform: TransformOptions, beside: Beside) -> dict[str, bytes]:
+    """The files the adapter writes beside the output's DCP data (``AdapterRecord.files``), by name; ``{}``: none.
+
+    Raises:
+        InvalidOptionError: a name that is not a plain file name, or one the source's files beside
+            its data would be copied to too.
+    """
+    files = getattr(transform.adapter, "files", None)
+    added: dict[str, bytes] = files() if files is not None else {}
+    for name in added:
+        if name in (".", "..", METADATA_FILENAME) or Path(name).name != name or DCP_FILE_RE.fullmatch(name):
+            raise InvalidOptionError(f"the adapter's file {name!r}: not a file name reshard writes beside DCP data")
+        if name in beside.copied:
+            raise InvalidOptionError(f"the adapter writes {name}, which the checkpoint holds beside its data too")
+    return added
+
+
+def _write_added(folder: Path, added: Mapping[str, bytes]) -> None:
+    """Write the adapter's files into the output's temporary ``folder``, each fsynced (rank 0's process)."""
+    for name, data in added.items():
+        with open(folder / name, "wb") as f:  # a resumed run's temporary may hold one already: the same bytes
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def folder_plans(index: CheckpointIndex, items: tuple[OutputItem, ...], opts: ReshardOptions) -> tuple[Plans, int]:
@@ -176,6 +218,7 @@ def _result(
     nproc: int,
     seconds: float,
     owner: bool,
+    added: Mapping[str, bytes],
 ) -> ReshardResult:
     """What ``reshard`` wrote (see ``ReshardResult``)."""
     return ReshardResult(
@@ -190,6 +233,7 @@ def _result(
         copied=beside.copied,
         left_out=beside.left_out,
         notes=beside.notes,
+        added=tuple(added),
     )
 
 
@@ -224,7 +268,10 @@ def reshard(
     size are copied byte for byte, never loaded: Lightning's ``meta.pt`` (``fabric.load``
     refuses a folder without it), accelerate's ``scheduler*.bin``, ``sampler*.bin``,
     ``scaler.pt`` and ``custom_checkpoint_<n>.pkl``. accelerate's per-rank
-    ``random_states_<r>.pkl`` and unknown files are left out; ``ReshardResult.notes`` says so.
+    ``random_states_<r>.pkl`` and unknown files are left out; ``ReshardResult.notes`` says so. An
+    adapter whose target's loader wants more than its tensors adds its values and files
+    (``adapters.AdapterRecord``: ``hf-to-megatron-gpt``'s ``_extra_state`` entries, ``common.pt``
+    and ``metadata.json``), so an HF folder becomes a checkpoint Megatron-Core loads.
 
     The stages are docs/architecture.md's, each marked in the body (``# N. stage:``).
 
@@ -312,11 +359,12 @@ def reshard(
         # 6. plan: one per DCP folder; the files beside, by the producer's record
         plans, workers = folder_plans(index, items, opts)
         beside = files_beside(index, producer, plans)
+        added = adapter_files(opts.transform, beside)  # what the target's loader wants beside the data (Megatron's)
         waves = tx.url if opts.compress is None else None  # object storage: rank files go up wave by wave
         # 7. transaction: space, lock, temporary (resumable: a manifest; a staged upload keeps none)
         tmp, resumable = tx.begin(
             directory=kind.directory,
-            needed_bytes=space_needed_bytes(plans, index, beside, waves) if opts.space_check else None,
+            needed_bytes=space_needed_bytes(plans, index, beside, waves, added) if opts.space_check else None,
             fingerprint=None if tx.url else reshard_fingerprint(index, plans, opts.compress),
             resume=opts.resume,
         )
@@ -327,7 +375,7 @@ def reshard(
         owner, values, uploaded = reshard_in_waves(reshard_rank, job, workers, opts.cluster, waves)
         if not owner:
             raise LeaveToOwner  # rank 0's process finishes the shared temporary
-        # 9. finish: rank 0's process writes each folder's .metadata, last; then the files beside
+        # 9. finish: rank 0's process writes each folder's .metadata, last; then the files beside, the adapter's
         for sub, plan in plans:
             entries, stored = _metadata_rows(plan)
             rows = stored + [StoredChunk.from_json(row) for row in values[sub]]
@@ -335,9 +383,10 @@ def reshard(
         if beside.copied:
             assert isinstance(index.checkpoint_id, Path)  # files_beside: a local folder
             kind.finish_folder(tmp, source=index.checkpoint_id, beside=beside.copied)
+        _write_added(tmp, added)
         file_bytes = uploaded + sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
     # 10. result: what was written (another node's process, or a non-zero rank of the user's torchrun, wrote nothing)
     for note in beside.notes:
         logger.info("%s", note)
     seconds = time.monotonic() - start
-    return _result(opts, tx.shown, plans, beside, file_bytes=file_bytes, nproc=workers, seconds=seconds, owner=owner)
+    return _result(opts, tx.shown, plans, beside, file_bytes=file_bytes, nproc=workers, seconds=seconds, owner=owner, added=added)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from fsdp_convert.derive import Sourced, TensorInfo, apply_adapter
 from fsdp_convert.dtypes import UNCASTABLE, DType, as_dtype
 from fsdp_convert.errors import InvalidOptionError, UnsupportedTransformError
-from fsdp_convert.formats.index import CheckpointIndex, DictKey, Entry, ObjPath, TensorEntry, dcp_key
+from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, DictKey, Entry, ObjPath, TensorEntry, dcp_key
 from fsdp_convert.item import OutputItem
 from fsdp_convert.roles import EntryRole, Group
 from fsdp_convert.transform import fp8
@@ -171,7 +171,8 @@ def build_items(
     "optim": {"state": ..., "param_groups": [...]}}``, the optimizer's top-level key as saved
     (``optimizer``) when ``options.layout`` is ``producer``. With it true (``reshard``) every item keeps
     its producer's nesting (top-level weights, ``optimizer``, a flattened optimizer state dict) so
-    the producer's own loader reads the output; only FQNs, ids and dtypes change.
+    the producer's own loader reads the output; only FQNs, ids and dtypes change. An adapter's
+    outputs are filed under its ``nest``, followed there by its ``values`` (``adapters.AdapterRecord``).
 
     Args:
         index: the checkpoint.
@@ -214,6 +215,8 @@ def build_items(
             dtype = _cast(entry, options.dtype, keep=fp8.keeps_dtype(derived), src=derived.dtype if derived else None)
             item = OutputItem(entry=entry, path=(*prefix, out), group="model", dtype=dtype, derived=derived, sources=sources)
             items.append(item)
+        if keep_layout and (extra := getattr(options.adapter, "values", None)) is not None:
+            items += _adapter_values(extra(), nest, seen, items[0].entry if items else None)
     if "optim" in groups:
         items += _optim_items(index, slots, options, values, name, keep_layout, params_in_model_order, layers)
     if "other" in groups:
@@ -222,6 +225,30 @@ def build_items(
                 entry = index.entries[i]
                 items.append(OutputItem(entry=entry, path=entry.path, group="other", dtype=_cast(entry, None)))
     return tuple(items)
+
+
+def _adapter_values(
+    values: Mapping[str, Any], nest: tuple[str, ...], seen: Mapping[str, str], near: Entry | None
+) -> list[OutputItem]:
+    """The bytes entries an adapter adds for ``reshard`` (``AdapterRecord.values``), as constant model items under ``nest``.
+
+    Each goes to the DCP folder of ``near`` (the first model item's source: the adapter's tensors' folder).
+
+    Raises:
+        InvalidOptionError: a value's FQN is also one of the adapter's outputs.
+    """
+    if isinstance(near, TensorEntry):
+        folder_of = next((c.relative_path for c in near.chunks if c.relative_path is not None), "")
+    else:
+        folder_of = near.relative_path if isinstance(near, BytesEntry) else ""
+    items = []
+    for fqn, value in values.items():
+        if fqn in seen:
+            raise InvalidOptionError(f"the adapter writes {fqn!r} both as a tensor (from {seen[fqn]}) and as a value")
+        path = (*nest, fqn)
+        entry = BytesEntry(fqn=dcp_key(path), path=path, relative_path=folder_of, offset_bytes=0, length_bytes=0)
+        items.append(OutputItem(entry=entry, path=path, group="model", constant=True, value=value))
+    return items
 
 
 def _model_sources(
