@@ -184,8 +184,12 @@ def verify_command(
         check_nodes(nnodes, node_rank)  # what needs no torch first (cli._precheck)
         nproc = workers(nproc, nproc_per_node)
         check_verify(a, b)
-        start_workers_early(nproc, "fsdp_convert.ops.verify")  # its imports (torch) overlap ours from here on
-        torch_ready()
+        # its imports overlap ours from here on; torch only for a cast or a tolerance: tensors both sides
+        # store as bytes are compared as those bytes, without torch (ops.verify), as consolidate moves them
+        computes = dtype is not None or optim_dtype is not None or atol is not None or rtol is not None
+        start_workers_early(nproc, "fsdp_convert.ops.verify", torch=computes)
+        if computes:
+            torch_ready()
         from fsdp_convert.ops.options import VerifyOptions
         from fsdp_convert.transform import TransformOptions
 

@@ -1,28 +1,34 @@
-"""Read stage for full (unsharded) checkpoints, their files as flat views: ``TorchSaveView`` and ``SafetensorsView``.
+"""Read stage for full (unsharded) checkpoints, their files as flat views: torch.save and safetensors files.
 
 A torch.save file, or a safetensors file or a folder's weights, as flat keys following DCP's
 flattening (``formats.index.flatten_with_paths``); ``formats.full_file`` opens them by what a
 path holds and indexes and reads them. Safetensors names get a ``model.`` prefix in the flat
 view (``SafetensorsView``); a folder's torch.save files (``optimizer.pt``, ``extra_state.pt``)
 come in nested under the paths the outputs table gives them (``output_table.folder_files``).
-Nothing is loaded whole: torch.save files are memory-mapped, safetensors read per tensor.
+Nothing is loaded whole: torch.save files are memory-mapped, safetensors read per tensor. A
+torch.save zip is first read without torch (``TorchSaveRecords``: its pickle as records of where
+each tensor's bytes lie, ``formats._pt_records``), and memory-mapped by torch only where a
+tensor is read as a tensor, or where those records do not cover the file.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from fsdp_convert.constants import torch_shape
 from fsdp_convert.dtypes import ITEMSIZES, DType, as_dtype, is_tensor, safetensors_dtype
-from fsdp_convert.errors import CheckpointNotFoundError, CorruptChunkError, NotADcpCheckpointError
+from fsdp_convert.errors import CheckpointError, CheckpointNotFoundError, CorruptChunkError, NotADcpCheckpointError
+from fsdp_convert.formats._pt_records import StoredTensor, load_records
 from fsdp_convert.formats.file_reads import library_problem, load_torch_save, read_json_file, read_safetensors_header
-from fsdp_convert.formats.index import ValueShapeError, flatten_with_paths, holds
+from fsdp_convert.formats.index import ObjPath, ValueShapeError, flatten_with_paths, holds
+from fsdp_convert.held_roots import open_inside
 from fsdp_convert.location import safe_open_inside
 from fsdp_convert.output_table import folder_files
 
-__all__ = ["MODEL_PREFIX", "TorchSaveView", "SafetensorsView", "FullFileView"]
+__all__ = ["MODEL_PREFIX", "TorchSaveView", "TorchSaveRecords", "SafetensorsView", "FullFileView"]
 
 MODEL_PREFIX = "model."
 _MAX_INDEX_BYTES = 64 << 20  # model.safetensors.index.json: a weight_map of a few MB for the largest models
@@ -100,6 +106,119 @@ class TorchSaveView:
         """Drop the references to the memory map."""
         self._flat = {}
         self.flat_with_paths = {}
+
+
+class TorchSaveRecords:
+    """A torch.save zip as flat keys without torch: its tensors ``StoredTensor`` records, its plain values as loaded.
+
+    ``data.pkl`` is read by ``_pt_records.load_records``; the keys, paths and plain values are
+    ``TorchSaveView``'s of the same file. ``located`` says where a contiguous tensor's bytes lie,
+    to read them undecoded; a tensor's value (``get``) comes from a ``TorchSaveView`` of the file,
+    loaded (and torch imported) at the first such call. Close it (it holds the file open).
+
+    Args:
+        path: the file.
+        fd: its open descriptor (this view owns it).
+        flat_with_paths: flat key -> (path, value), tensors as ``StoredTensor``.
+    """
+
+    kind = "torch_save"
+    model_only = False
+
+    def __init__(self, path: Path, fd: int, flat_with_paths: dict[str, tuple[ObjPath, Any]]) -> None:
+        self.path, self.fd = path, fd
+        self.flat_with_paths = flat_with_paths
+        self._loaded: TorchSaveView | None = None
+
+    @classmethod
+    def open(cls, path: Path) -> TorchSaveRecords | None:
+        """The view of ``path`` (a file the user named), or None where ``TorchSaveView`` must load it.
+
+        None for all ``_pt_records.load_records`` leaves to torch's loader, for a pickle that is
+        no state dict or does not flatten, and for a tensor inside a plain value (``TorchSaveView``
+        reads, or names, each of these); and where the file cannot be opened (it names why).
+        """
+        try:
+            fd = open_inside(path, path)
+        except (OSError, CheckpointError):
+            return None
+        try:
+            flat = _flat_records(load_records(fd, os.fstat(fd).st_size))
+        except BaseException:
+            os.close(fd)
+            raise
+        if flat is None:
+            os.close(fd)
+            return None
+        return cls(path, fd, flat)
+
+    def keys(self) -> list[str]:
+        """Every flat key, in the file's order."""
+        return list(self.flat_with_paths)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.flat_with_paths
+
+    def stored(self, key: str) -> Any:
+        """The value of ``key`` as recorded: a ``StoredTensor``, or a plain value.
+
+        Raises:
+            CorruptChunkError: no such key (the file changed since it was indexed).
+        """
+        if key not in self.flat_with_paths:
+            raise CorruptChunkError(f"{self.path}: {key} is not in the file; did it change while it was read?")
+        return self.flat_with_paths[key][1]
+
+    def get(self, key: str) -> Any:
+        """The value of ``key``: a plain value, or a tensor (memory-mapped by ``TorchSaveView``; imports torch).
+
+        Raises:
+            CorruptChunkError: no such key (the file changed since it was indexed).
+            As ``TorchSaveView``.
+        """
+        value = self.stored(key)
+        if not isinstance(value, StoredTensor):
+            return value
+        if self._loaded is None:
+            self._loaded = TorchSaveView(self.path)
+        return self._loaded.get(key)
+
+    def located(self, key: str) -> tuple[int, int] | None:
+        """``(offset, nbytes)`` of ``key``'s tensor's elements in the file, in C order; None when not so stored.
+
+        Raises:
+            CorruptChunkError: no such key.
+        """
+        value = self.stored(key)
+        return value.byte_range() if isinstance(value, StoredTensor) else None
+
+    def close(self) -> None:
+        """Close the file, and the loaded view if any."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if self._loaded is not None:
+            self._loaded.close()
+        self.flat_with_paths = {}
+
+
+def _flat_records(obj: Any) -> dict[str, tuple[ObjPath, Any]] | None:
+    """``obj`` (``load_records``') flattened as ``TorchSaveView`` flattens; None where that view must decide.
+
+    None for no object, one that is no mapping, one that does not flatten, or a tensor record
+    inside a plain value (a list or tuple of tensors: ``flatten_with_paths`` walks a list of
+    tensors only when they are torch's).
+    """
+    if not isinstance(obj, Mapping):
+        return None
+    try:
+        flat = flatten_with_paths(obj)
+    except ValueError:  # ValueShapeError too: TorchSaveView names it
+        return None
+    for _, value in flat.values():
+        if not isinstance(value, StoredTensor) and holds(value, lambda v: isinstance(v, StoredTensor)):
+            return None
+    return flat
 
 
 class SafetensorsView:
@@ -261,4 +380,4 @@ class SafetensorsView:
             side.close()
 
 
-FullFileView = TorchSaveView | SafetensorsView
+FullFileView = TorchSaveView | TorchSaveRecords | SafetensorsView

@@ -3,8 +3,12 @@
 Every output of ``consolidate`` is one; each is opened as a flat view of its files
 (``formats.file_views``: ``TorchSaveView``, ``SafetensorsView``), indexed as one whole-tensor
 chunk per tensor (``file_index``) and read through ``FileBoxReader``, which slices the stored
-tensor. Safetensors names get a ``model.`` prefix in the flat view, which ``file_index`` drops for
-weights alone (as ``model.state_dict()`` has them) and keeps beside a folder's ``optimizer.pt``.
+tensor. A torch.save zip is first read without torch (``TorchSaveRecords``: its pickle as records
+of where each tensor lies), so its index needs no torch and ``FileBoxReader.locate`` gives a
+contiguous tensor's bytes to move or compare undecoded; torch loads it (memory-mapped) only for a
+tensor read as a tensor, and whole for a file those records do not cover. Safetensors names get a
+``model.`` prefix in the flat view, which ``file_index`` drops for weights alone (as
+``model.state_dict()`` has them) and keeps beside a folder's ``optimizer.pt``.
 A file's format comes from its first bytes (``file_reads.sniff_file``), so a torch.save file under
 any name (``.ckpt``) is read. A folder is an output of this tool when it holds a file of a folder
 row of the outputs table (``output_table.folder_files``).
@@ -18,10 +22,11 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fsdp_convert.dtypes import DType, is_tensor
+from fsdp_convert.dtypes import DType, as_dtype, is_tensor
 from fsdp_convert.errors import CorruptChunkError, NotADcpCheckpointError
+from fsdp_convert.formats._pt_records import StoredTensor
 from fsdp_convert.formats.file_reads import sniff_file
-from fsdp_convert.formats.file_views import MODEL_PREFIX, FullFileView, SafetensorsView, TorchSaveView
+from fsdp_convert.formats.file_views import MODEL_PREFIX, FullFileView, SafetensorsView, TorchSaveRecords, TorchSaveView
 from fsdp_convert.formats.index import (
     BytesEntry,
     CheckpointIndex,
@@ -33,6 +38,7 @@ from fsdp_convert.formats.index import (
     TensorEntry,
     flatten_with_paths,
 )
+from fsdp_convert.formats.reader import StoredBytes
 from fsdp_convert.output_table import (
     ADAPTER_WEIGHTS_FILENAME,
     METADATA_FILENAME,
@@ -99,19 +105,22 @@ def open_full_file(path: Path, *, optimizer_key: str = "optim") -> FullFileView:
         return folder
     suffix = path.suffix.lower()
     kind = sniff_file(path)
-    if kind in ("torch_save", "legacy_torch_save") or (kind is None and suffix in suffixes_holding("torch_save")):
+    if kind == "torch_save":  # a zip: its pickle read without torch where it can be (TorchSaveRecords)
+        return TorchSaveRecords.open(path) or TorchSaveView(path)
+    if kind == "legacy_torch_save" or (kind is None and suffix in suffixes_holding("torch_save")):
         return TorchSaveView(path)
     if kind == "safetensors" or suffix in suffixes_holding("safetensors"):
         return SafetensorsView.from_files(path, [path], "safetensors")
     raise NotADcpCheckpointError(f"{path}: unknown checkpoint file type {path.suffix!r} (not torch.save or safetensors)")
 
 
-# A torch.save file is loaded whole (its pickle unpickled, its storages mapped): the view ``file_index``
-# loaded is handed to the first reader of the same file (same device, inode, size and mtime) in this
-# process, so that indexing a file and reading it there (``verify``'s two sides, a run in one
-# process) loads it once. At most _HANDED_MAX views wait; the oldest is closed for a new one.
+# A torch.save file's pickle is read whole (as records, or unpickled with its storages mapped): the
+# view ``file_index`` read is handed to the first reader of the same file (same device, inode, size
+# and mtime) in this process, so that indexing a file and reading it there (``verify``'s two sides,
+# a run in one process) reads it once. At most _HANDED_MAX views wait; the oldest is closed for a new one.
 _HANDED_MAX = 4
-_handed: dict[Path, tuple[tuple[int, int, int, int], TorchSaveView]] = {}
+_TorchSave = TorchSaveView | TorchSaveRecords
+_handed: dict[Path, tuple[tuple[int, int, int, int], _TorchSave]] = {}
 _handed_lock = threading.Lock()
 
 
@@ -120,7 +129,7 @@ def _stamp(path: Path) -> tuple[int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _hand_over(path: Path, view: TorchSaveView) -> None:
+def _hand_over(path: Path, view: _TorchSave) -> None:
     """Keep ``view`` for the next reader of ``path`` in this process (closing any view kept too long)."""
     with _handed_lock:
         stale = [_handed.pop(path, (None, None))[1]]
@@ -132,7 +141,7 @@ def _hand_over(path: Path, view: TorchSaveView) -> None:
             old.close()
 
 
-def _take_over(path: Path) -> TorchSaveView | None:
+def _take_over(path: Path) -> _TorchSave | None:
     """The view ``file_index`` loaded of ``path``, if it is still the same file; None otherwise."""
     with _handed_lock:
         stamp, view = _handed.pop(path, (None, None))
@@ -179,9 +188,30 @@ class FileBoxReader:
         """The box of ``chunk`` (``file_index``'s one chunk is the whole tensor), as a new contiguous tensor."""
         return self.read_box(entry, chunk.offsets, chunk.sizes)
 
-    def locate(self, entry: TensorEntry, chunk: ChunkEntry) -> None:
-        """None: a full file's tensors are read through its memory map (``read_chunk``)."""
-        return None
+    def locate(self, entry: TensorEntry, chunk: ChunkEntry) -> StoredBytes | None:
+        """Where a torch.save zip's tensor lies in the file, when contiguous (``TorchSaveRecords.located``); else None.
+
+        ``chunk`` is the entry's one whole-tensor chunk (``file_index``). No CRC-32 comes with the
+        bytes: the zip's covers the whole storage, which may hold other tensors too. None for a
+        tensor stored otherwise (a view with strides of its own), a safetensors file, or a file
+        torch loads whole: ``read_chunk`` reads those.
+
+        Raises:
+            CorruptChunkError: the stored tensor is not the one the index describes (the file changed).
+        """
+        source = self._source
+        if not isinstance(source, TorchSaveRecords) or chunk.sizes != entry.shape:
+            return None
+        stored = source.stored(self._key(entry.fqn))
+        if not isinstance(stored, StoredTensor) or (stored.dtype_name, stored.shape) != (entry.dtype_name, entry.shape):
+            raise CorruptChunkError(f"{entry.fqn}: the stored value is not a {entry.dtype} {list(entry.shape)}; did it change?")
+        where = stored.byte_range()
+        if where is None:
+            return None
+        at, nbytes = where
+        return StoredBytes(
+            fd=source.fd, offset=at, nbytes=nbytes, crc32=None, where=f"{source.path} bytes [{at}, {at + nbytes}) ({entry.fqn})"
+        )
 
     def read_tensor(self, entry: TensorEntry) -> torch.Tensor:
         """The whole tensor of ``entry``, contiguous, shape ``entry.shape``.
@@ -254,13 +284,15 @@ def file_index(path: str | os.PathLike[str]) -> CheckpointIndex:
             for name, dtype, shape in source.tensors():  # from the headers: no data read
                 fqn, obj_path = (name, (name,)) if source.model_only else (MODEL_PREFIX + name, ("model", name))
                 entries.append(_whole_tensor(fqn, obj_path, dtype, shape))
-        for side in [source] if isinstance(source, TorchSaveView) else source.sides:
+        for side in [source] if isinstance(source, (TorchSaveView, TorchSaveRecords)) else source.sides:
             for key, (value_path, value) in side.flat_with_paths.items():
-                if is_tensor(value):
+                if isinstance(value, StoredTensor):  # recorded without torch (TorchSaveRecords)
+                    entries.append(_whole_tensor(key, value_path, as_dtype(value.dtype_name), value.shape))
+                elif is_tensor(value):
                     entries.append(_whole_tensor(key, value_path, value.dtype, tuple(value.shape)))
                 else:
                     entries.append(BytesEntry(fqn=key, path=value_path, relative_path="", offset_bytes=0, length_bytes=0))
-        if isinstance(source, TorchSaveView):
+        if isinstance(source, (TorchSaveView, TorchSaveRecords)):
             _hand_over(p, source)  # its reader in this process takes it: the file is loaded once
             handed = True
     finally:

@@ -11,6 +11,7 @@ state is shown under); it travels to verify's workers as is, and each process op
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from fsdp_convert.dtypes import as_dtype
 from fsdp_convert.formats import Reader, Source, open_checkpoint
 from fsdp_convert.formats.index import BytesEntry, TensorEntry, check_coverage, dcp_key
+from fsdp_convert.formats.reader import StoredBytes
 from fsdp_convert.item import OutputItem
 from fsdp_convert.plan.items import prepare_items
 from fsdp_convert.remote import as_location
@@ -26,7 +28,7 @@ from fsdp_convert.roles import GROUPS, Group, group_of_top
 from fsdp_convert.transform import TransformOptions
 
 if TYPE_CHECKING:
-    pass
+    from fsdp_convert.ops._compare import StoredPieces
 
 __all__ = ["MODEL_PREFIX", "Side", "SideView", "find_source", "key_group", "open_sides", "open_source", "open_views"]
 
@@ -201,6 +203,36 @@ class SideView:
         """Bytes of ``key``'s tensor as ``get`` gives it, from the index (0 for a plain value)."""
         item = self._items[key]
         return item.nbytes if item.is_tensor else 0
+
+    def located(self, key: str) -> StoredPieces | None:
+        """Where ``key``'s tensor lies as stored, read as it is: its pieces in C order (``ops._compare.StoredPieces``); else None.
+
+        Each chunk must be a slab of whole rows (dim 0; a 0-dim tensor's one chunk), the chunks
+        back to back over the whole tensor, and each located by the reader (``Reader.locate``:
+        DCP payloads, a torch.save file's contiguous tensors). None for anything else, or a tensor
+        read otherwise than stored (cast, derived, a constant): ``get`` reads those.
+
+        Raises:
+            As the reader's ``locate``.
+        """
+        item = self._items[key]
+        entry = item.entry
+        if not item.is_tensor or item.derived is not None or self.was_cast(key) or not isinstance(entry, TensorEntry):
+            return None
+        rest = entry.shape[1:]
+        row_bytes = entry.itemsize * math.prod(rest)
+        pieces: list[tuple[int, StoredBytes]] = []
+        at = 0
+        for chunk in sorted((c for c in entry.chunks if c.numel > 0), key=lambda c: c.offsets[:1]):
+            starts_at = chunk.offsets[0] * row_bytes if chunk.offsets else 0
+            if chunk.offsets[1:] != (0,) * len(rest) or chunk.sizes[1:] != rest or starts_at != at:
+                return None  # not whole rows, or a gap or overlap (check_coverage names it when read)
+            stored = self._reader.locate(entry, chunk)
+            if stored is None or stored.nbytes != chunk.numel * entry.itemsize:
+                return None
+            pieces.append((at, stored))
+            at += stored.nbytes
+        return pieces if at == entry.nbytes else None
 
     def get(self, key: str) -> Any:
         """The value of ``key``: a new CPU tensor (cast as the transforms ask), or a plain Python value.

@@ -231,9 +231,11 @@ def _dtype(keyword: str, value: object) -> torch.dtype | None:
     Raises:
         InvalidOptionError: an unknown name (``parse_dtype``'s message), or another type.
     """
+    if value is None:  # no cast: no torch (verify of stored bytes imports none)
+        return None
     import torch
 
-    if value is None or isinstance(value, torch.dtype):
+    if isinstance(value, torch.dtype):
         return value
     if isinstance(value, str):
         return parse_dtype(value).torch

@@ -308,6 +308,9 @@ def reshard(
             follow_symlinks: read files of the checkpoint that are symbolic links out of its folder
                 (a shared store the step folder links into); by default such a link is refused
                 (UnsafeContentError). None: the process's setting (``--follow-symlinks``).
+            output_format: ``"dcp"``, ``"deepspeed"`` (a DeepSpeed ZeRO save of the same stage for
+                ``world_size`` ranks, which ``engine.load_checkpoint`` reads; a DeepSpeed source only) or
+                ``"auto"`` (default: DeepSpeed for a DeepSpeed save, else DCP).
 
     Raises:
         As ``consolidate``; InvalidOptionError for ``world_size < 1``, ``compress="zstd"`` without

@@ -4,7 +4,11 @@ Each side is found once (``formats.open_checkpoint``) and read as ``consolidate`
 through its items and its ``Source``'s reader (``ops._sources``), as flat keys: DCP's flattened keys
 (``model.layers.0.attn.wq.weight``, ``optim.state.<fqn>.exp_avg``, ``optim.param_groups.0.lr``),
 whose values are loaded one at a time. With ``dtype``/``optim_dtype`` both sides are compared
-after the cast ``consolidate --dtype``/``--optim-dtype`` applies.
+after the cast ``consolidate --dtype``/``--optim-dtype`` applies. A tensor both sides store as its
+bytes (DCP payloads, a torch.save file's contiguous tensors: ``SideView.located``) is compared as
+those bytes (``_compare.same_stored_bytes``), so comparing a DCP checkpoint with its consolidated
+file imports no torch, as ``consolidate`` does not; torch comes in for a cast, a tolerance, or a
+tensor read otherwise (and to describe a difference found).
 """
 
 from __future__ import annotations
@@ -14,19 +18,21 @@ import os
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from fsdp_convert.formats import Source
+from fsdp_convert.formats.index import TensorEntry
 from fsdp_convert.held_roots import following_symlinks
 from fsdp_convert.launch import WorkerGroup, job_world_size, launched_by_torchrun, run_ranks, worker_bars
-from fsdp_convert.ops._compare import cast, compare
+from fsdp_convert.ops._compare import ByteBuffers, StoredPieces, cast, compare, same_stored_bytes
 from fsdp_convert.ops._sources import Side, SideView, find_source, key_group, open_sides, open_source, open_views
 from fsdp_convert.ops.options import VerifyOptions
 from fsdp_convert.plan.consolidate import Only, default_nproc
 from fsdp_convert.progress import StepProgress
 from fsdp_convert.transform import TransformOptions, parse_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SideView", "open_source", "Difference", "VerifyOptions", "VerifyResult", "verify", "verify_sources"]
 
@@ -103,8 +109,11 @@ def verify(
     Keys are DCP's flattened keys (see ``open_source``); when either side holds model weights only
     (safetensors), only ``model.*`` keys are compared. Tensors must have the same dtype and shape
     and, by default, the same bits; with ``atol``/``rtol`` floating tensors may differ within
-    ``torch.allclose``. Plain values must be equal and of the same type. Each process holds at most
-    two tensors of each side (the next key's are read, A and B each in a thread, while one is compared).
+    ``torch.allclose``. Plain values must be equal and of the same type. A tensor both sides store
+    as its bytes (DCP payloads, a torch.save file's contiguous tensors), with no cast or tolerance
+    asked, is compared as those bytes, ``_compare.BLOCK_BYTES`` at a time (no torch imported for
+    it); any other is read as a value, and each process holds at most two tensors of each side
+    (the next key's are read, A and B each in a thread, while one is compared).
 
     When one side is a full file and the other sharded, and their keys differ as saved but match
     with the sharded side seen as ``consolidate`` writes it by default (``transform`` not given),
@@ -243,8 +252,10 @@ def _compared_keys(views: tuple[SideView, SideView], only: Only) -> tuple[list[s
 def _compare_keys(
     job: _VerifyJob, positions: range, progress: StepProgress, views: tuple[SideView, SideView] | None = None
 ) -> list[tuple[str, str]]:
-    """``(key, detail)`` of every differing key of ``job.keys[positions]``, after the casts asked.
+    """``(key, detail)`` of every differing key of ``job.keys[positions]``, after the casts asked, in key order.
 
+    Keys whose bytes as stored decide are compared first, as those bytes (``_compare_stored``);
+    the others are read as values, the next key's while one is compared (``_read_ahead``).
     ``views``: the sides already open (kept open); None: opened from ``job.sides`` here, and closed.
     """
     if views is None:
@@ -256,7 +267,8 @@ def _compare_keys(
     mine: list[tuple[str, str]] = []
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="verify-read") as pool:
         try:
-            for i, (value_a, value_b) in zip(positions, _read_ahead(pool, views, [job.keys[i] for i in positions])):
+            read = _compare_stored(job, positions, progress, views, pool)  # what needs no value read, first
+            for i, (value_a, value_b) in zip(read, _read_ahead(pool, views, [job.keys[i] for i in read])):
                 key = job.keys[i]
                 target = _cast_dtype(key, views, job.casts)
                 value_a, cast_a = cast(value_a, target)
@@ -269,7 +281,51 @@ def _compare_keys(
                 progress.advance(job.sizes[i] if job.sizes else 0)
         finally:
             pool.shutdown(cancel_futures=True)  # the reads under way end before the views close
-    return mine
+    order = {key: i for i, key in enumerate(job.keys)}
+    return sorted(mine, key=lambda kd: order[kd[0]])
+
+
+def _stored_pair(job: _VerifyJob, key: str, views: tuple[SideView, SideView]) -> tuple[StoredPieces, StoredPieces] | None:
+    """Both sides' pieces of ``key``'s tensor as stored, when its bytes alone decide (``SideView.located``); else None.
+
+    That is: no tolerance and no cast asked for it, one dtype and shape on both sides, and both
+    located as stored.
+
+    Raises:
+        As ``SideView.located``.
+    """
+    if job.atol is not None or job.rtol is not None or _cast_dtype(key, views, job.casts) is not None:
+        return None
+    entry_a, entry_b = (view.item(key).entry for view in views)
+    if not isinstance(entry_a, TensorEntry) or not isinstance(entry_b, TensorEntry):
+        return None
+    if (entry_a.dtype_name, entry_a.shape) != (entry_b.dtype_name, entry_b.shape):
+        return None
+    pieces_a = views[0].located(key)
+    pieces_b = views[1].located(key) if pieces_a is not None else None
+    return None if pieces_a is None or pieces_b is None else (pieces_a, pieces_b)
+
+
+def _compare_stored(
+    job: _VerifyJob, positions: range, progress: StepProgress, views: tuple[SideView, SideView], pool: ThreadPoolExecutor
+) -> list[int]:
+    """Compare every key of ``positions`` whose bytes as stored decide (``_stored_pair``); the positions left to read.
+
+    Those left: keys read as values (``SideView.get``), and keys whose bytes differ, read again
+    for ``compare`` to say how.
+
+    Raises:
+        As ``SideView.located`` and ``_compare.same_stored_bytes``.
+    """
+    left: list[int] = []
+    buffers = ByteBuffers()
+    for i in positions:
+        pair = _stored_pair(job, job.keys[i], views)
+        if pair is None or not same_stored_bytes(*pair, pool, buffers):
+            left.append(i)
+        else:
+            progress.advance(job.sizes[i] if job.sizes else 0)
+    return left
 
 
 def _read_ahead(pool: ThreadPoolExecutor, views: tuple[SideView, SideView], keys: list[str]) -> Iterator[tuple[Any, Any]]:

@@ -301,9 +301,13 @@ class _Pickler(PurePickler):
         if type(obj) in _PLAIN_TYPES:
             return None  # the state dict's own keys and values: asked for each one, answered at once
         torch = sys.modules.get("torch")
-        if torch is None or not (isinstance(obj, torch.storage.TypedStorage) or torch.is_storage(obj)):
+        # another thread may be importing torch (a mover that casts): its module is in sys.modules half made,
+        # and no storage of it can be in a value until the import is done
+        storage_module, is_storage = getattr(torch, "storage", None), getattr(torch, "is_storage", None)
+        typed = getattr(storage_module, "TypedStorage", None)
+        if torch is None or typed is None or is_storage is None or not (isinstance(obj, typed) or is_storage(obj)):
             return None
-        if isinstance(obj, torch.storage.TypedStorage):
+        if isinstance(obj, typed):
             storage, storage_type, numel = obj._untyped_storage, getattr(torch, obj._pickle_storage_type()), obj._size()
         else:
             storage, storage_type, numel = obj, torch.serialization.normalize_storage_type(type(obj)), obj.nbytes()

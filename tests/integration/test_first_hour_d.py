@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 import fsdp_convert
 from fsdp_convert.cli import app
-from fsdp_convert.ops import _sources
+from fsdp_convert.ops import _compare, _sources
 from fsdp_convert.ops import verify as verify_module
 from fsdp_convert.ops._compare import compare, same_bytes
 from fsdp_convert.ops.verify import verify
@@ -47,19 +47,26 @@ def test_row11_verify_defaults_to_consolidates_nproc(tmp_path: Path, monkeypatch
 
 
 def test_row11_verify_reads_both_sides_in_threads_while_comparing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each side's values are read in a thread of their own, never in the thread that compares."""
+    """Each side's values, or its bytes as stored, are read in a thread of their own, never in the thread that compares."""
     ckpt = _wrapped_ckpt(tmp_path / "ck")
-    readers: set[str] = set()
-    get = _sources.SideView.get
+    for as_values in (False, True):  # DCP payloads compared as their bytes; with a tolerance, read as tensors
+        readers: set[str] = set()
+        get, fill = _sources.SideView.get, _compare._Pieces.fill
 
-    def recording(self: _sources.SideView, key: str) -> Any:
-        readers.add(threading.current_thread().name)
-        return get(self, key)
+        def recording_get(self: _sources.SideView, key: str, readers: set[str] = readers, get: Any = get) -> Any:
+            readers.add(threading.current_thread().name)
+            return get(self, key)
 
-    monkeypatch.setattr(_sources.SideView, "get", recording)
-    result = verify(ckpt, ckpt, nproc=1)
-    assert result.equal and result.compared == 3
-    assert readers and threading.current_thread().name not in readers
+        def recording_fill(self: _compare._Pieces, view: memoryview, readers: set[str] = readers, fill: Any = fill) -> None:
+            readers.add(threading.current_thread().name)
+            fill(self, view)
+
+        monkeypatch.setattr(_sources.SideView, "get", recording_get)
+        monkeypatch.setattr(_compare._Pieces, "fill", recording_fill)
+        result = verify(ckpt, ckpt, nproc=1, atol=0.0 if as_values else None)
+        assert result.equal and result.compared == 3
+        assert readers and threading.current_thread().name not in readers
+        monkeypatch.undo()
 
 
 def test_row11_wide_byte_compare_agrees_with_bitwise() -> None:

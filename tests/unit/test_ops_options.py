@@ -53,6 +53,7 @@ SIGNATURES: dict[type, dict[str, object]] = {
         "resume": False,
         "progress": False,
         "follow_symlinks": None,
+        "output_format": "auto",
     },
     VerifyOptions: {
         "atol": None,
