@@ -41,6 +41,15 @@ check of the outputs against zero_to_fp32's, and a cProfile of one run.
 
     python scripts/bench.py --deepspeed-gb 1 --rounds 2
 
+--megatron-gb 1 instead prints the Megatron row (scripts/_bench_megatron.py): a Hugging Face Llama
+folder (transformers' LlamaForCausalLM with GQA, random bf16 weights, save_pretrained's safetensors
+shards; cached) of at least that size, `reshard --world-size 2 --nproc 2` of it plain and with
+--adapter hf-to-megatron-gpt; wall, tree CPU, peak RSS, the ratio adapter / plain (the goal: at
+most 1.3), the round trip back through megatron-gpt-to-hf checked bit for bit against the folder,
+and the stages of one in-process --nproc 1 run of each.
+
+    python scripts/bench.py --megatron-gb 1 --rounds 2
+
 --warm instead prints the warm-cache table (scripts/_bench_warm.py): `cat` and `cp` of the data
 files against consolidate --nproc 1, 2 to disk and to tmpfs, and `inspect`, with tree CPU per GB and
 the time to the first output byte; --scaling 1,2,4,8,16 the scaling table of --nproc (OUT on
@@ -440,6 +449,7 @@ def main() -> None:
     parser.add_argument("--moe-shape", default="128,64,128", help="E,F,D of the MoE row's expert weights (default 128,64,128)")
     parser.add_argument("--moe-nproc", type=int, default=1, help="--nproc of the MoE row's runs (default 1)")
     parser.add_argument("--deepspeed-gb", type=float, default=None, help="e.g. 1: the ZeRO-3 row (_bench_deepspeed.py)")
+    parser.add_argument("--megatron-gb", type=float, default=None, help="e.g. 1: the HF -> Megatron row (_bench_megatron.py)")
     parser.add_argument("--warm", action="store_true", help="the warm-cache table (scripts/_bench_warm.py)")
     parser.add_argument("--warm-nproc", default="1,2", help="--nproc values of the warm table's consolidate rows (default 1,2)")
     parser.add_argument("--scaling", default=None, help="e.g. 1,2,4,8,16: the --nproc scaling table, warm cache, OUT on tmpfs")
@@ -453,6 +463,10 @@ def main() -> None:
 
         ck = args.checkpoint.resolve() if args.checkpoint else make_checkpoint(args.size_gb, args.cache)
         (bench_scaling if args.scaling else bench_warm)(args, ck)
+    elif args.megatron_gb:
+        from _bench_megatron import bench_megatron
+
+        bench_megatron(args)
     elif args.deepspeed_gb:
         from _bench_deepspeed import bench_deepspeed
 
