@@ -13,7 +13,9 @@ tensor is read as a tensor, or where those records do not cover the file.
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -235,10 +237,18 @@ class SafetensorsView:
 
     model_only = True
 
-    def __init__(self, path: Path, tensors: dict[str, tuple[Path, DType, tuple[int, ...]]], kind: str) -> None:
+    def __init__(
+        self,
+        path: Path,
+        tensors: dict[str, tuple[Path, DType, tuple[int, ...]]],
+        kind: str,
+        ranges: dict[str, tuple[int, int]] | None = None,
+    ) -> None:
         self.path, self.kind = path, kind
         self._tensors = tensors
+        self._ranges = ranges or {}  # tensor name -> (offset, nbytes) of its elements in its file
         self._open: dict[Path, Any] = {}
+        self._fds: dict[Path, int] = {}
         self.sides: list[TorchSaveView] = []
 
     @classmethod
@@ -257,8 +267,9 @@ class SafetensorsView:
             UnsafeContentError: a file of a folder is a symbolic link out of it (``location.inside``).
         """
         tensors: dict[str, tuple[Path, DType, tuple[int, ...]]] = {}
+        ranges: dict[str, tuple[int, int]] = {}
         for file in files:
-            header, _ = read_safetensors_header(file, root=path)  # first: where the file lies, its header's size
+            header, data_start = read_safetensors_header(file, root=path)  # first: where the file lies, its header's size
             try:
                 with safe_open_inside(path, file):
                     pass  # safetensors checks the header against the file
@@ -282,7 +293,10 @@ class SafetensorsView:
                 if name in tensors:
                     raise NotADcpCheckpointError(f"{file}: {name} is also in {tensors[name][0].name}")
                 tensors[name] = (file, dtype, shape)
-        return cls(path, tensors, kind)
+                begin, end = desc["data_offsets"]
+                if type(begin) is int and type(end) is int and end - begin == math.prod(shape) * dtype.itemsize:
+                    ranges[name] = (data_start + begin, end - begin)  # safetensors checked the header against the file
+        return cls(path, tensors, kind, ranges)
 
     @classmethod
     def from_folder(cls, path: Path) -> SafetensorsView:
@@ -373,9 +387,31 @@ class SafetensorsView:
             tops |= own
         self.model_only = not self.sides
 
+    def located(self, key: str) -> tuple[int, int, int, Path] | None:
+        """``(fd, offset, nbytes, file)`` of ``key``'s tensor elements as they lie (C order, little-endian).
+
+        The tensor ``get`` would read; None for a key of a side file, or one whose bytes are not known.
+
+        Raises:
+            UnsafeContentError: the file is a symbolic link out of the folder. OSError: it cannot be opened.
+        """
+        if any(key in side for side in self.sides):
+            return None
+        name = key.removeprefix(MODEL_PREFIX)
+        found, where = self._tensors.get(name), self._ranges.get(name)
+        if found is None or where is None or sys.byteorder != "little":
+            return None
+        file = found[0]
+        if file not in self._fds:
+            self._fds[file] = open_inside(self.path if self.path.is_dir() else file, file)
+        return self._fds[file], where[0], where[1], file
+
     def close(self) -> None:
         """Close every open file."""
         self._open.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
         for side in self.sides:
             side.close()
 

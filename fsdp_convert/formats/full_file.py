@@ -200,6 +200,14 @@ class FileBoxReader:
             CorruptChunkError: the stored tensor is not the one the index describes (the file changed).
         """
         source = self._source
+        if isinstance(source, SafetensorsView) and chunk.sizes == entry.shape:
+            located = source.located(self._key(entry.fqn))
+            if located is None:
+                return None
+            fd, at, nbytes, file = located
+            return StoredBytes(
+                fd=fd, offset=at, nbytes=nbytes, crc32=None, where=f"{file} bytes [{at}, {at + nbytes}) ({entry.fqn})"
+            )
         if not isinstance(source, TorchSaveRecords) or chunk.sizes != entry.shape:
             return None
         stored = source.stored(self._key(entry.fqn))
@@ -231,10 +239,42 @@ class FileBoxReader:
         Raises:
             CorruptChunkError: the stored value is not the tensor the index describes (the file changed).
         """
+        rows = self._read_rows(entry, offsets, sizes)
+        if rows is not None:
+            return rows
         tensor = self._stored(entry)
         for dim, (o, n) in enumerate(zip(offsets, sizes, strict=True)):
             tensor = tensor.narrow(dim, o, n)
         return tensor.contiguous().clone()
+
+    def _read_rows(self, entry: TensorEntry, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor | None:
+        """A box of whole rows of a tensor whose elements lie in the file as they are: only those rows' bytes read.
+
+        None when the tensor is not so located or the box cuts a dimension past the first: the
+        stored tensor is read instead (safetensors, memory-mapped torch.save).
+
+        Raises:
+            CorruptChunkError: a short read (the file changed while it was read).
+        """
+        import torch
+
+        if not entry.shape or tuple(sizes[1:]) != entry.shape[1:] or any(offsets[1:]):
+            return None
+        stored = self.locate(entry, ChunkEntry(offsets=(0,) * len(entry.shape), sizes=entry.shape, relative_path=None,
+                                                offset_bytes=0, length_bytes=0))  # fmt: skip
+        if stored is None:
+            return None
+        row = stored.nbytes // entry.shape[0] if entry.shape[0] else 0
+        buffer = bytearray(row * sizes[0])
+        view, at, done = memoryview(buffer), stored.offset + row * offsets[0], 0
+        while done < len(buffer):
+            got = os.preadv(stored.fd, [view[done:]], at + done)
+            if got <= 0:
+                raise CorruptChunkError(f"{stored.where}: short read; the file changed while it was read")
+            done += got
+        if not buffer:
+            return torch.empty(sizes, dtype=entry.dtype.torch)
+        return torch.frombuffer(buffer, dtype=entry.dtype.torch).reshape(sizes)
 
     def _stored(self, entry: TensorEntry) -> torch.Tensor:
         """The stored tensor of ``entry``, checked against the index.
