@@ -12,9 +12,11 @@ from fsdp_convert.cli._options import (
     LORA,
     OUTPUT,
     SAFETY,
+    SELECTION,
     AdapterOpt,
     AdapterOptionOpt,
     CheckpointArg,
+    Choice,
     DequantizeOpt,
     DtypeOpt,
     ExcludeOpt,
@@ -134,6 +136,25 @@ OnlyOpt = Annotated[
         "--only",
         help="What to write (a .safetensors file holds the model only).",
         rich_help_panel=OUTPUT,
+    ),
+]
+
+
+class WeightsChoice(Choice):
+    """``consolidate --weights``: which copy of a DeepSpeed save's weights is the model."""
+
+    master = "master"
+    module = "module"
+
+
+WeightsOpt = Annotated[
+    WeightsChoice,
+    choice_option(
+        WeightsChoice,
+        "--weights",
+        help="A DeepSpeed save's model: master, its fp32 master weights (as zero_to_fp32); module, the module's own "
+        "weights in its dtype (ZeRO-1/2).",
+        rich_help_panel=SELECTION,
     ),
 ]
 HfAssetsOpt = Annotated[
@@ -257,6 +278,7 @@ def consolidate_command(
     checkpoint: CheckpointArg,
     output: OutputArg,
     only: OnlyOpt = OnlyChoice.all,
+    weights: WeightsOpt = WeightsChoice.master,
     output_format: FormatOpt = "auto",
     layout: LayoutOpt = LayoutChoice.producer,
     optim_keys: OptimKeysOpt = OptimKeysChoice.names,
@@ -360,6 +382,7 @@ def consolidate_command(
             progress=show_progress(progress, json_output),
             cluster=cluster_options(nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id),
             hf_assets=hf_assets,
+            weights=weights.value,
         )
         if dry_run:  # the run's own stages up to its lock (ops.dry_run): nothing is created
             from fsdp_convert.ops.dry_run import dry_run_consolidate

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fsdp_convert.errors import NotADcpCheckpointError
+from fsdp_convert.errors import InvalidOptionError, NotADcpCheckpointError
 from fsdp_convert.formats.source import Reader, Source, SourceFormat, SourceFormatName, check_data_files
 from fsdp_convert.held_roots import following_symlinks
 from fsdp_convert.output_table import DCP_ROW, METADATA_FILENAME
@@ -194,6 +194,7 @@ def open_checkpoint(
     full_files: bool = False,
     check_crc: bool = True,
     follow_symlinks: bool | None = None,
+    weights: str = "master",
 ) -> Source:
     """The one place a path's format is decided: its row of ``FORMATS``, and its index read as that format.
 
@@ -207,6 +208,8 @@ def open_checkpoint(
         follow_symlinks: read files that symbolic links in the folder lead to outside it (a
             checkpoint whose files link into a shared store); None: the process's setting
             (``location.following_symlinks``, default off). The ``Source`` keeps it for its readers.
+        weights: ``module``: a DeepSpeed save's model as its module's own weights (``formats.deepspeed``);
+            ``master`` (default): every format's own model.
 
     Returns:
         The checkpoint's ``Source``: format, index; ``open_reader()`` reads its bytes.
@@ -222,7 +225,9 @@ def open_checkpoint(
     check_not_one_dcp_file(checkpoint_id)
     with following_symlinks(follow_symlinks):
         fmt = _format_of(checkpoint_id, full_files)
-        index = fmt.read_index(checkpoint_id)
+        if weights != "master" and fmt.name != "deepspeed":
+            raise InvalidOptionError(f"--weights {weights}: {checkpoint_id} is not a DeepSpeed save; only one keeps two copies")
+        index = fmt.read_index(checkpoint_id, weights=weights) if weights != "master" else fmt.read_index(checkpoint_id)
     return Source(format=fmt, index=index, check_crc=check_crc, follow_symlinks=follow_symlinks)
 
 

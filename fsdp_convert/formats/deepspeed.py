@@ -46,16 +46,7 @@ __all__ = ["ModuleTensor", "Piece", "ZeroSave", "deepspeed_index", "zero_save", 
 # The model states file's keys that describe the layout (read here), not state to keep.
 # ``dp_world_size`` describes the save, not the run: a reshard rewrites it (and ``verify`` of the two is equal).
 _LAYOUT_KEYS = frozenset(
-    {
-        "module",
-        "buffer_names",
-        "param_shapes",
-        "frozen_param_shapes",
-        "frozen_param_fragments",
-        "shared_params",
-        "optimizer",
-        "dp_world_size",
-    }
+    "module buffer_names param_shapes frozen_param_shapes frozen_param_fragments shared_params optimizer dp_world_size".split()
 )
 _MAX_DIMS = 64
 
@@ -123,6 +114,7 @@ class _Builder:
         self.stage = stage_of(self.osd[0], str(loaded.root / self.files.optim[0]))
         self.entries: list[Entry] = []
         self.masters: dict[str, TensorEntry] = {}
+        self.module_weights = False  # the model from the module's own weights (deepspeed_index's weights="module")
 
     def _optimizer_state(self, rank: int) -> dict[str, Any]:
         obj = self.loaded.optim[rank][0]
@@ -254,10 +246,10 @@ class _Builder:
         by_name: dict[str, TensorEntry] = {}
         for name, tensor in module.items():
             where = f"{self.loaded.root / model_file} module.{name}"
-            if name in self.masters:
+            if name in self.masters and not self.module_weights:
                 entry = self.masters[name]
             elif name in shared and (shared[name] in self.masters or shared[name] in by_name):
-                target = self.masters.get(shared[name]) or by_name[shared[name]]
+                target = by_name.get(shared[name]) or self.masters[shared[name]]
                 entry = TensorEntry(
                     fqn=dcp_key(("model", name)),
                     path=("model", name),
@@ -312,11 +304,13 @@ class _Builder:
         return (("deepspeed", kind), ("parameters", ", ".join(dtypes) or "-"), ("master weights", "float32"))
 
 
-def deepspeed_index(root: Path | Url) -> CheckpointIndex:
+def deepspeed_index(root: Path | Url, *, weights: str = "master") -> CheckpointIndex:
     """Index a DeepSpeed ZeRO save (see the module docstring): the tag folder, or the folder whose ``latest`` names it.
 
     Every model and optimizer states file is loaded memory-mapped (no tensor data read); work is
-    linear in the number of parameters times the ranks each spans.
+    linear in the number of parameters times the ranks each spans. ``weights="module"``: the model
+    is the module's own weights as the model states file holds them (ZeRO-1/2: the whole module,
+    in its dtype) instead of the fp32 masters; the optimizer state is the same.
 
     Raises:
         NotADcpCheckpointError: no model states, or a save with tensor or pipeline parallelism.
@@ -329,6 +323,12 @@ def deepspeed_index(root: Path | Url) -> CheckpointIndex:
         raise InvalidOptionError(f"{root}: DeepSpeed checkpoints are read from local paths only")
     files = deepspeed_files(root)
     builder = _Builder(LoadedSave(root, files))
+    builder.module_weights = weights == "module"
+    if builder.module_weights and builder.stage == 3:
+        raise UnsupportedTransformError(
+            f"--weights module: {root} is a ZeRO-3 save, whose model states hold no weights (only placeholders); "
+            "--dtype bf16 gives the master weights cast as DeepSpeed casts them"
+        )
     builder.build()
     return CheckpointIndex(
         checkpoint_id=root,

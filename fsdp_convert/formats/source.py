@@ -82,14 +82,15 @@ class SourceFormat:
         name: ``dcp``, ``rank_files``, ``hf_storage`` or ``full_file``.
         detect: True when a path (``remote.as_location``) holds this format, from file names
             (and safetensors headers) alone; asked in table order, the first yes wins.
-        read_index: the ``CheckpointIndex`` of such a path; no tensor data is read.
+        read_index: the ``CheckpointIndex`` of such a path (``read_index(location)``; the DeepSpeed row
+            also takes ``weights=``, see ``open_checkpoint``); no tensor data is read.
         reader: the format's ``Reader`` class, called as ``reader(checkpoint_id, check_crc=...)``.
         full: a full (unsharded) checkpoint, asked only when full files are accepted.
     """
 
     name: SourceFormatName
     detect: Callable[[Location], bool]
-    read_index: Callable[[Location], CheckpointIndex]
+    read_index: Callable[..., CheckpointIndex]
     reader: Callable[..., Reader]
     full: bool = False
 

@@ -135,7 +135,7 @@ def consolidate(
         owner, file_bytes, start = False, 0, time.monotonic()
         with tx:
             # 3. source: its format decided once: a sharded checkpoint, or any output of this tool
-            source = open_checkpoint(as_location(checkpoint_id), full_files=True, check_crc=opts.check_crc)
+            source = open_checkpoint(as_location(checkpoint_id), full_files=True, check_crc=opts.check_crc, weights=opts.weights)
             # 4. output kind: chosen once from OUT, --format and --lora-only; what it holds
             kind = output_kind(tx.output, opts.output_format, lora=lora_only(opts.transform))
             groups = kind.groups(opts.only)

@@ -222,7 +222,7 @@ def dry_run_consolidate(
     with following_symlinks(opts.follow_symlinks):
         check_output(output, (checkpoint_id, opts.hf_assets), overwrite=opts.overwrite, force=opts.force)
         out = _local_output(output)
-        source = open_checkpoint(as_location(checkpoint_id), full_files=True, check_crc=opts.check_crc)
+        source = open_checkpoint(as_location(checkpoint_id), full_files=True, check_crc=opts.check_crc, weights=opts.weights)
         kind = output_kind(out, opts.output_format, lora=lora_only(opts.transform))
         groups = kind.groups(opts.only)
         assets = open_assets(opts, kind, groups)

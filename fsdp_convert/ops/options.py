@@ -138,10 +138,14 @@ class ConsolidateOptions:
     follow_symlinks: bool | None = None
     """Read files of the checkpoint that are symbolic links out of its folder (a shared store the step folder
     links into); False refuses them (UnsafeContentError). None: the process's setting (``--follow-symlinks``)."""
+    weights: Literal["master", "module"] = "master"
+    """A DeepSpeed save's model: ``master``, the fp32 master weights (what ``zero_to_fp32`` returns);
+    ``module``, the module's own weights in its dtype as the model states file holds them (ZeRO-1/2 only)."""
 
     def __post_init__(self) -> None:
         # the messages name the flags; str(e) words each as its keyword (errors.FLAG_KEYWORDS)
         _set(self, "only", choice("--only", self.only, get_args(Only)))
+        _set(self, "weights", choice("--weights", self.weights, ("master", "module")))
         _set(self, "output_format", check_format(self.output_format))  # a name of the outputs table, at call time
         _set(self, "transform", transform_options(self.transform, keyword="transform"))
         _set(self, "nproc", None if self.nproc is None else count("--nproc", self.nproc))

@@ -153,6 +153,36 @@ def test_consolidate_verify_reads_the_pt_back(deepspeed_runs: dict[int, Path], r
     assert same_bits(torch.load(out, weights_only=True)["model"]["l1.weight"], _truth(run)["model"]["l1.weight"])
 
 
+@pytest.mark.parametrize("variant", ["z1b", "z2a", "bfo", "z1"])
+def test_consolidate_weights_module_is_the_runs_module(deepspeed_runs: dict[int, Path], tmp_path: Path, variant: str) -> None:
+    """``--weights module``: the model is the module's own state dict as the run held it (bf16 for a bf16 run), bit for
+    bit, tied names and all; the optimizer state is the same as with the masters."""
+    run = deepspeed_runs[3] / variant
+    truth = _truth(run)
+    out = tmp_path / "module.pt"
+    fsdp_convert.consolidate(run, out, weights="module")
+    got = torch.load(out, weights_only=True)
+    assert set(got["model"]) == set(truth["module"])
+    for fqn, want in truth["module"].items():
+        assert same_bits(got["model"][fqn], want), (fqn, got["model"][fqn].dtype, want.dtype)
+    for fqn, moments in truth["optim"]["state"].items():
+        assert_same_state(got["optim"]["state"][fqn], moments, f"optim.state.{fqn}")
+
+
+def test_weights_module_refused_for_zero3_and_other_checkpoints(
+    deepspeed_runs: dict[int, Path], ws3_ckpt: Sample, runner: CliRunner, tmp_path: Path
+) -> None:
+    """ZeRO-3 saves no module weights (placeholders only), and a DCP checkpoint has one copy: one line each, nothing written."""
+    for source, needles in (
+        (deepspeed_runs[3] / "z3b", ("ZeRO-3", "--dtype bf16")),
+        (ws3_ckpt.checkpoint, ("not a DeepSpeed save",)),
+    ):
+        out = tmp_path / "out.pt"
+        result = runner.invoke(app, ["consolidate", str(source), str(out), "--weights", "module"])
+        _assert_one_line_error(result, "--weights module", *needles)
+        assert not out.exists()
+
+
 # 3. reshard DeepSpeed -> DeepSpeed, checked by DeepSpeed's own loader
 
 

@@ -39,6 +39,7 @@ SIGNATURES: dict[type, dict[str, object]] = {
         "hf_assets": None,
         "resume": False,
         "follow_symlinks": None,
+        "weights": "master",
     },
     ReshardOptions: {
         "world_size": REQUIRED,
