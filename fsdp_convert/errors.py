@@ -58,6 +58,7 @@ FLAG_KEYWORDS: dict[str, str] = {
     "--nproc": "nproc",
     "--nproc-per-node": "nproc",
     "--only": "only",
+    "--weights": "weights",
     "--format": "output_format",
     "--memory-budget": "memory_budget_bytes",
     "--max-shard-size": "max_shard_bytes",
