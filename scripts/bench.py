@@ -50,6 +50,15 @@ and the stages of one in-process --nproc 1 run of each.
 
     python scripts/bench.py --megatron-gb 1 --rounds 2
 
+--scale 1040 256 instead prints the scale row (scripts/_bench_scale.py): a synthetic FSDP2 + AdamW
+checkpoint of PARAMS parameters over RANKS ranks (DeepSeek-V3-like names, every parameter and moment
+cut in row chunks, one per rank, deterministic values; written directly as FileSystemWriter writes
+it, cached) read by torch's FileSystemReader.read_metadata and fsdp-convert inspect, and
+consolidated by dcp_to_torch_save and consolidate --nproc 1 and 2; wall, peak RSS of the process
+tree, time to the first output byte, ratios to torch's rows, and the bitwise check of the .pt files.
+
+    python scripts/bench.py --scale 1040 256 --rounds 2
+
 --warm instead prints the warm-cache table (scripts/_bench_warm.py): `cat` and `cp` of the data
 files against consolidate --nproc 1, 2 to disk and to tmpfs, and `inspect`, with tree CPU per GB and
 the time to the first output byte; --scaling 1,2,4,8,16 the scaling table of --nproc (OUT on
@@ -450,6 +459,14 @@ def main() -> None:
     parser.add_argument("--moe-nproc", type=int, default=1, help="--nproc of the MoE row's runs (default 1)")
     parser.add_argument("--deepspeed-gb", type=float, default=None, help="e.g. 1: the ZeRO-3 row (_bench_deepspeed.py)")
     parser.add_argument("--megatron-gb", type=float, default=None, help="e.g. 1: the HF -> Megatron row (_bench_megatron.py)")
+    parser.add_argument(
+        "--scale",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("PARAMS", "RANKS"),
+        help="e.g. 1040 256: the scale row (_bench_scale.py)",
+    )
     parser.add_argument("--warm", action="store_true", help="the warm-cache table (scripts/_bench_warm.py)")
     parser.add_argument("--warm-nproc", default="1,2", help="--nproc values of the warm table's consolidate rows (default 1,2)")
     parser.add_argument("--scaling", default=None, help="e.g. 1,2,4,8,16: the --nproc scaling table, warm cache, OUT on tmpfs")
@@ -463,6 +480,10 @@ def main() -> None:
 
         ck = args.checkpoint.resolve() if args.checkpoint else make_checkpoint(args.size_gb, args.cache)
         (bench_scaling if args.scaling else bench_warm)(args, ck)
+    elif args.scale:
+        from _bench_scale import bench_scale
+
+        bench_scale(args)
     elif args.megatron_gb:
         from _bench_megatron import bench_megatron
 
