@@ -189,18 +189,23 @@ class FileBoxReader:
         return self.read_box(entry, chunk.offsets, chunk.sizes)
 
     def locate(self, entry: TensorEntry, chunk: ChunkEntry) -> StoredBytes | None:
-        """Where a torch.save zip's tensor lies in the file, when contiguous (``TorchSaveRecords.located``); else None.
+        """Where a tensor's elements lie in its file, as they are: a safetensors tensor, or a contiguous torch.save one.
 
         ``chunk`` is the entry's one whole-tensor chunk (``file_index``). No CRC-32 comes with the
-        bytes: the zip's covers the whole storage, which may hold other tensors too. None for a
-        tensor stored otherwise (a view with strides of its own), a safetensors file, or a file
-        torch loads whole: ``read_chunk`` reads those.
+        bytes (a torch.save zip's covers the whole storage, which may hold other tensors too). None
+        for a tensor stored otherwise (a view with strides of its own, a big-endian machine's
+        safetensors) or a file torch loads whole: ``read_chunk`` reads those.
 
         Raises:
             CorruptChunkError: the stored tensor is not the one the index describes (the file changed).
+            UnsafeContentError: a safetensors file of a folder is a symbolic link out of it.
         """
+        return self._located(entry) if chunk.sizes == entry.shape else None
+
+    def _located(self, entry: TensorEntry) -> StoredBytes | None:
+        """``locate`` of the entry's whole tensor."""
         source = self._source
-        if isinstance(source, SafetensorsView) and chunk.sizes == entry.shape:
+        if isinstance(source, SafetensorsView):
             located = source.located(self._key(entry.fqn))
             if located is None:
                 return None
@@ -208,7 +213,7 @@ class FileBoxReader:
             return StoredBytes(
                 fd=fd, offset=at, nbytes=nbytes, crc32=None, where=f"{file} bytes [{at}, {at + nbytes}) ({entry.fqn})"
             )
-        if not isinstance(source, TorchSaveRecords) or chunk.sizes != entry.shape:
+        if not isinstance(source, TorchSaveRecords):
             return None
         stored = source.stored(self._key(entry.fqn))
         if not isinstance(stored, StoredTensor) or (stored.dtype_name, stored.shape) != (entry.dtype_name, entry.shape):
@@ -260,8 +265,7 @@ class FileBoxReader:
 
         if not entry.shape or tuple(sizes[1:]) != entry.shape[1:] or any(offsets[1:]):
             return None
-        stored = self.locate(entry, ChunkEntry(offsets=(0,) * len(entry.shape), sizes=entry.shape, relative_path=None,
-                                                offset_bytes=0, length_bytes=0))  # fmt: skip
+        stored = self._located(entry)
         if stored is None:
             return None
         row = stored.nbytes // entry.shape[0] if entry.shape[0] else 0

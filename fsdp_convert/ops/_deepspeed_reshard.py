@@ -14,6 +14,7 @@ classes are written as references to them (``writers._torch_pickle.Reduced``), n
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 import os
@@ -62,12 +63,21 @@ def _flat(entry: TensorEntry) -> _Flat:
 
 
 def _copies(stored: _Flat, lo: int, hi: int, itemsize: int, dst: int) -> list[ByteCopy]:
-    """The byte copies that put elements ``[lo, hi)`` of a tensor stored as ``stored`` at byte ``dst`` of a storage."""
+    """The byte copies that put elements ``[lo, hi)`` of a tensor stored as ``stored`` at byte ``dst`` of a storage.
+
+    ``stored`` is sorted and its ranges do not overlap (``_flat``): only those that meet ``[lo, hi)`` are visited.
+
+    Raises:
+        CorruptChunkError: some element of ``[lo, hi)`` is stored nowhere.
+    """
     out = []
-    for s_lo, s_hi, file, at in stored:
+    i = max(bisect.bisect_right(stored, (lo, math.inf)) - 1, 0)
+    while i < len(stored) and stored[i][0] < hi:
+        s_lo, s_hi, file, at = stored[i]
         a, b = max(lo, s_lo), min(hi, s_hi)
         if a < b:
             out.append(ByteCopy(file, at + (a - s_lo) * itemsize, (b - a) * itemsize, dst + (a - lo) * itemsize))
+        i += 1
     if sum(c.nbytes for c in out) != (hi - lo) * itemsize:
         raise CorruptChunkError(f"elements [{lo}, {hi}) are not all stored")
     return out
@@ -122,7 +132,12 @@ class _Target:
     def __init__(self, save: ZeroSave, layout: ZeroLayout, index: CheckpointIndex, reader: Reader) -> None:
         self.save, self.layout, self.reader = save, layout, reader
         self.entries = {e.fqn: e for e in index.entries}
-        self.pieces = layout.pieces()
+        self._stored: dict[str, _Flat] = {}  # fqn -> its flat ranges (_flat), each worked out once
+        # (name, rank, flat tensor) -> (first element there, the parameter's range [lo, hi)): each piece placed once
+        self.slots: dict[tuple[str, int, int], list[tuple[int, int, int]]] = {}
+        for name, pieces in layout.pieces().items():
+            for rank, container, local, lo, hi in pieces:
+                self.slots.setdefault((name, rank, container), []).append((local, lo, hi))
 
     def tensor(self, fqn: str) -> TensorEntry:
         entry = self.entries.get(fqn)
@@ -132,6 +147,13 @@ class _Target:
             )
         return entry
 
+    def stored(self, entry: TensorEntry) -> _Flat:
+        """``_flat(entry)``, worked out once per tensor (every rank's partitions read from it)."""
+        found = self._stored.get(entry.fqn)
+        if found is None:
+            found = self._stored[entry.fqn] = _flat(entry)
+        return found
+
     def flat(self, rank: int, container: int, numel: int, fqn_of: Callable[[str], str]) -> CopiedTensor:
         """Rank ``rank``'s flat tensor ``container`` (``numel`` elements) of the entries ``fqn_of(name)``."""
         copies: list[ByteCopy] = []
@@ -139,9 +161,8 @@ class _Target:
         for name, _ in self.layout.groups[container]:
             entry = self.tensor(fqn_of(name))
             dtype = entry.dtype.torch
-            for r, c, local, lo, hi in self.pieces[name]:
-                if r == rank and c == container:
-                    copies += _copies(_flat(entry), lo, hi, entry.itemsize, local * entry.itemsize)
+            for local, lo, hi in self.slots.get((name, rank, container), ()):
+                copies += _copies(self.stored(entry), lo, hi, entry.itemsize, local * entry.itemsize)
         assert dtype is not None
         return CopiedTensor(TensorSlot(dtype, (numel,)), tuple(sorted(copies, key=lambda c: c.dst_offset)))
 
@@ -341,7 +362,7 @@ def _model_files(target: _Target, save: ZeroSave, layout: ZeroLayout) -> list[tu
             part = -(-numel // layout.world_size)
             lo, hi = min(rank * part, numel), min((rank + 1) * part, numel)
             fragments[name] = CopiedTensor(
-                TensorSlot(entry.dtype.torch, (part,)), tuple(_copies(_flat(entry), lo, hi, entry.itemsize, 0))
+                TensorSlot(entry.dtype.torch, (part,)), tuple(_copies(target.stored(entry), lo, hi, entry.itemsize, 0))
             )
         items = [(("module", n), v) for n, v in module.items()]
         items += [((k,), v) for k, v in rest.items() if k != "frozen_param_fragments"]

@@ -56,7 +56,8 @@ def _fill(fd: int, at: int, tensor: CopiedTensor, source_fd: Callable[[str], int
     Raises:
         CorruptChunkError: a source file is shorter than a copy needs.
     """
-    crc, pos, buffer = 0, 0, bytearray(_BUFFER)
+    largest = max((c.nbytes for c in tensor.copies), default=1)
+    crc, pos, buffer = 0, 0, bytearray(min(_BUFFER, max(largest, 1)))  # no larger than the largest copy
     view = memoryview(buffer)
     for copy in (*tensor.copies, ByteCopy("", 0, 0, tensor.slot.nbytes)):
         while pos < copy.dst_offset:  # a gap: zeros (the file is sparse there)
@@ -64,7 +65,7 @@ def _fill(fd: int, at: int, tensor: CopiedTensor, source_fd: Callable[[str], int
             crc, pos = crc32(_ZEROS[:step], crc), pos + step
         done = 0
         while done < copy.nbytes:
-            step = min(_BUFFER, copy.nbytes - done)
+            step = min(len(buffer), copy.nbytes - done)
             got = os.preadv(source_fd(copy.src), [view[:step]], copy.src_offset + done)
             if got != step:
                 raise CorruptChunkError(f"{copy.src}: short read at byte {copy.src_offset + done}; the file is truncated")
