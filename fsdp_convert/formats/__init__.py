@@ -73,7 +73,7 @@ def check_not_one_dcp_file(root: Location) -> None:
     if isinstance(root, Path) and _DCP_FILE.fullmatch(root.name) and root.is_file():
         folder = root.parent
         raise NotADcpCheckpointError(f"{root} is one file of the DCP checkpoint {folder}: pass the folder {folder}")
-    from fsdp_convert.formats._deepspeed_files import is_deepspeed_file  # a name test; imports no torch
+    from fsdp_convert.formats.deepspeed_files import is_deepspeed_file  # a name test; imports no torch
 
     if isinstance(root, Path) and is_deepspeed_file(root.name) and root.is_file():
         folder = root.parent
@@ -115,7 +115,7 @@ def _has_sharding_info(root: Location) -> bool:
 
 
 def _is_deepspeed(root: Location) -> bool:
-    from fsdp_convert.formats._deepspeed_files import is_deepspeed
+    from fsdp_convert.formats.deepspeed_files import is_deepspeed
 
     return is_deepspeed(root)
 

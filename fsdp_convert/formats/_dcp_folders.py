@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 from fsdp_convert.errors import NotADcpCheckpointError
-from fsdp_convert.formats._deepspeed_files import deepspeed_tags
+from fsdp_convert.formats.deepspeed_files import deepspeed_tags
 from fsdp_convert.formats.index import CheckpointIndex, Entry, Location, TensorEntry
 from fsdp_convert.held_roots import inside
 from fsdp_convert.output_table import METADATA_FILENAME

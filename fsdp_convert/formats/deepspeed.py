@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO checkpoints (stages 1, 2, 3 and BF16_Optimizer) as a source: index from the partitions, bare reads.
 
-A ZeRO save (``_deepspeed_files``) keeps the fp32 master weights and the optimizer state as flat
+A ZeRO save (``deepspeed_files``) keeps the fp32 master weights and the optimizer state as flat
 partitions per data-parallel rank: ZeRO-1/2 and BF16_Optimizer split each param group's flat
 vector into equal partitions (``single_partition_of_fp32_groups``; ZeRO-1/2 with
 ``param_alignment_paddings`` between parameters), ZeRO-3 splits every parameter into
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from fsdp_convert.errors import CorruptChunkError, InvalidOptionError, UnsupportedTransformError
-from fsdp_convert.formats._deepspeed_files import DeepSpeedFiles, LoadedSave, deepspeed_files, stage_of
 from fsdp_convert.formats._flat_ranges import Piece, flat_boxes, zero3_pieces, zero12_pieces
+from fsdp_convert.formats.deepspeed_files import DeepSpeedFiles, LoadedSave, deepspeed_files, stage_of
 from fsdp_convert.formats.index import (
     MAX_ENTRIES,
     BytesEntry,
@@ -356,7 +356,7 @@ class ZeroSave:
     """What writing a DeepSpeed save for another data-parallel size needs of the source save, besides its index.
 
     Attributes:
-        files: its files (``_deepspeed_files.DeepSpeedFiles``); ``files.tag`` is ``"<tag>/"`` or ``""``.
+        files: its files (``deepspeed_files.DeepSpeedFiles``); ``files.tag`` is ``"<tag>/"`` or ``""``.
         stage: 1, 2, 3, or 0 for BF16_Optimizer.
         groups: each param group's parameters ``(name, shape)`` in order (ZeRO-3: sub-groups merged back).
         paddings: ZeRO-1/2's ``param_alignment_paddings``; None for the others.

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from fsdp_convert.formats._deepspeed_files import load_ds_file
 from fsdp_convert.formats._rank_unpickler import local_value
+from fsdp_convert.formats.deepspeed_files import load_ds_file
 from fsdp_convert.formats.index import BytesEntry, ChunkEntry, TensorEntry
 from fsdp_convert.formats.reader import ChunkedReader, StoredBytes, read_bare_chunk
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdp_convert.errors import CorruptChunkError, InvalidOptionError, UnsupportedTransformError
+from fsdp_convert.formats.deepspeed_files import LATEST
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, DictKey, ObjPath, TensorEntry, unflatten
 from fsdp_convert.formats.source import Reader, Source
 from fsdp_convert.held_roots import open_inside
@@ -297,7 +298,7 @@ def zero_files(source: Source, world_size: int) -> list[tuple[str, int]]:
         out.append(
             (name, tensors + small + len(dumps_with_storages(unflatten(plain), 0)[0]) + _ZIP_BYTES_PER_RECORD * (len(items) + 8))
         )
-    return [*out, ("latest", len(tag) - 1)]
+    return [*out, (LATEST, len(tag) - 1)]
 
 
 def reshard_zero(source: Source, tmp: Path, world_size: int, workers: int) -> tuple[int, int]:
@@ -329,7 +330,7 @@ def reshard_zero(source: Source, tmp: Path, world_size: int, workers: int) -> tu
             os.close(fd)
         for fd in fds.values():
             os.close(fd)
-    (tmp / "latest").write_text(tag.rstrip("/"))  # as engine.save_checkpoint writes it: the tag, no newline
+    (tmp / LATEST).write_text(tag.rstrip("/"))  # as engine.save_checkpoint writes it: the tag, no newline
     tensors = sum(isinstance(v, CopiedTensor) for _, items in files for _, v in items)
     return tensors, total + len(tag) - 1
 

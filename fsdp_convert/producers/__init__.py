@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_convert.formats.dcp import ACCELERATE_DIR_RE, DCP_FILE_RE, OLMO_CORE_DIRNAME
+from fsdp_convert.formats.deepspeed_files import OWN_FILES as DEEPSPEED_FILES
 from fsdp_convert.formats.index import CheckpointIndex, ObjPath
 from fsdp_convert.held_roots import inside
 from fsdp_convert.own_files import OwnFiles
@@ -241,6 +242,7 @@ PRODUCERS: tuple[Producer, ...] = (
     Producer(
         name="deepspeed",
         detect=deepspeed,
+        written=DEEPSPEED_FILES,
         label="`deepspeed`",
         tested="deepspeed 0.19.8 (ZeRO-1, 2, 3 and BF16_Optimizer; fp32 and bf16)",
         on_disk="`latest` and `<tag>/`: `mp_rank_00_model_states.pt` (ZeRO-3: one per rank) and "
@@ -365,12 +367,14 @@ def own_files() -> OwnFiles:
 
     Each DCP folder's ``.metadata`` and ``__<r>_<n>.distcp`` files, at the top level and in a
     record's ``folders`` (holding those alone); every ``side_files`` pattern it copies; every
-    ``merged`` file. The output check (``writers.check_output``) takes them with the output kinds'
-    names, so ``--overwrite`` replaces the tool's own earlier output without ``--force``.
+    ``merged`` file; each record's ``written`` names. The output check (``writers.check_output``)
+    takes them with the output kinds', so ``--overwrite`` replaces the tool's own earlier output.
     """
     files = [DCP_FILE_RE, *(s.pattern for p in PRODUCERS for s in p.side_files if s.action == "copy")]
     files += [re.compile(re.escape(p.merged)) for p in PRODUCERS if p.merged is not None]
+    files += [f for p in PRODUCERS for f in p.written.files]
     folders = [(p.folders, DCP_FILE_RE) for p in PRODUCERS if p.folders is not None]
+    folders += [f for p in PRODUCERS for f in p.written.folders]
     return OwnFiles(files=tuple(dict.fromkeys(files)), folders=tuple(dict.fromkeys(folders)))
 
 
@@ -412,7 +416,5 @@ def sort_beside(producer: Producer, entries: Iterable[tuple[str, bool, bool]]) -
             kinds[side].append(name)
         else:
             kinds[None].append(name + "/" if is_dir else name)
-    notes = [
-        f"left out {', '.join(names)}: {UNKNOWN_NOTE if side is None else side.note}" for side, names in kinds.items() if names
-    ]
-    return Beside(copied=tuple(copied), left_out=tuple(n for names in kinds.values() for n in names), notes=tuple(notes))
+    notes = tuple(f"left out {', '.join(n)}: {UNKNOWN_NOTE if side is None else side.note}" for side, n in kinds.items() if n)
+    return Beside(copied=tuple(copied), left_out=tuple(x for n in kinds.values() for x in n), notes=notes)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fsdp_convert.formats.index import CheckpointIndex, ObjPath
+from fsdp_convert.own_files import OwnFiles
 from fsdp_convert.roles import EntryRule
 
 __all__ = ["Producer", "SideFile"]
@@ -59,6 +60,9 @@ class Producer:
         folders: the DCP folders side by side that make one checkpoint (accelerate's
             ``pytorch_model_fsdp_<n>/`` and ``optimizer_<n>/``); ``reshard`` writes each as a DCP
             folder again. None: the checkpoint is one DCP folder.
+        written: the names ``reshard`` writes where it writes the producer's own save format rather
+            than DCP (DeepSpeed's ``latest`` and tag folder): this tool's own in an output, as
+            ``side_files`` it copies are.
         params_in_model_order: ``--optim-keys ids`` numbers each group's params in the model's
             order (FSDP1's ``optim_state_dict`` keeps no param group order of its own).
         flat_optimizer: ``consolidate``'s ``--layout producer`` keeps a flattened optimizer state dict
@@ -91,6 +95,7 @@ class Producer:
     side_files: tuple[SideFile, ...] = ()
     merged: str | None = None
     folders: re.Pattern[str] | None = None
+    written: OwnFiles = OwnFiles()
     params_in_model_order: bool = False
     flat_optimizer: bool = False
     stacked_layers: str = ""

@@ -3,7 +3,8 @@
 The output check takes the names the tool writes from the tables (``output_table.own_files()`` and
 ``producers.own_files()``): an earlier reshard of a Megatron-Core (``common.pt``,
 ``metadata.json``), OLMo-core (``model_and_optim/``, ``config.json``, ``.metadata.json``),
-accelerate or Lightning checkpoint holds only names of the producer's record, so ``--overwrite``
+accelerate or Lightning checkpoint, or a DeepSpeed save (``latest``, the tag folder's states files),
+holds only names of the producer's record, so ``--overwrite``
 replaces it. Each case reshards a real checkpoint of the producer (the session fixtures of
 ``tests/_samples.py`` and ``tests/conftest.py``; torchtune's and OLMo-core's as their files are laid
 out, their own runs being module fixtures of their tests) to 3 ranks, then over that output to 2
@@ -38,6 +39,7 @@ CASES: dict[str, tuple[str, str, str]] = {
     "megatron-core": ("megatron_run", "iter_0000003", "megatron-core"),
     "hf_storage": ("fsdp2_layouts", "hf_storage", "hf_storage"),
     "verl": ("fsdp2_layouts", "verl", "verl"),
+    "deepspeed": ("deepspeed_save", "", "deepspeed"),
 }
 
 
@@ -71,6 +73,12 @@ def olmo_core_folder(tmp_path: Path) -> Path:
     (step / "config.json").write_text(json.dumps({"model": {"d_model": 4}}))
     (step / ".metadata.json").write_text(json.dumps({"version": 1}))
     return step
+
+
+@pytest.fixture
+def deepspeed_save(deepspeed_runs: dict[int, Path]) -> Path:
+    """DeepSpeed's own ZeRO-3 save at 2 ranks (the folder with ``latest``); reshard writes a DeepSpeed save again."""
+    return deepspeed_runs[2] / "z3"
 
 
 def _checkpoint(request: pytest.FixtureRequest, case: str) -> Path:

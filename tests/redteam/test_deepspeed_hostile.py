@@ -1,7 +1,7 @@
 """A DeepSpeed save whose files were tampered with: nothing in them runs, and each refusal is one line naming the file.
 
 DeepSpeed's files are torch.save zips whose pickles name three DeepSpeed classes (``LossScaler``,
-``ZeroStageEnum``, ``fragment_address``), which ``_deepspeed_files`` admits as inert records. Each
+``ZeroStageEnum``, ``fragment_address``), which ``deepspeed_files`` admits as inert records. Each
 attack starts from a real save (``deepspeed_runs``, copied into ``tmp_path``) and replaces one
 file's ``data.pkl`` (written opcode by opcode, the zip rewritten with ``zipfile`` as torch lays it
 out: ``<name>/data.pkl`` beside the storage records), or splices a few opcodes into the real pickle.
@@ -322,7 +322,7 @@ def test_a_loss_scaler_state_setting_class_and_reduce_stays_inert(deepspeed_runs
     assert run.code == 0 and not run.error_lines, run.stderr[-2000:]
     assert "deepspeed: ZeRO-1" in run.stdout
     imported = [line.rsplit("|", 1)[-1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")]
-    assert "fsdp_convert.formats._deepspeed_files" in imported
+    assert "fsdp_convert.formats.deepspeed_files" in imported
     assert not [m for m in imported if m.startswith("deepspeed")]
     assert not marker.exists()
 

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import torch
 
-from fsdp_convert.formats._deepspeed_files import deepspeed_files, load_ds_file
 from fsdp_convert.formats._flat_ranges import zero3_pieces, zero12_pieces
 from fsdp_convert.formats.deepspeed import zero_save
+from fsdp_convert.formats.deepspeed_files import deepspeed_files, load_ds_file
 from fsdp_convert.plan.deepspeed import ZeroLayout, zero_layout
 from tests._deepspeed import VARIANTS
 

@@ -111,7 +111,10 @@ def test_own_files_are_every_records_files_reshard_writes() -> None:
     for folder in ("pytorch_model_fsdp_0", "optimizer_1", "model_and_optim"):
         inner = own.folder(folder)
         assert inner is not None and inner.fullmatch("__0_0.distcp") and not inner.fullmatch("notes.txt"), folder
-    assert own.folder("step-1000") is None
+    inner = own.folder("step-1000")  # a DeepSpeed tag folder holds its states files alone, never DCP files
+    assert inner is not None and inner.fullmatch("zero_pp_rank_1_mp_rank_00_model_states.pt")
+    assert inner.fullmatch("bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt") and not inner.fullmatch("__0_0.distcp")
+    assert own.file("latest") and own.folder(".step-1000") is None
 
 
 def _index(*paths: tuple[str | int, ...]) -> CheckpointIndex:

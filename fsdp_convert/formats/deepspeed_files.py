@@ -27,11 +27,13 @@ from fsdp_convert.errors import (
 from fsdp_convert.held_roots import open_inside
 from fsdp_convert.location import FdPath, Location
 from fsdp_convert.output_table import METADATA_FILENAME
+from fsdp_convert.own_files import OwnFiles
 
 __all__ = [
     "DS_CLASS_NAMES",
     "DeepSpeedFiles",
     "LATEST",
+    "OWN_FILES",
     "LoadedSave",
     "deepspeed_files",
     "deepspeed_tags",
@@ -45,6 +47,19 @@ LATEST = "latest"  # the file naming the last tag (deepspeed/runtime/engine.py s
 _MODEL_RE = re.compile(r"^(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt$")
 _OPTIM_RE = re.compile(r"^(?P<bf16>bf16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
 _LAYER_RE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")  # pipeline parallelism's per-layer files
+
+
+def _unnamed(pattern: re.Pattern[str]) -> str:
+    """A pattern's text without anchors and group names, so that two may be joined by ``|``."""
+    return re.sub(r"\(\?P<\w+>", "(", pattern.pattern).removeprefix("^").removesuffix("$")
+
+
+# What reshard writes for a DeepSpeed save (ops._deepspeed_reshard): `latest`, and a tag folder holding the model and
+# optimizer states files alone. The producers table takes it as this tool's own output (--overwrite without --force).
+OWN_FILES = OwnFiles(
+    files=(re.compile(re.escape(LATEST)),),
+    folders=((re.compile(r"(?!\.).+"), re.compile("|".join(_unnamed(p) for p in (_MODEL_RE, _OPTIM_RE)))),),
+)
 _MAX_TAG = 255
 
 # DeepSpeed's classes its files pickle, read as inert records (``_rank_unpickler.record_classes``, made at first load:
