@@ -22,6 +22,7 @@ import torch
 
 from fsdp_convert.constants import SAFETENSORS_TO_TORCH, torch_shape
 from fsdp_convert.errors import CorruptChunkError, NotADcpCheckpointError, ShapeMismatchError
+from fsdp_convert.formats._dcp_payloads import SHARDING_INFO_KEY
 from fsdp_convert.formats.file_reads import read_safetensors_header as read_header
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Entry, TensorEntry
 from fsdp_convert.formats.reader import ChunkedReader, StoredBytes
@@ -36,7 +37,6 @@ __all__ = [
     "HfStorageReader",
 ]
 
-SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 _SHARD_FILE_RE = re.compile(r"^shard-(\d+)-")  # shard-<rank + 1>-model-<i>-of-<n>.safetensors
 
 

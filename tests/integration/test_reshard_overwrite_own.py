@@ -21,9 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 
 import fsdp_convert
+from fsdp_convert.formats import open_checkpoint
+from fsdp_convert.formats.hf_storage import SHARDING_INFO_KEY
+from fsdp_convert.producers import detect_producer
 from tests._samples import Sample
 
 # case: (fixture, the checkpoint inside it; "" for the fixture's path itself), its producer
@@ -40,6 +44,10 @@ CASES: dict[str, tuple[str, str, str]] = {
     "hf_storage": ("fsdp2_layouts", "hf_storage", "hf_storage"),
     "verl": ("fsdp2_layouts", "verl", "verl"),
     "deepspeed": ("deepspeed_save", "", "deepspeed"),
+    "fsdp": ("fsdp_folder", "", "fsdp"),
+    "dcp": ("dcp_folder", "", "dcp"),
+    "torch_save": ("plain_files", "rank_files", "torch_save"),
+    "safetensors": ("plain_files", "safetensors", "safetensors"),
 }
 
 
@@ -81,6 +89,39 @@ def deepspeed_save(deepspeed_runs: dict[int, Path]) -> Path:
     return deepspeed_runs[2] / "z3"
 
 
+@pytest.fixture
+def dcp_folder(tmp_path: Path) -> Path:
+    """A DCP folder of no producer's layout (``dcp``)."""
+    _save({"weights": {"w": torch.arange(24.0).reshape(6, 4)}}, tmp_path / "dcp")
+    return tmp_path / "dcp"
+
+
+@pytest.fixture
+def fsdp_folder(tmp_path: Path) -> Path:
+    """``{"model", "optim"}`` at 2 ranks with no tensor smaller than the world size: FSDP1 or FSDP2 (``fsdp``)."""
+    state = {"model": {"w": torch.arange(24.0).reshape(6, 4)}, "optim": {"state": {"w": {"exp_avg": torch.ones(6, 4)}}}}
+    _save(state, tmp_path / "one")
+    fsdp_convert.reshard(tmp_path / "one", tmp_path / "fsdp", world_size=2, nproc=1)
+    return tmp_path / "fsdp"
+
+
+@pytest.fixture
+def plain_files(tmp_path: Path) -> Path:
+    """Per-rank torch.save files of no producer (``torch_save``); safetensors with empty DCP sharding info (``safetensors``)."""
+    weight = torch.arange(24.0).reshape(6, 4)
+    (tmp_path / "rank_files").mkdir()
+    for rank in range(2):
+        torch.save({"w": weight, "step": 3}, tmp_path / "rank_files" / f"model_rank{rank}.pt")
+    (tmp_path / "safetensors").mkdir()
+    save_file({"w": weight}, tmp_path / "safetensors" / "model-00001-of-00001.safetensors", metadata={SHARDING_INFO_KEY: "{}"})
+    return tmp_path
+
+
+def _producer(ckpt: Path) -> str:
+    """The producer ``reshard`` reads ``ckpt`` as."""
+    return detect_producer(open_checkpoint(ckpt).index).name
+
+
 def _checkpoint(request: pytest.FixtureRequest, case: str) -> Path:
     fixture, inside, _ = CASES[case]
     value = request.getfixturevalue(fixture)
@@ -107,12 +148,13 @@ def _same_output(out: Path, ref: Path) -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_reshard_overwrite_onto_its_own_output_needs_no_force(request: pytest.FixtureRequest, case: str, tmp_path: Path) -> None:
     ckpt = _checkpoint(request, case)
-    assert fsdp_convert.inspect_checkpoint(ckpt).producer == CASES[case][2]
+    assert _producer(ckpt) == CASES[case][2]
     out, ref = tmp_path / "out", tmp_path / "ref"
     first = fsdp_convert.reshard(ckpt, out, world_size=3, nproc=1)
     again = fsdp_convert.reshard(ckpt, out, world_size=2, nproc=1, overwrite=True)  # no force: the tool's own folder
     fresh = fsdp_convert.reshard(ckpt, ref, world_size=2, nproc=1)
     assert (again.copied, again.folders) == (first.copied, first.folders) == (fresh.copied, fresh.folders)
     _same_output(out, ref)
-    info = fsdp_convert.inspect_checkpoint(out)
-    assert (info.producer, info.world_size) == (fsdp_convert.inspect_checkpoint(ref).producer, 2)
+    info, want = fsdp_convert.inspect_checkpoint(out), fsdp_convert.inspect_checkpoint(ref)
+    assert (info.producer, info.world_size) == (want.producer, want.world_size)
+    assert want.world_size == (1 if case == "torch_save" else 2)  # plain per-rank tensors are replicated: rank 0 writes them
