@@ -22,6 +22,7 @@ byte range.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -46,6 +47,7 @@ from fsdp_convert.formats._dcp_folders import (
 )
 from fsdp_convert.formats._dcp_metadata import build_index, load_metadata, records_from_bytes
 from fsdp_convert.formats._dcp_payloads import BOTH_OPTIONS_HINT, is_raw_chunk, payload_formats
+from fsdp_convert.formats._metadata_child import index_in_child
 from fsdp_convert.formats._payload_pickle import plain_value, read_payload_tensor, whole_storage
 from fsdp_convert.formats._range import ByteRangeFile, PayloadEdges, RecordHash
 from fsdp_convert.formats._stream_transforms import DecodedPayload, bytes_limit_bytes, chunk_limit_bytes, decode_payload
@@ -99,7 +101,7 @@ def read_dcp_index(checkpoint_id: str | os.PathLike[str]) -> CheckpointIndex:
     meta_path = root / METADATA_FILENAME
     if not meta_path.is_file():
         return _read_parent_folder(root)
-    return _with_beside(_build(_load_records(root, root), root))
+    return _with_beside(_index_of(root, root))
 
 
 def _with_beside(index: CheckpointIndex) -> CheckpointIndex:
@@ -120,14 +122,21 @@ def _with_beside(index: CheckpointIndex) -> CheckpointIndex:
     return dataclasses.replace(index, beside=beside, links_out=frozenset(links_out))
 
 
-def _load_records(root: Path, folder: Path) -> Any:
-    """``load_records`` of ``folder``'s ``.metadata``, mapped by ``location.open_inside`` (never by name after a check)."""
+def _index_of(root: Path, folder: Path) -> CheckpointIndex:
+    """``folder``'s ``.metadata`` indexed, mapped by ``location.open_inside`` (never by name after a check).
+
+    A large one is unpickled at C speed in a forked child (``_metadata_child``); the restricted
+    interpreter (``records_from_bytes``) reads the rest, and names what is wrong with a file the
+    child does not take.
+    """
     path = folder / METADATA_FILENAME
-    try:
-        with mapped_inside(root, path) as data:
-            return records_from_bytes(data, path)
-    except (OSError, CorruptChunkError) as e:  # missing, unreadable, or not a regular file (records_from_bytes raises neither)
-        raise NotADcpCheckpointError(f"cannot read {path}: {getattr(e, 'strerror', None) or 'not a regular file'}") from e
+    with contextlib.ExitStack() as stack:
+        try:
+            data = stack.enter_context(mapped_inside(root, path))
+        except (OSError, CorruptChunkError) as e:  # missing, unreadable, or not a regular file
+            raise NotADcpCheckpointError(f"cannot read {path}: {getattr(e, 'strerror', None) or 'not a regular file'}") from e
+        index = index_in_child(data, folder, lambda metadata: _build(metadata, folder))
+        return index if index is not None else _build(records_from_bytes(data, path), folder)
 
 
 def _build(metadata: Any, folder: Location) -> CheckpointIndex:
@@ -165,7 +174,7 @@ def _read_parent_folder(root: Path) -> CheckpointIndex:
     folders = dcp_folders_in(root)
     if isinstance(folders, Path):  # torchtune's newest epoch: the checkpoint itself
         return read_dcp_index(folders)
-    return _with_beside(merge_indexes(root, [_build(_load_records(root, d), d) for d in folders]))
+    return _with_beside(merge_indexes(root, [_index_of(root, d) for d in folders]))
 
 
 class DcpReader(ChunkedReader):

@@ -1,0 +1,241 @@
+"""Index stage, DCP: a large ``.metadata`` unpickled at C speed in a forked child, its index handed back as data.
+
+``_safe_pickle``'s interpreter decides what a ``.metadata`` may hold, at about 25 µs a chunk
+record in pure Python. pickle's C unpickler takes about a third of that, but no ``find_class``
+makes it safe (``_safe_pickle``'s docstring): a deeply nested tuple key crashes it, keys made to
+collide make it quadratic, and BUILD, INST, SETITEM or APPEND reach objects it did not make. So
+``index_in_child`` runs it in a child forked for the one file, whose harm stays there:
+
+- ``find_class`` gives only torch's core DCP records (``_dcp_classes``, as made by
+  ``FileSystemWriter``), torch dtypes and ``_dcp_records.CALLS``; each record class refuses
+  arguments, ``__init__`` and a BUILD on the class itself, and gets its state through
+  ``_dcp_records.record_state`` (the interpreter's check); every call is an instance whose BUILD
+  is refused;
+- the child builds the ``CheckpointIndex`` with the same function the interpreter's result goes
+  through (``build``: every field checked), and writes its entries down a pipe with ``marshal``
+  (data only: strings, ints, tuples; nothing in it is called);
+- the child runs under ``RLIMIT_CPU`` and ``RLIMIT_AS`` in proportion to the file, and exits
+  by ``os._exit``.
+
+Anything else (a global outside that list, any error, a crash, a limit reached, a result that is
+not a ``Metadata``) gives None: the caller then reads the file with the interpreter, which
+refuses it with its message or reads what the child could not (Megatron-Core's plans, other
+writers' records). Files under ``MIN_BYTES`` are left to the interpreter: forking costs more than
+it saves there. POSIX only (``os.fork``); elsewhere None.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import marshal
+import mmap
+import os
+import pickle
+import resource
+import select
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fsdp_convert.formats import _dcp_classes as records
+from fsdp_convert.formats._dcp_classes import torch_dtype
+from fsdp_convert.formats._dcp_records import CALLS, UNCHECKED_FIELDS, record_state
+from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Entry, Location, TensorEntry
+
+__all__ = ["MIN_BYTES", "index_in_child"]
+
+MIN_BYTES = 1 << 20  # a .metadata of about 5,000 chunk records; below, the interpreter is as fast as a fork
+_CPU_SECONDS = 10  # the child's CPU limit: this, plus _CPU_PER_BYTE per byte of the file
+_CPU_PER_BYTE = 1e-6  # 20x what the C unpickler and the checks take a byte
+_MEMORY_PER_BYTE = 40  # the child's address space: the interpreter's, plus this many bytes per byte of the file
+_MODULE = "torch.distributed.checkpoint"
+_OK = 0  # the child's exit status when it wrote an index
+
+
+class _Refused(Exception):
+    """Raised by the child's stand-ins: the parent falls back to the interpreter."""
+
+
+def _record_class(base: type) -> type:
+    """A subclass of the ``_dcp_classes`` record ``base`` that only NEWOBJ + BUILD can make, as pickle does."""
+    fields = UNCHECKED_FIELDS.get(base)
+
+    def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
+        if args or kwargs:
+            raise _Refused("a record made with arguments")
+        return object.__new__(cls)
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807  (a call of the class: REDUCE, INST, OBJ)
+        raise _Refused("a record class called")
+
+    def __setstate__(self: Any, state: Any) -> None:  # noqa: N807
+        if type(self) is not made or getattr(self, "__dict__", None):  # BUILD on the class, or twice
+            raise _Refused("BUILD on something that is no fresh record")
+        if fields is not None and type(state) is dict and fields.issuperset(state):
+            object.__setattr__(self, "__dict__", state)  # not copied: this process ends after, and reads it only
+        else:
+            object.__setattr__(self, "__dict__", record_state(base, state))
+
+    made = type(base.__name__, (base,), {"__new__": __new__, "__init__": __init__, "__setstate__": __setstate__})
+    return made
+
+
+class _Call:
+    """An admitted function (``_dcp_records.CALLS``): REDUCE calls it; BUILD, SETITEM, APPEND on it fail."""
+
+    __slots__ = ("_function",)
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self._function = function
+
+    def __call__(self, *args: Any) -> Any:
+        return self._function(*args)
+
+    def __setstate__(self, state: Any) -> None:
+        raise _Refused("BUILD on an admitted function")
+
+
+# torch's core records as FileSystemWriter pickles them; any other class is the interpreter's to read
+_RECORDS = {
+    (f"{_MODULE}.metadata", name): _record_class(getattr(records, name))
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata")
+    + ("TensorProperties", "MetadataIndex", "StorageMeta")
+}
+_RECORDS[(f"{_MODULE}.filesystem", "_StorageInfo")] = _record_class(records.StorageInfo)
+_CALLS = {key: _Call(function) for key, function in CALLS.items()}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        found: Any = _RECORDS.get((module, name)) or _CALLS.get((module, name))
+        if found is None and module == "torch":
+            found = torch_dtype(name)  # a str subclass without __dict__: BUILD on it fails
+        if found is None:
+            raise _Refused("a global the child does not admit")
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _Refused("a persistent id")
+
+
+def _entry_data(entry: Entry) -> tuple[Any, ...]:
+    """One entry as marshal's data: ``(0, fqn, path, shape, dtype, chunks)`` or ``(1, fqn, path, file, offset, length, ...)``."""
+    if isinstance(entry, TensorEntry):
+        chunks = tuple(
+            (c.offsets, c.sizes, c.relative_path, c.offset_bytes, c.length_bytes, c.transform_descriptors, c.record)
+            for c in entry.chunks
+        )
+        return (0, entry.fqn, entry.path, entry.shape, entry.dtype_name, chunks)
+    return (
+        1, entry.fqn, entry.path, entry.relative_path, entry.offset_bytes, entry.length_bytes,
+        entry.transform_descriptors, entry.record,
+    )  # fmt: skip
+
+
+def _entry(data: tuple[Any, ...]) -> Entry:
+    """``_entry_data`` read back."""
+    if data[0] == 0:
+        _, fqn, path, shape, dtype_name, chunks = data
+        boxes = tuple(
+            ChunkEntry(offsets=o, sizes=s, relative_path=r, offset_bytes=b, length_bytes=n, transform_descriptors=t, record=rec)
+            for o, s, r, b, n, t, rec in chunks
+        )
+        return TensorEntry(fqn=fqn, path=path, shape=shape, dtype_name=dtype_name, chunks=boxes)
+    _, fqn, path, rel, offset, length, transforms, record = data
+    return BytesEntry(
+        fqn=fqn, path=path, relative_path=rel, offset_bytes=offset, length_bytes=length,
+        transform_descriptors=transforms, record=record,
+    )  # fmt: skip
+
+
+def _cpu_seconds(size: int) -> int:
+    """The child's CPU limit for a file of ``size`` bytes, in seconds."""
+    return int(_CPU_SECONDS + _CPU_PER_BYTE * size)
+
+
+def _child(data: Any, build: Callable[[Any], CheckpointIndex], out: int) -> int:
+    """The child's work: load, build, write; its exit status."""
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, signal.SIG_DFL)  # the parent's handlers clean up the parent's files, not the child's
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash writes no core file
+    gc.disable()  # millions of objects and no cycles; the process ends after
+    size = len(data)
+    cpu = _cpu_seconds(size)
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    address = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 * 4 + (1 << 30) + _MEMORY_PER_BYTE * size
+    resource.setrlimit(resource.RLIMIT_AS, (address, address))
+    stream = data if isinstance(data, mmap.mmap) else io.BytesIO(data)  # a mapping is read in place, not copied
+    stream.seek(0)
+    metadata = _Unpickler(stream).load()
+    if stream.tell() != size or not isinstance(metadata, records.Metadata):
+        return 1  # data after the pickle, or not a Metadata: the interpreter names it
+    index = build(metadata)
+    del metadata, stream  # the records' memory holds the payload
+    payload = marshal.dumps((index.data_files, index.version, index.save_id, tuple(map(_entry_data, index.entries))))
+    del index
+    view = memoryview(payload)
+    while view:
+        view = view[os.write(out, view) :]
+    return _OK
+
+
+def _read_all(fd: int, deadline: float) -> list[bytes] | None:
+    """Everything until the end of the pipe ``fd`` (closed here), or None at ``deadline`` (``time.monotonic``)."""
+    blocks: list[bytes] = []
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            if select.select([fd], [], [], left)[0]:
+                block = os.read(fd, 1 << 20)
+                if not block:
+                    return blocks
+                blocks.append(block)
+        return None
+    finally:
+        os.close(fd)
+
+
+def index_in_child(data: Any, checkpoint_id: Location, build: Callable[[Any], CheckpointIndex]) -> CheckpointIndex | None:
+    """The index of a ``.metadata``'s bytes, unpickled by the C unpickler in a forked child; None: read it the other way.
+
+    Args:
+        data: the file's bytes (``bytes`` or a read-only ``mmap``), at least ``MIN_BYTES``.
+        checkpoint_id: the index's ``checkpoint_id`` (``build`` gives the same).
+        build: makes the index of the loaded ``Metadata`` record, checking every field (``formats.dcp``'s
+            ``build_index`` with its data-file reads); run in the child.
+
+    Returns:
+        The index ``build`` made, its entries as they were (data files, version and save id too);
+        None where the child did not make one (see the module docstring) or cannot fork.
+    """
+    if len(data) < MIN_BYTES or not hasattr(os, "fork"):
+        return None
+    read_end, write_end = os.pipe()
+    sys.stdout.flush(), sys.stderr.flush()  # nothing buffered is written twice
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover  (the child; coverage does not follow it)
+        status = 1
+        try:
+            os.close(read_end)
+            status = _child(data, build, write_end)
+        except BaseException:  # noqa: BLE001  (any failure is the interpreter's to name)
+            status = 1
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    blocks = _read_all(read_end, deadline=time.monotonic() + 2 * _cpu_seconds(len(data)) + 10)
+    if blocks is None:  # stuck without using CPU (a lock a thread of the parent held at the fork)
+        os.kill(pid, signal.SIGKILL)
+    _, wait_status = os.waitpid(pid, 0)
+    if blocks is None or not os.WIFEXITED(wait_status) or os.WEXITSTATUS(wait_status) != _OK:
+        return None
+    data_files, version, save_id, entries = marshal.loads(b"".join(blocks))
+    return CheckpointIndex(
+        checkpoint_id=checkpoint_id,
+        entries=tuple(map(_entry, entries)),
+        data_files=data_files,
+        version=version,
+        save_id=save_id,
+    )
