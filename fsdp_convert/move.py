@@ -30,6 +30,7 @@ the output's CRC-32 fields (``pieces.range_crc``) without reading the data back.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -98,6 +99,17 @@ class MoveJob:
 _rows, _box = rows_of, box
 
 
+def _one_run(chunk: ChunkEntry, shape: tuple[int, ...]) -> bool:
+    """Whether a chunk's elements are one run of the tensor's in row-major order.
+
+    So they are when every dim after its first dim of size other than 1 is whole: FSDP's dim-0
+    shards, and the row pieces a flat partition cuts (ZeRO's ``[1, 383]`` at ``(513, 0)``).
+    """
+    sizes = chunk.sizes
+    cut = next((d for d, n in enumerate(sizes) if n != 1), len(sizes))
+    return all(chunk.offsets[d] == 0 and sizes[d] == shape[d] for d in range(cut + 1, len(shape)))
+
+
 def _overlaps(chunk: ChunkEntry, begin: int, end: int) -> bool:
     (c0, *_), (c_rows, *_) = _box(chunk)
     return c0 < end and begin < c0 + c_rows
@@ -159,9 +171,8 @@ class Mover(ChunkReads):
             return [Piece(job.file, offset, nbytes, crc) for offset, nbytes, crc in runs]
         r0, r1 = job.row_range
         chunks = sorted((c for c in entry.chunks if c.numel > 0 and _overlaps(c, r0, r1)), key=lambda c: c.offsets)
-        dim0 = all(c.offsets[1:] == (0,) * (len(c.offsets) - 1) and c.sizes[1:] == entry.shape[1:] for c in chunks)
-        if dim0 and job.dtype == entry.dtype:
-            return self._move_dim0(job, chunks)
+        if job.dtype == entry.dtype and all(_one_run(c, entry.shape) for c in chunks):
+            return self._move_runs(job, chunks)
         return self._move_row_blocks(job, chunks)
 
     def _move_segments(self, job: MoveJob) -> list[Piece] | None:
@@ -205,26 +216,34 @@ class Mover(ChunkReads):
             pieces.append(Piece(job.file, at, len(data), crc32(data)))
         return pieces
 
-    def _move_dim0(self, job: MoveJob, chunks: list[ChunkEntry]) -> list[Piece]:
-        row_bytes = _rows(job.entry.shape)[1] * job.dtype.itemsize
-        r0, r1 = job.row_range
+    def _move_runs(self, job: MoveJob, chunks: list[ChunkEntry]) -> list[Piece]:
+        """Chunks that are each one run of the tensor's elements (``_one_run``), copied as byte ranges in file order.
+
+        Whole rows (FSDP's dim-0 shards) and a flat partition's cut rows (ZeRO's) alike; a chunk
+        partly inside ``job.rows`` holds whole rows, read as just those where it cannot be located.
+        """
+        shape, itemsize = job.entry.shape, job.dtype.itemsize
+        row_elems = _rows(shape)[1]
+        first, last = (r * row_elems for r in job.row_range)  # the job's elements, [first, last)
+        strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
         pieces = []
         for chunk in chunks:
-            (c0, *_), (c_rows, *_) = _box(chunk)
-            lo, hi = max(r0, c0), min(r1, c0 + c_rows)
-            dst = job.offset + (lo - r0) * row_bytes
-            begin, end = (lo - c0) * row_bytes, (hi - c0) * row_bytes
+            start = sum(o * s for o, s in zip(chunk.offsets, strides, strict=True))
+            lo, hi = max(first, start), min(last, start + chunk.numel)
+            dst = job.offset + (lo - first) * itemsize
+            begin, end = (lo - start) * itemsize, (hi - start) * itemsize
             stored = self.reader.locate(job.entry, chunk)
             if stored is not None:
                 if (begin, end) != (0, stored.nbytes):
                     self.verify(stored)  # read in part: its stored CRC-32 covers the whole chunk
                 pieces.append(Piece(job.file, dst, end - begin, self._stream(stored, begin, end, job.fd, dst)))
                 continue
-            if (lo, hi) == (c0, c0 + c_rows):
+            if (lo, hi) == (start, start + chunk.numel):
                 tensor = dense(self.reader.read_chunk(job.entry, chunk))
-            else:  # only the rows needed (a full file's reader copies just those from its memory map)
-                shape = job.entry.shape
-                tensor = dense(self.reader.read_box(job.entry, (lo, *(0,) * (len(shape) - 1)), (hi - lo, *shape[1:])))
+            else:  # whole rows, only those needed (a full file's reader copies just those from its memory map)
+                rows = (lo // row_elems, hi // row_elems)
+                at, size = (rows[0], *(0,) * (len(shape) - 1)), (rows[1] - rows[0], *shape[1:])
+                tensor = dense(self.reader.read_box(job.entry, at, size))
             data = byte_view(tensor)
             pwrite_all(job.fd, data, dst)
             self.cache.wrote(job.fd, dst, len(data))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 from collections import Counter
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -19,6 +20,7 @@ from fsdp_convert.cli._output import command_help, console, human_bytes, print_j
 from fsdp_convert.cli._precheck import check_checkpoint
 from fsdp_convert.cli._terminal import escape_controls
 from fsdp_convert.cli._verbosity import DebugOpt, QuietOpt, VerboseOpt, set_verbosity
+from fsdp_convert.formats.deepspeed_files import is_deepspeed
 from fsdp_convert.held_roots import following_symlinks
 from fsdp_convert.output_table import METADATA_FILENAME
 
@@ -50,9 +52,11 @@ def inspect_checkpoint(checkpoint_id: str) -> InspectResult:
     return operation(checkpoint_id)
 
 
-def _local_dcp_folder(checkpoint: str) -> bool:
-    """Whether ``checkpoint`` is a local folder holding ``.metadata`` (read without torch)."""
-    return "://" not in checkpoint and os.path.isfile(os.path.join(checkpoint, METADATA_FILENAME))
+def _torch_free(checkpoint: str) -> bool:
+    """Whether ``checkpoint`` is indexed without torch: a local folder holding ``.metadata``, or a DeepSpeed save."""
+    if "://" in checkpoint:
+        return False
+    return os.path.isfile(os.path.join(checkpoint, METADATA_FILENAME)) or is_deepspeed(Path(checkpoint))
 
 
 # torchtitan names a stacked expert weight by its dims' letters, the expert dim first: w1_EFD, mlp1_bias_EG
@@ -201,7 +205,7 @@ def inspect_command(
     set_verbosity(verbose, quiet, debug)
     with handle_errors(), following_symlinks(follow_symlinks):
         check_checkpoint(checkpoint)  # no torch yet (cli._precheck)
-        if not _local_dcp_folder(checkpoint):  # a DCP folder's index is read without torch (formats._dcp_classes)
+        if not _torch_free(checkpoint):  # DCP's .metadata and DeepSpeed's files are read as inert records
             torch_ready()
         result = inspect_checkpoint(checkpoint)
     if json_output:

@@ -25,6 +25,7 @@ import os
 import pickle
 import sys
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,7 +143,9 @@ def _exactly(fd: int, length: int, offset: int) -> bytes | None:
     return data if len(data) == length else None
 
 
-def load_records(fd: int, size: int) -> Any | None:
+def load_records(
+    fd: int, size: int, unpickler: Callable[[bytes, dict[str, ZipRecord]], _FileUnpickler] | None = None
+) -> Any | None:
     """The object a torch.save zip holds, its tensors as ``StoredTensor`` records; None for anything else.
 
     Reads the zip's directory and ``data.pkl`` (at most ``MAX_PICKLE_BYTES``), never a storage.
@@ -151,6 +154,8 @@ def load_records(fd: int, size: int) -> Any | None:
     Args:
         fd: an open descriptor of the file (read with ``os.pread``; kept open).
         size: the file's length, in bytes.
+        unpickler: makes the unpickler from ``data.pkl`` and the storage records by key: a
+            ``_FileUnpickler`` admitting a format's own globals too (``_ds_records``); this one by default.
 
     Raises:
         OSError: the file cannot be read.
@@ -172,9 +177,9 @@ def load_records(fd: int, size: int) -> Any | None:
     if data is None or not data.startswith(_PROTOCOL_2) or crc32(data) != pickles[0].crc32:
         return None
     storages = {r.name[len(archive) + len("data/") :]: r for r in records if r.name.startswith(archive + "data/")}
-    unpickler = _FileUnpickler(data, storages)
+    reading = (unpickler or _FileUnpickler)(data, storages)
     try:
-        obj = unpickler.load()
+        obj = reading.load()
     except (pickle.UnpicklingError, RecursionError, MemoryError):
         return None
-    return obj if unpickler.end == len(data) else None
+    return obj if reading.end == len(data) else None

@@ -19,13 +19,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from fsdp_convert.errors import CorruptChunkError, InvalidOptionError, UnsupportedTransformError
+from fsdp_convert.formats._ds_records import holds_records
 from fsdp_convert.formats._flat_ranges import Piece, flat_boxes, zero3_pieces, zero12_pieces
-from fsdp_convert.formats.deepspeed_files import DeepSpeedFiles, LoadedSave, deepspeed_files, stage_of
+from fsdp_convert.formats.deepspeed_files import DeepSpeedFiles, LoadedSave, deepspeed_files, file_tensor, is_size, stage_of
 from fsdp_convert.formats.index import (
     MAX_ENTRIES,
     BytesEntry,
@@ -37,9 +36,11 @@ from fsdp_convert.formats.index import (
     Url,
     ValueShapeError,
     dcp_key,
-    dtype_name,
     flatten_with_paths,
 )
+
+if TYPE_CHECKING:  # the index imports no torch; zero_save (reshard to a DeepSpeed save) loads with it
+    import torch
 
 __all__ = ["ModuleTensor", "Piece", "ZeroSave", "deepspeed_index", "zero_save", "zero3_pieces", "zero12_pieces"]
 
@@ -49,6 +50,10 @@ _LAYOUT_KEYS = frozenset(
     "module buffer_names param_shapes frozen_param_shapes frozen_param_fragments shared_params optimizer dp_world_size".split()
 )
 _MAX_DIMS = 64
+
+
+class _NeedsTorch(Exception):
+    """The model states file holds a value that torch's loader reads as tensors (a list of them): index with it."""
 
 
 def _chunks(shape: tuple[int, ...], itemsize: int, pieces: list[tuple[str, int, int, int]]) -> tuple[ChunkEntry, ...]:
@@ -70,7 +75,7 @@ def _chunks(shape: tuple[int, ...], itemsize: int, pieces: list[tuple[str, int, 
 
 
 def _shape(value: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(value, torch.Size) or len(value) > _MAX_DIMS or any(d < 0 for d in value):
+    if not is_size(value) or len(value) > _MAX_DIMS or any(d < 0 for d in value):
         raise CorruptChunkError(f"{where}: a parameter shape that is not a torch.Size of at most {_MAX_DIMS} dims")
     return tuple(value)
 
@@ -86,26 +91,25 @@ def _frozen_fragments(loaded: LoadedSave, name: str, shape: tuple[int, ...]) -> 
         flat = frags.get(name)
         if lo == hi:
             continue
-        at = loaded.byte_offset(flat, loaded.model[rank], where)
-        assert isinstance(flat, torch.Tensor)  # byte_offset raised otherwise
-        if flat.dim() != 1 or flat.numel() < hi - lo:
+        at, facts = loaded.byte_offset(flat, loaded.model[rank], where)
+        if len(facts.shape) != 1 or facts.numel < hi - lo:
             raise CorruptChunkError(f"{where}: holds fewer elements than its share of {name}")
-        dtype = flat.dtype
+        dtype = facts
         located.append((loaded.files.model[rank], at, lo, hi))
-    dtype = dtype or torch.float32
+    name_of, itemsize = (dtype.dtype_name, dtype.itemsize) if dtype else ("float32", 4)
     return TensorEntry(
         fqn=dcp_key(("model", name)),
         path=("model", name),
         shape=shape,
-        dtype=dtype,
-        chunks=_chunks(shape, dtype.itemsize, located),
+        dtype_name=name_of,
+        chunks=_chunks(shape, itemsize, located),
     )
 
 
 class _Builder:
     """Builds the index's entries from the loaded files (see the module docstring)."""
 
-    def __init__(self, loaded: LoadedSave) -> None:
+    def __init__(self, loaded: LoadedSave, module_weights: bool = False) -> None:
         self.loaded, self.files = loaded, loaded.files
         self.model0 = loaded.model[0][0]
         if not isinstance(self.model0, dict) or not isinstance(self.model0.get("module"), dict):
@@ -114,7 +118,7 @@ class _Builder:
         self.stage = stage_of(self.osd[0], str(loaded.root / self.files.optim[0]))
         self.entries: list[Entry] = []
         self.masters: dict[str, TensorEntry] = {}
-        self.module_weights = False  # the model from the module's own weights (deepspeed_index's weights="module")
+        self.module_weights = module_weights  # the model from the module's own weights (deepspeed_index's weights="module")
 
     def _optimizer_state(self, rank: int) -> dict[str, Any]:
         obj = self.loaded.optim[rank][0]
@@ -159,7 +163,7 @@ class _Builder:
             CorruptChunkError: the partitions do not hold the parameters ``param_shapes`` lists.
         """
         ws, shapes = self.files.world_size, self.param_shapes()
-        sizes = [[t.numel() if isinstance(t, torch.Tensor) else -1 for t in self.containers(r)[0]] for r in range(ws)]
+        sizes = [[getattr(file_tensor(t), "numel", -1) for t in self.containers(r)[0]] for r in range(ws)]
         try:
             if self.stage == 3:
                 return zero3_pieces(shapes, sizes)
@@ -176,43 +180,39 @@ class _Builder:
     def flat_entry(self, path: ObjPath, shape: tuple[int, ...], pieces: list[Piece], tensor_of: Any, what: str) -> TensorEntry:
         """A tensor stored as ``pieces`` of the flat tensors ``tensor_of(rank, container)`` (``what`` names them)."""
         located = []
-        dtype = None
+        dtype, itemsize = None, 4  # an empty parameter (no piece): float32
         for rank, j, local, lo, hi in pieces:
             flat = tensor_of(rank, j)
             where = self.where(rank, what, j)
-            at = self.loaded.byte_offset(flat, self.loaded.optim[rank], where)
-            if flat.dim() != 1 or local + (hi - lo) > flat.numel():
-                raise CorruptChunkError(f"{where}: holds {flat.numel()} elements, {dcp_key(path)} needs more")
-            if dtype not in (None, flat.dtype):
+            at, facts = self.loaded.byte_offset(flat, self.loaded.optim[rank], where)
+            if len(facts.shape) != 1 or local + (hi - lo) > facts.numel:
+                raise CorruptChunkError(f"{where}: holds {facts.numel} elements, {dcp_key(path)} needs more")
+            if dtype not in (None, facts.dtype_name):
                 raise CorruptChunkError(f"{where}: the ranks' partitions differ in dtype")
-            dtype = flat.dtype
-            located.append((self.files.optim[rank], at + local * flat.element_size(), lo, hi))
-        if dtype is None:  # an empty parameter: no piece
-            dtype = torch.float32
-        chunks = _chunks(shape, dtype.itemsize, located) or (
+            dtype, itemsize = facts.dtype_name, facts.itemsize
+            located.append((self.files.optim[rank], at + local * itemsize, lo, hi))
+        chunks = _chunks(shape, itemsize, located) or (
             ChunkEntry(offsets=(0,) * len(shape), sizes=shape, relative_path=None, offset_bytes=0, length_bytes=0),
         )
-        return TensorEntry(fqn=dcp_key(path), path=path, shape=shape, dtype=dtype, chunks=chunks)
+        return TensorEntry(fqn=dcp_key(path), path=path, shape=shape, dtype_name=dtype or "float32", chunks=chunks)
 
     def whole_entry(self, path: ObjPath, tensor: Any, rank: int, model_file: bool, where: str) -> TensorEntry:
         """A tensor stored whole (a buffer, a frozen parameter of ZeRO-1/2, a step)."""
         loaded = (self.loaded.model if model_file else self.loaded.optim)[rank]
         file = (self.files.model if model_file else self.files.optim)[rank]
-        shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else ()
-        if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
-            if isinstance(tensor, torch.Tensor):
-                chunk = ChunkEntry(offsets=(0,) * len(shape), sizes=shape, relative_path=None, offset_bytes=0, length_bytes=0)
-                return TensorEntry(fqn=dcp_key(path), path=path, shape=shape, dtype=tensor.dtype, chunks=(chunk,))
+        facts = file_tensor(tensor)
+        if facts is None:
             raise CorruptChunkError(f"{where}: not a tensor")
-        at = self.loaded.byte_offset(tensor, loaded, where)
+        nbytes = facts.numel * facts.itemsize  # none: an empty tensor, no bytes to read
+        at = self.loaded.byte_offset(tensor, loaded, where)[0] if nbytes else 0
         chunk = ChunkEntry(
-            offsets=(0,) * len(shape),
-            sizes=shape,
-            relative_path=file,
+            offsets=(0,) * len(facts.shape),
+            sizes=facts.shape,
+            relative_path=file if nbytes else None,
             offset_bytes=at,
-            length_bytes=tensor.numel() * tensor.element_size(),
+            length_bytes=nbytes,
         )
-        return TensorEntry(fqn=dcp_key(path), path=path, shape=shape, dtype=tensor.dtype, chunks=(chunk,))
+        return TensorEntry(fqn=dcp_key(path), path=path, shape=facts.shape, dtype_name=facts.dtype_name, chunks=(chunk,))
 
     def value(self, path: ObjPath, file: str, record: ObjPath) -> None:
         self.add(BytesEntry(fqn=dcp_key(path), path=path, relative_path=file, offset_bytes=0, length_bytes=0, record=record))
@@ -234,8 +234,10 @@ class _Builder:
         except (ValueShapeError, ValueError) as e:
             raise CorruptChunkError(f"{self.loaded.root / model_file}: {e}") from None
         for path, value in leaves.values():
-            if isinstance(value, torch.Tensor):
+            if file_tensor(value) is not None:
                 self.add(self.whole_entry(path, value, 0, True, f"{self.loaded.root / model_file} {dcp_key(path)}"))
+            elif holds_records(value):  # a list of tensors, walked into as torch's tensors: index that file's way
+                raise _NeedsTorch
             else:
                 self.value(path, model_file, path)
 
@@ -270,11 +272,12 @@ class _Builder:
             first = pieces[name][0][1] if pieces[name] else 0
             for key, value in states0[first].items():
                 path: ObjPath = ("optim", "state", name, key)
-                if isinstance(value, torch.Tensor) and value.dim() == 1:
+                facts = file_tensor(value)
+                if facts is not None and len(facts.shape) == 1:
                     self.add(
                         self.flat_entry(path, shape, pieces[name], lambda r, j, key=key: flats[r][1][j][key], f"state {key}")
                     )
-                elif isinstance(value, torch.Tensor):
+                elif facts is not None:
                     self.add(self.whole_entry(path, value, 0, False, self.where(0, "state", first, key)))
                 else:
                     record = (
@@ -299,7 +302,7 @@ class _Builder:
     def details(self) -> tuple[tuple[str, str], ...]:
         module = self.model0["module"]
         params = {n for g in self.param_shapes() for n, _ in g} | set(self.model0.get("frozen_param_shapes") or ())
-        dtypes = sorted({dtype_name(t.dtype) for n, t in module.items() if n in params and isinstance(t, torch.Tensor)})
+        dtypes = sorted({facts.dtype_name for n, t in module.items() if n in params and (facts := file_tensor(t))})
         kind = "BF16_Optimizer (ZeRO-1)" if self.stage == 0 else f"ZeRO-{self.stage}"
         return (("deepspeed", kind), ("parameters", ", ".join(dtypes) or "-"), ("master weights", "float32"))
 
@@ -307,7 +310,7 @@ class _Builder:
 def deepspeed_index(root: Path | Url, *, weights: str = "master") -> CheckpointIndex:
     """Index a DeepSpeed ZeRO save (see the module docstring): the tag folder, or the folder whose ``latest`` names it.
 
-    Every model and optimizer states file is loaded memory-mapped (no tensor data read); work is
+    Each file is loaded without torch (``load_ds_file``; torch's loader where that, or a list of tensors, needs it); work is
     linear in the number of parameters times the ranks each spans. ``weights="module"``: the model
     is the module's own weights as the model states file holds them (ZeRO-1/2: the whole module,
     in its dtype) instead of the fp32 masters; the optimizer state is the same.
@@ -322,14 +325,17 @@ def deepspeed_index(root: Path | Url, *, weights: str = "master") -> CheckpointI
     if isinstance(root, Url):
         raise InvalidOptionError(f"{root}: DeepSpeed checkpoints are read from local paths only")
     files = deepspeed_files(root)
-    builder = _Builder(LoadedSave(root, files))
-    builder.module_weights = weights == "module"
+    builder = _Builder(LoadedSave(root, files), weights == "module")
     if builder.module_weights and builder.stage == 3:
         raise UnsupportedTransformError(
             f"--weights module: {root} is a ZeRO-3 save, whose model states hold no weights (only placeholders); "
             "--dtype bf16 gives the master weights cast as DeepSpeed casts them"
         )
-    builder.build()
+    try:
+        builder.build()
+    except _NeedsTorch:
+        builder = _Builder(LoadedSave(root, files, use_torch=True), builder.module_weights)
+        builder.build()
     return CheckpointIndex(
         checkpoint_id=root,
         entries=tuple(builder.entries),
@@ -383,10 +389,9 @@ def zero_save(root: Path) -> ZeroSave:
         As ``deepspeed_index``.
     """
     files = deepspeed_files(root)
-    loaded = LoadedSave(root, files)
+    loaded = LoadedSave(root, files, use_torch=True)  # the records are written back with torch's tensors
     builder = _Builder(loaded)
-    shapes = builder.param_shapes()
-    groups = shapes
+    groups = shapes = builder.param_shapes()
     if builder.stage == 3:  # the sub-groups of each param group, merged back in order
         _, _, group_of = builder.containers(0)
         merged: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
@@ -396,9 +401,9 @@ def zero_save(root: Path) -> ZeroSave:
     module = []
     for name, tensor in builder.model0["module"].items():
         where = f"{root / files.model[0]} module.{name}"
-        if not isinstance(tensor, torch.Tensor):
+        if file_tensor(tensor) is None:  # else a torch tensor: loaded with torch
             raise CorruptChunkError(f"{where}: not a tensor")
-        offset = loaded.byte_offset(tensor, loaded.model[0], where) if tensor.numel() else 0
+        offset = loaded.byte_offset(tensor, loaded.model[0], where)[0] if tensor.numel() else 0
         module.append(ModuleTensor(name, tensor.dtype, tuple(tensor.shape), files.model[0] if tensor.numel() else None, offset))
     zero = (builder.model0.get("ds_config") or {}).get("zero_optimization") or {}
     sub_group_size = zero.get("sub_group_size", 10**9) if isinstance(zero, dict) else 10**9

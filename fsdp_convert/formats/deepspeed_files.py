@@ -5,14 +5,18 @@
 ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` per data-parallel rank (ZeRO-3), and one
 ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per rank. They are torch.save files whose
 pickles name three DeepSpeed classes besides torch's: ``LossScaler``, ``ZeroStageEnum`` and
-``fragment_address``. They are loaded by ``_rank_unpickler`` with these three as inert ``Record``
-stand-ins (never imported); any other class is refused.
+``fragment_address``. They are loaded with these three as inert ``Record`` stand-ins (never
+imported; any other class is refused): by ``_ds_records`` without torch, tensors as ``StoredTensor``
+records of where their bytes lie, or where that path declines a file, by ``_rank_unpickler``
+(torch's tensors, memory-mapped), which reads it or names the fault. ``FileTensor`` and
+``LoadedSave.byte_offset`` read a tensor of either path.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -24,6 +28,10 @@ from fsdp_convert.errors import (
     UnsafeContentError,
     UnsupportedTransformError,
 )
+from fsdp_convert.formats._ds_records import Size, load_ds_records
+from fsdp_convert.formats._pt_records import StoredTensor
+from fsdp_convert.formats._records import Record, record_classes
+from fsdp_convert.formats.index import DTYPE_ITEMSIZES, dtype_name
 from fsdp_convert.held_roots import open_inside
 from fsdp_convert.location import FdPath, Location
 from fsdp_convert.output_table import METADATA_FILENAME
@@ -32,13 +40,16 @@ from fsdp_convert.own_files import OwnFiles
 __all__ = [
     "DS_CLASS_NAMES",
     "DeepSpeedFiles",
+    "FileTensor",
     "LATEST",
     "OWN_FILES",
     "LoadedSave",
     "deepspeed_files",
     "deepspeed_tags",
+    "file_tensor",
     "is_deepspeed",
     "is_deepspeed_file",
+    "is_size",
     "load_ds_file",
     "stage_of",
 ]
@@ -62,15 +73,14 @@ OWN_FILES = OwnFiles(
 )
 _MAX_TAG = 255
 
-# DeepSpeed's classes its files pickle, read as inert records (``_rank_unpickler.record_classes``, made at first load:
-# finding a save's files imports no torch)
+# DeepSpeed's classes its files pickle, read as inert records (``_records.record_classes``), by either loader
 DS_CLASS_NAMES = (
     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
     "deepspeed.runtime.zero.config.ZeroStageEnum",
     "deepspeed.utils.tensor_fragment.fragment_address",
 )
-_DS_RECORDS: dict[str, Any] = {}
+_DS_RECORDS: dict[str, type[Record]] = record_classes(DS_CLASS_NAMES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,47 +229,106 @@ def deepspeed_files(root: Path) -> DeepSpeedFiles:
     return DeepSpeedFiles(tag, ordered_model, tuple(tag + optim[r][0] for r in range(world_size)), bf16)
 
 
+def _torch() -> Any:
+    """The torch module where it is imported (a file fell back to torch's loader), else None: no value is a tensor then."""
+    return sys.modules.get("torch")
+
+
+@dataclass(frozen=True, slots=True)
+class FileTensor:
+    """A tensor of a loaded file (``StoredTensor`` or torch's), as the index needs it: dtype name, shape, element size."""
+
+    dtype_name: str
+    shape: tuple[int, ...]
+    itemsize: int
+
+    @property
+    def numel(self) -> int:
+        """Elements."""
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+
+def file_tensor(value: Any) -> FileTensor | None:
+    """``value`` as a ``FileTensor`` where it is a tensor of either loader; None for any other value."""
+    if type(value) is StoredTensor:
+        return FileTensor(value.dtype_name, value.shape, DTYPE_ITEMSIZES[value.dtype_name])
+    torch = _torch()
+    if torch is not None and isinstance(value, torch.Tensor):
+        return FileTensor(dtype_name(value.dtype), tuple(value.shape), value.element_size())
+    return None
+
+
+def is_size(value: Any) -> bool:
+    """Whether ``value`` is a ``torch.Size`` as either loader reads one."""
+    torch = _torch()
+    return type(value) is Size or (torch is not None and isinstance(value, torch.Size))
+
+
 class LoadedSave:
-    """The save's files, loaded (memory-mapped, nothing run) with where their storages lie."""
+    """The save's files, loaded (nothing run; ``load_ds_file``) with where their storages lie.
 
-    def __init__(self, root: Path, files: DeepSpeedFiles) -> None:
+    Args:
+        use_torch: load every file with torch's loader path (tensors as torch's, memory-mapped).
+    """
+
+    def __init__(self, root: Path, files: DeepSpeedFiles, *, use_torch: bool = False) -> None:
         self.root, self.files = root, files
-        self.model = [load_ds_file(root, name) for name in files.model]
-        self.optim = [load_ds_file(root, name) for name in files.optim]
+        self.model = [load_ds_file(root, name, use_torch=use_torch) for name in files.model]
+        self.optim = [load_ds_file(root, name, use_torch=use_torch) for name in files.optim]
 
-    def byte_offset(self, tensor: Any, loaded: tuple[Any, dict[int, int]], where: str) -> int:
-        """Where ``tensor``'s first element lies in its file, in bytes.
+    def byte_offset(self, tensor: Any, loaded: tuple[Any, dict[int, int]], where: str) -> tuple[int, FileTensor]:
+        """Where ``tensor`` (a ``StoredTensor``, or torch's of ``loaded``) starts in its file, in bytes; and the tensor.
 
         Raises:
             CorruptChunkError: not a contiguous tensor of the file's storages.
         """
-        import torch
-
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_contiguous():
+        facts = file_tensor(tensor)
+        if type(tensor) is StoredTensor and facts is not None:
+            placed = tensor.byte_range()
+            if placed is None:
+                raise CorruptChunkError(f"{where}: not a contiguous tensor")
+            if tensor.storage_nbytes == 0:  # torch's path maps no storage of no bytes from the file
+                raise CorruptChunkError(f"{where}: a tensor with no storage in the file")
+            return placed[0], facts
+        if facts is None or not tensor.is_contiguous():
             raise CorruptChunkError(f"{where}: not a contiguous tensor")
         base = loaded[1].get(tensor.untyped_storage().data_ptr())
         if base is None:
             raise CorruptChunkError(f"{where}: a tensor with no storage in the file")
-        return base + int(tensor.storage_offset()) * tensor.element_size()
+        return base + int(tensor.storage_offset()) * tensor.element_size(), facts
 
 
-def load_ds_file(root: Path, relative: str, follow_symlinks: bool | None = None) -> tuple[Any, dict[int, int]]:
-    """Load one DeepSpeed file under ``root`` (opened inside it), and where its storages lie (``load_with_offsets``).
+def load_ds_file(
+    root: Path, relative: str, follow_symlinks: bool | None = None, *, use_torch: bool = False
+) -> tuple[Any, dict[int, int]]:
+    """Load one DeepSpeed file under ``root`` (opened inside it), and where its storages lie.
+
+    Read first without torch (``_ds_records.load_ds_records``: tensors as ``StoredTensor``, sizes
+    as ``Size``, no offsets needed); where that declines the file, or with ``use_torch``, by
+    ``_rank_unpickler.load_with_offsets`` (torch's tensors memory-mapped, ``{storage data_ptr: byte offset}``).
 
     Raises:
         MissingDataFileError: it cannot be opened. UnsafeContentError: a link out of ``root``, or a
             class other than torch's and DeepSpeed's three (names it). CorruptChunkError: not a torch.save file.
     """
-    from fsdp_convert.formats._rank_unpickler import load_with_offsets, record_classes
-
-    if not _DS_RECORDS:
-        _DS_RECORDS.update(record_classes(DS_CLASS_NAMES))
     path = root / relative
     try:
         fd = open_inside(root, path, follow_symlinks=follow_symlinks)
     except OSError as e:
         raise MissingDataFileError(f"cannot open {path}: {e.strerror}") from e
     try:
+        if not use_torch:
+            try:
+                obj = load_ds_records(fd, os.fstat(fd).st_size, _DS_RECORDS)
+            except OSError:
+                obj = None  # torch's loader reads it again and names the fault
+            if obj is not None:
+                return obj, {}
+        from fsdp_convert.formats._rank_unpickler import load_with_offsets
+
         return load_with_offsets(cast(Path, FdPath(fd, path)), _DS_RECORDS)
     finally:
         os.close(fd)

@@ -35,8 +35,10 @@ class Saved:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.files = deepspeed_files(root)
-        self.model0: dict[str, Any] = load_ds_file(root, self.files.model[0])[0]
-        self.osd: list[dict[str, Any]] = [load_ds_file(root, name)[0]["optimizer_state_dict"] for name in self.files.optim]
+        self.model0: dict[str, Any] = load_ds_file(root, self.files.model[0], use_torch=True)[0]
+        self.osd: list[dict[str, Any]] = [
+            load_ds_file(root, name, use_torch=True)[0]["optimizer_state_dict"] for name in self.files.optim
+        ]
 
     @property
     def world_size(self) -> int:
