@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import logging
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 from fsdp_convert.errors import CheckpointNotFoundError
@@ -104,6 +105,15 @@ def reshard_record_map(plans: tuple[tuple[str, ReshardPlan], ...]) -> RecordMap:
     return RecordMap(names, sizes, records)
 
 
+def _selection(items: Sequence[OutputItem]) -> list[tuple[str, tuple[str, ...]]]:
+    """Which entries ``items`` read: each one's FQN and its sources' (their contents are the checkpoint digest's).
+
+    Names, not the entries' reprs: a checkpoint of a million chunks would repr each of them, twice
+    (seconds, and a string of over 100 MB).
+    """
+    return [(i.entry.fqn, tuple(s.fqn for s in i.sources)) for i in items]
+
+
 def source_digest(index: CheckpointIndex, items: tuple[OutputItem, ...]) -> SourceDigest:
     """Digest of ``.metadata`` (a local DCP folder) and the entries read, and the data files now (``SourceDigest``)."""
     meta = b""
@@ -122,7 +132,7 @@ def source_digest(index: CheckpointIndex, items: tuple[OutputItem, ...]) -> Sour
                     sha.update(block)
             meta = sha.digest()
     checkpoint = digest(meta) if meta else digest(list(index.entries))  # the .metadata lists every entry
-    read = SourceDigest.of(digest(meta, [(item.entry, item.sources) for item in items]), index)
+    read = SourceDigest.of(digest(meta, _selection(items)), index)
     return SourceDigest(read.digest, read.files, read.root, checkpoint)
 
 
@@ -309,7 +319,7 @@ def named_options(items: tuple[OutputItem, ...], **whole: object) -> NamedOption
     for group in sorted({i.group for i in items}):
         mine = [i for i in items if i.group == group]
         groups[group] = {  # the selection first: the other fields are compared only where it is the same
-            SELECTED: digest([(i.entry, i.sources) for i in mine]),
+            SELECTED: digest(_selection(mine)),
             DTYPE[group]: digest([i.dtype for i in mine]),
             NAMES: digest([i.path for i in mine]),
             VALUES: digest([(i.is_tensor and i.shape, i.constant, i.value, i.derived) for i in mine]),

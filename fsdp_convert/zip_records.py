@@ -132,8 +132,18 @@ def _zip64_fields(extra: bytes, uncomp: int, comp: int, local_offset: int) -> tu
     raise ZipFormatError("zip64 sizes without a zip64 extra field")
 
 
+_CENTRAL_HEAD = struct.Struct(
+    "<4s4xHH4xIIIHHH8xI"
+)  # signature, flags, method, CRC-32, sizes, name/extra/comment lengths, local offset
+_LOCAL_HEAD = struct.Struct("<4s22xHH")  # signature, name and extra lengths
+SMALL_ZIP_BYTES = 64 << 10  # read whole and parsed in memory: a chunk payload (~1.5 KiB of structures)
+
+
 def read_records(pread: Pread, size: int) -> list[ZipRecord]:
     """Parse the central directory and local headers of a zip of ``size`` bytes.
+
+    A zip of at most ``SMALL_ZIP_BYTES`` (a chunk's payload) is read with one call and parsed in
+    memory; a larger one's directory is read at once when small, its local headers one by one.
 
     Args:
         pread: reads ``length`` bytes at ``offset`` of the zip (offsets relative to its start).
@@ -146,42 +156,40 @@ def read_records(pread: Pread, size: int) -> list[ZipRecord]:
     Raises:
         ZipFormatError: a structure is missing, truncated or out of bounds.
     """
+    whole = _exact(pread, size, 0) if size <= SMALL_ZIP_BYTES else None
+    if whole is not None:
+        pread = _Overlay(pread, whole, 0).pread
     cd_offset, cd_size, count = _central_directory(pread, size)
-    if cd_size <= SMALL_DIRECTORY_BYTES:  # a chunk payload's few records: the directory read once, parsed in memory
+    directory, base = (whole, 0) if whole is not None else (None, 0)
+    if directory is None and cd_size <= SMALL_DIRECTORY_BYTES:  # the directory read once, parsed in memory
         directory, base = _exact(pread, cd_size, cd_offset), cd_offset
-        pread = _Overlay(pread, directory, base).pread
     records = []
     pos = cd_offset
     for _ in range(count):
-        head = _exact(pread, 46, pos)
-        if head[:4] != _CENTRAL:
+        head = directory[pos - base : pos - base + 46] if directory is not None else _exact(pread, 46, pos)
+        if len(head) != 46 or head[:4] != _CENTRAL:
             raise ZipFormatError("bad central directory entry")
-        flags, compression = struct.unpack_from("<HH", head, 8)
-        (crc,) = struct.unpack_from("<I", head, 16)
-        comp, uncomp, name_len, extra_len, comment_len = struct.unpack_from("<IIHHH", head, 20)
-        (local_offset,) = struct.unpack_from("<I", head, 42)
-        name = _exact(pread, name_len, pos + 46).decode("utf-8", errors="replace")
-        extra = _exact(pread, extra_len, pos + 46 + name_len)
+        _, flags, compression, crc, comp, uncomp, name_len, extra_len, comment_len, local_offset = _CENTRAL_HEAD.unpack(head)
+        at = pos + 46
+        if directory is not None:
+            name_raw, extra = (
+                directory[at - base : at - base + name_len],
+                directory[at - base + name_len : at - base + name_len + extra_len],
+            )
+            if len(name_raw) != name_len or len(extra) != extra_len:
+                raise ZipFormatError("the zip ends inside one of its structures")
+        else:
+            name_raw, extra = _exact(pread, name_len, at), _exact(pread, extra_len, at + name_len)
         if 0xFFFFFFFF in (comp, uncomp, local_offset):
             uncomp, comp, local_offset = _zip64_fields(extra, uncomp, comp, local_offset)
-        local = _exact(pread, 30, local_offset)
-        if local[:4] != _LOCAL:
+        local = whole[local_offset : local_offset + 30] if whole is not None else _exact(pread, 30, local_offset)
+        if len(local) != 30 or local[:4] != _LOCAL:
             raise ZipFormatError("bad local header of a record")
-        l_name, l_extra = struct.unpack_from("<HH", local, 26)
+        _, l_name, l_extra = _LOCAL_HEAD.unpack(local)
         data_offset = local_offset + 30 + l_name + l_extra
         if data_offset + comp > size:
             raise ZipFormatError("a record runs past the end of the zip")
-        records.append(
-            ZipRecord(
-                name=name,
-                central_offset=pos,
-                local_offset=local_offset,
-                data_offset=data_offset,
-                size=comp,
-                crc32=crc,
-                has_descriptor=bool(flags & 0x8),
-                compression=compression,
-            )
-        )
-        pos += 46 + name_len + extra_len + comment_len
+        name = name_raw.decode("utf-8", errors="replace")
+        records.append(ZipRecord(name, pos, local_offset, data_offset, comp, crc, bool(flags & 0x8), compression))
+        pos = at + name_len + extra_len + comment_len
     return records

@@ -218,11 +218,12 @@ class DcpReader(ChunkedReader):
             records = read_records(edges.pread, chunk.length_bytes)
         except ZipFormatError as e:
             raise CorruptChunkError(f"{where}: payload is not a torch.save zip ({e})") from e
-        storages = [r for r in records if r.short_name.startswith("data/")]
-        pickles = [r for r in records if r.short_name == "data.pkl"]
+        named = [(r.short_name, r) for r in records]  # each name split once (millions of payloads)
+        storages = [r for name, r in named if name.startswith("data/")]
+        pickles = [r for name, r in named if name == "data.pkl"]
         if len(storages) != 1 or len(pickles) != 1 or any(r.compression for r in records):
             return None
-        order = [r for r in records if r.short_name == "byteorder"]
+        order = [r for name, r in named if name == "byteorder"]
         if order and edges.pread(order[0].size, order[0].data_offset) != sys.byteorder.encode():
             return None  # torch.load byte-swaps these; read_chunk does
         storage = storages[0]

@@ -110,6 +110,7 @@ class ChunkedReader:
         self.root = as_location(checkpoint_id)
         self.check_crc = check_crc
         self.follow_symlinks = follows_symlinks(follow_symlinks)
+        self._shown: dict[str, str] = {}  # a data file's path as messages show it, joined once (not per chunk)
         self._temp_fd: int | None = None  # a remote byte range, fetched into memory
         self._files: dict[str, tuple[int, int]] = {}  # relative path -> (fd, size in bytes)
         # FSDP_CONVERT_READ_LOG=<folder>: one JSON line per chunk read, [rank, fqn, offsets, file,
@@ -186,7 +187,10 @@ class ChunkedReader:
         return opened
 
     def _where(self, relative_path: str, offset: int, length: int, fqn: str) -> str:
-        return f"{self.root / relative_path} bytes [{offset}, {offset + length}) ({fqn})"
+        shown = self._shown.get(relative_path)
+        if shown is None:
+            shown = self._shown[relative_path] = str(self.root / relative_path)
+        return f"{shown} bytes [{offset}, {offset + length}) ({fqn})"
 
     def _load_chunk(self, entry: TensorEntry, chunk: ChunkEntry) -> Any:
         """The stored value of one chunk (a tensor, checked by ``read_chunk``); the format's own read."""
