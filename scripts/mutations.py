@@ -54,7 +54,7 @@ MUTATIONS: list[Mutation] = [
         "chunk-placed-at-row-0",
         "consolidate: every tensor bitwise equal to the run's own full state dict",
         "fsdp_convert/move.py",
-        "dst = job.offset + (lo - r0) * row_bytes",
+        "dst = job.offset + (lo - first) * itemsize",
         "dst = job.offset",
         "tests/integration/test_consolidate.py::test_consolidate_pt_equals_ground_truth",
     ),
@@ -501,7 +501,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "verl-local-tensor-reversed",
         "Any source in the table of producers.md works, including per-rank files ..., which become a regular DCP folder (holding the run's state)",
-        "fsdp_convert/formats/_rank_unpickler.py",
+        "fsdp_convert/formats/_records.py",
         'return obj.fields["_local_tensor"]',
         'return obj.fields["_local_tensor"].flip(-1) if obj.fields["_local_tensor"].dim() else obj.fields["_local_tensor"]',
         "tests/integration/test_reshard_oracles.py::test_verl_reshard_is_the_run_as_dcp",

@@ -26,6 +26,7 @@ it saves there. POSIX only (``os.fork``); elsewhere None.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import io
 import marshal
@@ -161,6 +162,7 @@ def _child(data: Any, build: Callable[[Any], CheckpointIndex], out: int) -> int:
     for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(number, signal.SIG_DFL)  # the parent's handlers clean up the parent's files, not the child's
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash writes no core file
+    faulthandler.disable()  # nor a traceback on the parent's stderr: a crash here is an answer, not a fault
     gc.disable()  # millions of objects and no cycles; the process ends after
     size = len(data)
     cpu = _cpu_seconds(size)

@@ -9,6 +9,7 @@ records read. Each case prints a row of the fault table.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -84,6 +85,23 @@ def _wait_for_lock_holder(folder: Path, timeout_s: float = 30.0) -> None:
             continue  # released meanwhile
         while record is not None and pid_alive(record.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
+        while _flock_held(lock) and time.monotonic() < deadline:  # the other rank, which joined it, exiting too
+            time.sleep(0.05)
+
+
+def _flock_held(lock: Path) -> bool:
+    """Whether a process still holds ``lock``'s flock (each rank of a job holds it shared)."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the flock taken here
+    return False
 
 
 def _left(folder: Path) -> list[str]:
