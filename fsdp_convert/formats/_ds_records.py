@@ -19,7 +19,7 @@ from typing import Any
 
 from fsdp_convert.formats._payload_pickle import _REBUILD_V2
 from fsdp_convert.formats._pt_records import StoredTensor, _FileUnpickler, load_records
-from fsdp_convert.formats._records import Record
+from fsdp_convert.formats._records import BuildsRecords, Record
 from fsdp_convert.formats._safe_pickle import RefusedError
 from fsdp_convert.zip_records import ZipRecord
 
@@ -57,7 +57,7 @@ def _scalar_state(state: Any) -> bool:
     return all(p is None or (type(p) is dict and all(type(v) in _SCALARS for v in p.values())) for p in parts)
 
 
-class _DeepSpeedUnpickler(_FileUnpickler):
+class _DeepSpeedUnpickler(BuildsRecords, _FileUnpickler):
     """``_pt_records``' allow-list, with ``torch.Size``, a tensor's scalar attributes and DeepSpeed's classes as records.
 
     Refuses (``RefusedError``: the caller takes torch's loader) every other global, a call of a
@@ -109,15 +109,7 @@ class _DeepSpeedUnpickler(_FileUnpickler):
         record = self._record(cls)
         if record is None:
             return super().new(cls, args)
-        obj = record.__new__(record, *args)
-        obj.newobj = True
-        return obj
-
-    def build(self, obj: Any, state: Any) -> None:
-        if isinstance(obj, Record):  # only call and new above make one, fresh in this load
-            obj.__setstate__(state)
-        else:
-            super().build(obj, state)
+        return record.made_by_newobj(args)
 
 
 def load_ds_records(fd: int, size: int, classes: dict[str, type[Record]]) -> Any | None:

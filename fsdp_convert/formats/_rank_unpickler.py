@@ -23,7 +23,7 @@ import torch
 
 from fsdp_convert.errors import CorruptChunkError, UnsafeContentError
 from fsdp_convert.formats._records import _RECORDS as _RECORDS
-from fsdp_convert.formats._records import SHARDED_TENSOR, Record, kind, local_value, record_classes
+from fsdp_convert.formats._records import SHARDED_TENSOR, BuildsRecords, Record, kind, local_value, record_classes
 from fsdp_convert.formats._safe_pickle import MalformedError, RefusedError, SafeUnpickler, described, shown
 from fsdp_convert.formats._torch_globals import TORCH_DTYPES, VETTED_CALLS, torch_size
 from fsdp_convert.signals import torch_call
@@ -116,7 +116,7 @@ _TENSOR_TYPES = {"torch.Tensor": torch.Tensor, "torch.nn.parameter.Parameter": t
 _STORAGE_TYPES = frozenset(name for name, v in vars(torch).items() if name.endswith("Storage") and isinstance(v, type))
 
 
-class _RankFileUnpickler(SafeUnpickler):
+class _RankFileUnpickler(BuildsRecords, SafeUnpickler):
     """Reads a rank file's ``data.pkl`` with an allow-list.
 
     Plain tensors (storages memory-mapped from the file), dtypes, and ``Record`` stand-ins for
@@ -158,15 +158,7 @@ class _RankFileUnpickler(SafeUnpickler):
         record = self._record_by_id.get(id(cls))
         if record is None or record is not cls:
             raise RefusedError(f"creating an instance of {described(cls)} is not allowed")
-        obj = record.__new__(record, *args)
-        obj.newobj = True
-        return obj
-
-    def build(self, obj: Any, state: Any) -> None:
-        if isinstance(obj, Record):  # only call and new above make one, fresh in this load
-            obj.__setstate__(state)
-        else:
-            super().build(obj, state)
+        return record.made_by_newobj(args)
 
     def persistent_load(self, pid: Any) -> Any:
         if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage"):

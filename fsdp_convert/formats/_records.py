@@ -12,7 +12,7 @@ from typing import Any
 
 from fsdp_convert.formats.index import ObjPath
 
-__all__ = ["Record", "SHARDED_TENSOR", "kind", "local_value", "record_classes"]
+__all__ = ["BuildsRecords", "Record", "SHARDED_TENSOR", "kind", "local_value", "record_classes"]
 
 
 class Record:
@@ -38,6 +38,13 @@ class Record:
     def __setstate__(self, state: Any) -> None:
         self.state = state
 
+    @classmethod
+    def made_by_newobj(cls, args: tuple[Any, ...]) -> Record:
+        """NEWOBJ of this record class, as an unpickler's ``new`` makes it (a fresh record, marked so)."""
+        obj = cls.__new__(cls, *args)
+        obj.newobj = True
+        return obj
+
     @property
     def fields(self) -> dict[str, Any]:
         """The BUILD state as one dict (a dict, or ``(dict | None, slots)``); another tuple as ``__tuple_state__``."""
@@ -54,6 +61,19 @@ class Record:
 
     def __repr__(self) -> str:
         return f"<{self.qualname}>"
+
+
+class BuildsRecords:
+    """An unpickler mixin (before its ``SafeUnpickler`` base): BUILD sets a ``Record``'s state, anything else is the base's.
+
+    Only the unpickler's own ``call`` and ``new`` make a record, fresh in its load.
+    """
+
+    def build(self, obj: Any, state: Any) -> None:
+        if isinstance(obj, Record):
+            obj.__setstate__(state)
+        else:
+            super().build(obj, state)  # type: ignore[misc]
 
 
 # Classes a rank file of DTensors or ShardedTensors names, each read as a Record of its own kind.
