@@ -38,6 +38,7 @@ import select
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +54,7 @@ _CPU_SECONDS = 10  # the child's CPU limit: this, plus _CPU_PER_BYTE per byte of
 _CPU_PER_BYTE = 1e-6  # 20x what the C unpickler and the checks take a byte
 _MEMORY_PER_BYTE = 40  # the child's address space: the interpreter's, plus this many bytes per byte of the file
 _MODULE = "torch.distributed.checkpoint"
+_WALL_SLACK_S = 10  # the child's wall deadline: twice its CPU limit, plus this (a child waiting, not computing)
 _OK = 0  # the child's exit status when it wrote an index
 
 
@@ -157,6 +159,16 @@ def _cpu_seconds(size: int) -> int:
     return int(_CPU_SECONDS + _CPU_PER_BYTE * size)
 
 
+def _address_space() -> int:
+    """The address space this process holds now, in bytes (what a CUDA build of torch reserves too), at least 4x its RSS."""
+    floor = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 * 4
+    try:
+        with open("/proc/self/statm") as f:
+            return max(floor, int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError, IndexError):
+        return floor
+
+
 def _child(data: Any, build: Callable[[Any], CheckpointIndex], out: int) -> int:
     """The child's work: load, build, write; its exit status."""
     for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -167,7 +179,7 @@ def _child(data: Any, build: Callable[[Any], CheckpointIndex], out: int) -> int:
     size = len(data)
     cpu = _cpu_seconds(size)
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    address = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 * 4 + (1 << 30) + _MEMORY_PER_BYTE * size
+    address = _address_space() + (1 << 30) + _MEMORY_PER_BYTE * size
     resource.setrlimit(resource.RLIMIT_AS, (address, address))
     stream = data if isinstance(data, mmap.mmap) else io.BytesIO(data)  # a mapping is read in place, not copied
     stream.seek(0)
@@ -216,7 +228,9 @@ def index_in_child(data: Any, checkpoint_id: Location, build: Callable[[Any], Ch
         return None
     read_end, write_end = os.pipe()
     sys.stdout.flush(), sys.stderr.flush()  # nothing buffered is written twice
-    pid = os.fork()
+    with warnings.catch_warnings():  # Python 3.12 warns of fork() beside threads; a child stuck on a lock meets the deadline
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
     if pid == 0:  # pragma: no cover  (the child; coverage does not follow it)
         status = 1
         try:
@@ -227,7 +241,7 @@ def index_in_child(data: Any, checkpoint_id: Location, build: Callable[[Any], Ch
         finally:
             os._exit(status)
     os.close(write_end)
-    blocks = _read_all(read_end, deadline=time.monotonic() + 2 * _cpu_seconds(len(data)) + 10)
+    blocks = _read_all(read_end, deadline=time.monotonic() + 2 * _cpu_seconds(len(data)) + _WALL_SLACK_S)
     if blocks is None:  # stuck without using CPU (a lock a thread of the parent held at the fork)
         os.kill(pid, signal.SIGKILL)
     _, wait_status = os.waitpid(pid, 0)

@@ -119,6 +119,18 @@ def test_a_crash_or_a_quadratic_dict_in_the_child_falls_back(tmp_path: Path, mon
 
 
 @pytest.mark.usefixtures("no_floor")
+def test_a_child_that_waits_past_its_deadline_is_killed(ws3_ckpt: Sample, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child stuck without using CPU (a lock a thread of the parent held at the fork) is killed at the wall deadline."""
+    monkeypatch.setattr(_metadata_child, "_CPU_SECONDS", 1)
+    monkeypatch.setattr(_metadata_child, "_CPU_PER_BYTE", 0.0)
+    monkeypatch.setattr(_metadata_child, "_WALL_SLACK_S", 1)
+    raw = (ws3_ckpt.checkpoint / ".metadata").read_bytes()
+    start = time.monotonic()
+    assert _metadata_child.index_in_child(raw, ws3_ckpt.checkpoint, lambda metadata: time.sleep(60)) is None
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.usefixtures("no_floor")
 def test_data_after_the_pickle_or_no_metadata_is_left_to_the_interpreter(ws3_ckpt: Sample, tmp_path: Path) -> None:
     raw = (ws3_ckpt.checkpoint / ".metadata").read_bytes()
     assert _in_child(tmp_path, raw + b"\x00") is None
