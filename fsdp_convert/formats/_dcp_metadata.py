@@ -23,7 +23,7 @@ from fsdp_convert.errors import NotADcpCheckpointError, UnsafeContentError
 from fsdp_convert.formats import _dcp_classes as records
 from fsdp_convert.formats._dcp_classes import MEM_FORMAT_ENCODING, torch_dtype
 from fsdp_convert.formats._dcp_payloads import BOTH_OPTIONS_HINT, ReadAt, is_raw_chunk, place_raw_chunks
-from fsdp_convert.formats._dcp_records import CALL_BY_ID, RECORD_BY_ID, UNCHECKED_FIELDS, record_state, unknown_global
+from fsdp_convert.formats._dcp_records import CALL_BY_ID, RECORD_BY_ID, record_state, unknown_global
 from fsdp_convert.formats._dcp_records import CALLS as _CALLS
 from fsdp_convert.formats._dcp_records import RECORDS as _RECORDS
 from fsdp_convert.formats._safe_pickle import MalformedError, RefusedError, SafeUnpickler, described, paused_gc, shown
@@ -90,11 +90,7 @@ class _MetadataUnpickler(SafeUnpickler):
         cls = type(obj)
         if RECORD_BY_ID.get(id(cls)) is not cls:
             raise RefusedError(f"refusing to set the state of {described(obj)}")
-        fields = UNCHECKED_FIELDS.get(cls)  # (the state's keys were hashed as dict keys: hashing is safe)
-        if fields is not None and type(state) is dict and fields.issuperset(state):
-            object.__setattr__(obj, "__dict__", dict(state))
-        else:
-            object.__setattr__(obj, "__dict__", record_state(cls, state))
+        object.__setattr__(obj, "__dict__", record_state(cls, state))
 
     def key_ok(self, key: Any) -> bool:
         # storage_data's keys: hashing a MetadataIndex hashes (fqn, offset); offset is a Size of ints

@@ -53,7 +53,6 @@ from fsdp_convert.formats._torch_globals import VETTED_CALLS
 __all__ = [
     "RECORDS",
     "RECORD_BY_ID",
-    "UNCHECKED_FIELDS",
     "CALLS",
     "CALL_BY_ID",
     "WRITERS",
@@ -174,8 +173,8 @@ _KNOWN_EXTRAS: dict[type, dict[str, Check]] = {  # fields writers add to torch's
     Metadata: {"all_local_plans": _PLANS},  # Megatron-Core's
     MCoreMetadata: {"all_local_plans": _PLANS, "mcore_data": _mcore_data},
 }
-# records no check looks into: a state of only their fields needs no ``record_state`` (millions in a large .metadata)
-UNCHECKED_FIELDS = {cls: fields for cls, fields in _FIELDS.items() if cls not in _CHECKED and cls not in _KNOWN_EXTRAS}
+# records no check looks into: a state of only their fields needs no check (millions in a large .metadata)
+_UNCHECKED_FIELDS = {cls: fields for cls, fields in _FIELDS.items() if cls not in _CHECKED and cls not in _KNOWN_EXTRAS}
 
 
 def record_state(cls: type, state: Any) -> dict[str, Any]:
@@ -183,11 +182,16 @@ def record_state(cls: type, state: Any) -> dict[str, Any]:
 
     Records in ``_CHECKED`` keep only their fields, each of its type. torch's metadata records
     keep their fields and other plain names, as the C unpickler would (a newer torch may add a
-    field), never a dunder; fields other writers add to them are checked when present.
+    field), never a dunder; fields other writers add to them are checked when present. A state of
+    a record no check looks into that holds only its fields (millions in a large ``.metadata``) is
+    returned as it is, not copied.
 
     Raises:
         MalformedError: ``state`` is not such a dict, or a checked field has a value of another type.
     """
+    fields = _UNCHECKED_FIELDS.get(cls)
+    if fields is not None and type(state) is dict and fields.issuperset(state):
+        return state  # (hashing its keys again is safe: they were hashed when the dict was built)
     if cls is TensorProperties and type(state) is tuple:
         return _tensor_properties(state)
     if type(state) is not dict or not all(type(k) is str for k in state):

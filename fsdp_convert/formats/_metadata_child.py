@@ -44,7 +44,7 @@ from typing import Any
 
 from fsdp_convert.formats import _dcp_classes as records
 from fsdp_convert.formats._dcp_classes import torch_dtype
-from fsdp_convert.formats._dcp_records import CALLS, UNCHECKED_FIELDS, record_state
+from fsdp_convert.formats._dcp_records import CALLS, record_state
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Entry, Location, TensorEntry
 
 __all__ = ["MIN_BYTES", "index_in_child"]
@@ -64,7 +64,6 @@ class _Refused(Exception):
 
 def _record_class(base: type) -> type:
     """A subclass of the ``_dcp_classes`` record ``base`` that only NEWOBJ + BUILD can make, as pickle does."""
-    fields = UNCHECKED_FIELDS.get(base)
 
     def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
         if args or kwargs:
@@ -77,10 +76,7 @@ def _record_class(base: type) -> type:
     def __setstate__(self: Any, state: Any) -> None:  # noqa: N807
         if type(self) is not made or getattr(self, "__dict__", None):  # BUILD on the class, or twice
             raise _Refused("BUILD on something that is no fresh record")
-        if fields is not None and type(state) is dict and fields.issuperset(state):
-            object.__setattr__(self, "__dict__", state)  # not copied: this process ends after, and reads it only
-        else:
-            object.__setattr__(self, "__dict__", record_state(base, state))
+        object.__setattr__(self, "__dict__", record_state(base, state))
 
     made = type(base.__name__, (base,), {"__new__": __new__, "__init__": __init__, "__setstate__": __setstate__})
     return made
