@@ -41,7 +41,6 @@ import json
 import math
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -49,7 +48,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _bench_measure import Run, drop_cache, run_measured
+from _bench_measure import Run, drop_cache, rotating, run_measured
+from _bench_measure import median_or_none as _median
+from _bench_measure import shown_mib as _mib
+from _bench_measure import shown_number as _num
 
 GB = 1e9
 MiB = 2**20
@@ -395,18 +397,6 @@ def profile_once(ck: Path, work: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------- the row
 
 
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def _num(x: float | None) -> str:
-    return "—" if x is None else f"{x:.2f}"
-
-
-def _mib(n: float | None) -> str:
-    return "—" if n is None else f"{n / MiB:.0f}"
-
-
 def bench_deepspeed(args: argparse.Namespace) -> None:
     """Make the save, check the outputs, run every system --rounds times in rotating order; print the table, write JSON."""
     load_before = os.getloadavg()
@@ -433,22 +423,20 @@ def bench_deepspeed(args: argparse.Namespace) -> None:
     systems = build_systems(ck, work)
     names = list(systems)
     runs: dict[str, list[Measured]] = {k: [] for k in names}
-    for r in range(args.rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for key in order:
-            _clear(work)
-            drop_cache(inputs)
-            m = measure(systems[key].cmd, scratch)
-            runs[key].append(m)
-            result = "ok" if m.run.returncode == 0 else f"failed (rc {m.run.returncode})"
-            print(
-                f"round {r + 1}: {key:16s} {m.run.wall_s:7.2f} s  tree RSS {_mib(m.run.peak_rss_bytes):>5} MiB"
-                f"  PSS {_mib(m.run.peak_pss_bytes):>5} MiB  one process {_mib(m.max_process_rss_bytes):>5} MiB"
-                f"  CPU {m.cpu_s if m.cpu_s is not None else float('nan'):6.2f} s  {result}",
-                file=sys.stderr,
-            )
-            if m.run.returncode != 0:
-                print(m.run.stderr_tail, file=sys.stderr)
+    for r, key in rotating(names, args.rounds):
+        _clear(work)
+        drop_cache(inputs)
+        m = measure(systems[key].cmd, scratch)
+        runs[key].append(m)
+        result = "ok" if m.run.returncode == 0 else f"failed (rc {m.run.returncode})"
+        print(
+            f"round {r + 1}: {key:16s} {m.run.wall_s:7.2f} s  tree RSS {_mib(m.run.peak_rss_bytes):>5} MiB"
+            f"  PSS {_mib(m.run.peak_pss_bytes):>5} MiB  one process {_mib(m.max_process_rss_bytes):>5} MiB"
+            f"  CPU {m.cpu_s if m.cpu_s is not None else float('nan'):6.2f} s  {result}",
+            file=sys.stderr,
+        )
+        if m.run.returncode != 0:
+            print(m.run.stderr_tail, file=sys.stderr)
     _clear(work)
     load_after = os.getloadavg()
 

@@ -9,14 +9,39 @@ process runs in, so the limit nests inside whatever limit the machine already se
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
+MiB = 2**20
 CGROUP_SKIPPED = "skipped (needs root and a cgroup memory controller)"
+
+
+def rotating(names: list[str], rounds: int) -> Iterator[tuple[int, str]]:
+    """``(round, name)`` for every name in every round, each round starting one name later (no row always first)."""
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            yield r, name
+
+
+def median_or_none(values: list[float]) -> float | None:
+    """The median of ``values``, or None for none."""
+    return statistics.median(values) if values else None
+
+
+def shown_number(x: float | None) -> str:
+    """``x`` with two decimals for a table, ``—`` for None."""
+    return "—" if x is None else f"{x:.2f}"
+
+
+def shown_mib(n: float | None) -> str:
+    """Bytes ``n`` in whole MiB for a table, ``—`` for None."""
+    return "—" if n is None else f"{n / MiB:.0f}"
 
 
 def drop_cache(paths: list[Path]) -> None:
@@ -36,7 +61,7 @@ def drop_cache(paths: list[Path]) -> None:
                 os.close(fd)
 
 
-def _tree_memory(root: int) -> tuple[int, int]:
+def tree_memory(root: int) -> tuple[int, int]:
     """(RSS, PSS) of ``root`` and its descendants, in bytes.
 
     RSS counts a page shared by several processes (forked workers' copy-on-write torch, shared
@@ -88,7 +113,7 @@ def run_measured(cmd: list[str]) -> Run:
     def sample() -> None:
         nonlocal peak, peak_pss
         while not done.is_set():
-            rss, pss = _tree_memory(proc.pid)
+            rss, pss = tree_memory(proc.pid)
             peak, peak_pss = max(peak, rss), max(peak_pss, pss)
             done.wait(0.02)
 

@@ -40,14 +40,16 @@ import json
 import math
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _bench_measure import Run, drop_cache, run_measured
+from _bench_measure import Run, drop_cache, rotating, run_measured
+from _bench_measure import median_or_none as _median
+from _bench_measure import shown_mib as _mib
+from _bench_measure import shown_number as _num
 
 GB = 1e9
 MiB = 2**20
@@ -372,18 +374,6 @@ def build_systems(hf: Path, work: Path) -> dict[str, System]:
     }
 
 
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def _num(x: float | None) -> str:
-    return "—" if x is None else f"{x:.2f}"
-
-
-def _mib(n: float | None) -> str:
-    return "—" if n is None else f"{n / MiB:.0f}"
-
-
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
@@ -410,23 +400,21 @@ def bench_megatron(args: argparse.Namespace) -> None:
     scratch.mkdir(parents=True, exist_ok=True)
     names = list(systems)
     runs: dict[str, list[Measured]] = {k: [] for k in names}
-    for r in range(args.rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for key in order:
-            _clear(work)
-            drop_cache(shards)
-            m = measure(systems[key].cmd, scratch)
-            runs[key].append(m)
-            result = "ok" if m.run.returncode == 0 else f"failed (rc {m.run.returncode})"
-            print(
-                f"round {r + 1}: {key:9s} {m.wall_s:7.2f} s  tree RSS {_mib(m.run.peak_rss_bytes):>5} MiB"
-                f"  PSS {_mib(m.run.peak_pss_bytes):>5} MiB  one process {_mib(m.max_process_rss_bytes):>5} MiB"
-                f" (anon {_mib(m.max_process_anon_bytes):>4} MiB)"
-                f"  CPU {m.cpu_s:6.2f} s  {result}",
-                file=sys.stderr,
-            )
-            if m.run.returncode != 0:
-                print(m.run.stderr_tail, file=sys.stderr)
+    for r, key in rotating(names, args.rounds):
+        _clear(work)
+        drop_cache(shards)
+        m = measure(systems[key].cmd, scratch)
+        runs[key].append(m)
+        result = "ok" if m.run.returncode == 0 else f"failed (rc {m.run.returncode})"
+        print(
+            f"round {r + 1}: {key:9s} {m.wall_s:7.2f} s  tree RSS {_mib(m.run.peak_rss_bytes):>5} MiB"
+            f"  PSS {_mib(m.run.peak_pss_bytes):>5} MiB  one process {_mib(m.max_process_rss_bytes):>5} MiB"
+            f" (anon {_mib(m.max_process_anon_bytes):>4} MiB)"
+            f"  CPU {m.cpu_s:6.2f} s  {result}",
+            file=sys.stderr,
+        )
+        if m.run.returncode != 0:
+            print(m.run.stderr_tail, file=sys.stderr)
     _clear(work)
     load_after = os.getloadavg()
 

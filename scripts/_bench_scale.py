@@ -52,16 +52,14 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _bench_measure import _tree_memory
-from _bench_tree import REAPER, _allocated_bytes
+from _bench_measure import rotating
+from _bench_tree import TreeRun, run_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 2**20
@@ -280,63 +278,9 @@ def tensor_bytes(params: int, ranks: int) -> int:
 # ---------------------------------------------------------------- measuring
 
 
-@dataclass(frozen=True)
-class ScaleRun:
-    wall_s: float
-    peak_rss_bytes: int  # of the whole tree (the reaper's ~10 MiB included)
-    peak_pss_bytes: int
-    first_byte_s: float | None
-    returncode: int
-    stderr_tail: str
-
-
-def measure(cmd: list[str], env: dict[str, str], watch: Path | None, first_byte_bytes: int) -> ScaleRun:
-    """Run ``cmd`` under ``_bench_tree.REAPER`` (a subreaper); sample its tree's RSS and watch ``watch``."""
-    fd, name = tempfile.mkstemp(prefix="bench-scale-", suffix=".json")
-    os.close(fd)
-    result = Path(name)
-    peak = peak_pss = 0
-    seen: list[float] = []
-    done = threading.Event()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", REAPER, str(result), "-", *cmd],
-        env={**env, "BENCH_GRACE_S": "10"},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-
-    def sample() -> None:
-        nonlocal peak, peak_pss
-        while not done.is_set():
-            rss, pss = _tree_memory(proc.pid)
-            peak, peak_pss = max(peak, rss), max(peak_pss, pss)
-            done.wait(0.02)
-
-    def poll() -> None:
-        while watch is not None and not done.is_set():
-            if _allocated_bytes(watch) >= first_byte_bytes:
-                seen.append(time.monotonic())
-                return
-            done.wait(0.005)
-
-    threads = [threading.Thread(target=sample, daemon=True), threading.Thread(target=poll, daemon=True)]
-    for t in threads:
-        t.start()
-    _, err = proc.communicate()
-    done.set()
-    for t in threads:
-        t.join()
-    tail = err.decode(errors="replace")[-2000:]
-    try:
-        doc = json.loads(result.read_text())
-    except (OSError, ValueError):
-        doc = None
-    finally:
-        result.unlink(missing_ok=True)
-    if doc is None or doc["end"] is None:
-        return ScaleRun(0.0, peak, peak_pss, None, proc.returncode or 1, f"reaper failed: {tail}")
-    first = seen[0] - doc["start"] if seen else None
-    return ScaleRun(doc["end"] - doc["start"], peak, peak_pss, first, doc["returncode"], tail)
+def measure(cmd: list[str], env: dict[str, str], watch: Path | None, first_byte_bytes: int) -> TreeRun:
+    """Run ``cmd`` under ``_bench_tree.REAPER`` (a subreaper), its tree's RSS sampled, ``watch`` polled for the first byte."""
+    return run_tree(cmd, env=env, cgroup=None, watch=watch, first_byte_bytes=first_byte_bytes, sample_memory=True)
 
 
 READ_METADATA = """import sys
@@ -435,23 +379,21 @@ def bench_scale(args: argparse.Namespace) -> None:
             while fh.read(64 * MiB):
                 pass
     first_byte = min(FIRST_BYTE_BYTES, max(1, out_bytes // 100))
-    runs: dict[str, list[ScaleRun]] = {k: [] for k in rows}
+    runs: dict[str, list[TreeRun]] = {k: [] for k in rows}
     order = list(rows)
     try:
-        for rnd in range(args.rounds):
-            turn = order[rnd % len(order) :] + order[: rnd % len(order)]
-            for key in turn:
-                row = rows[key]
-                reset(row.out)
-                run = measure(row.cmd, env, row.out, first_byte)
-                runs[key].append(run)
-                status = "ok" if run.returncode == 0 else f"rc {run.returncode}: {run.stderr_tail.strip()[-400:]}"
-                print(
-                    f"round {rnd + 1} {key:18s} {run.wall_s:8.2f} s  tree RSS {run.peak_rss_bytes / MiB:7.0f} MiB"
-                    f"  first byte {_fmt(run.first_byte_s)} s  {status}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+        for rnd, key in rotating(order, args.rounds):
+            row = rows[key]
+            reset(row.out)
+            run = measure(row.cmd, env, row.out, first_byte)
+            runs[key].append(run)
+            status = "ok" if run.returncode == 0 else f"rc {run.returncode}: {run.stderr_tail.strip()[-400:]}"
+            print(
+                f"round {rnd + 1} {key:18s} {run.wall_s:8.2f} s  tree RSS {run.peak_rss_bytes / MiB:7.0f} MiB"
+                f"  first byte {_fmt(run.first_byte_s)} s  {status}",
+                file=sys.stderr,
+                flush=True,
+            )
         # the bitwise check, untimed: both outputs of the last round are still there
         compare: dict[str, Any] = {}
         want = scratch / "torch" / "full.pt"

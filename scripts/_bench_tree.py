@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from _bench_measure import remove_cgroup
+from _bench_measure import remove_cgroup, tree_memory
 
 FIRST_BYTE_BYTES = 1 << 20
 POLL_S = 0.005
@@ -96,6 +96,8 @@ class TreeRun:
     returncode: int
     stragglers: int  # processes still alive STRAGGLER_GRACE_S after the command exited (not in rusage_cpu_s)
     stderr_tail: str
+    peak_rss_bytes: int = 0  # of the whole tree (the reaper's ~10 MiB included), with sample_memory; else 0
+    peak_pss_bytes: int = 0
 
 
 def _mounts() -> list[tuple[str, str, str, list[str]]]:
@@ -206,13 +208,18 @@ def run_tree(
     watch: Path | None = None,
     first_byte_bytes: int = FIRST_BYTE_BYTES,
     cwd: Path | None = None,
+    sample_memory: bool = False,
 ) -> TreeRun:
-    """Run ``cmd`` (stdout discarded, stderr kept) under the reaper; see the module docstring."""
+    """Run ``cmd`` (stdout discarded, stderr kept) under the reaper; see the module docstring.
+
+    With ``sample_memory``, the tree's RSS and PSS are sampled every 20 ms (``peak_rss_bytes``).
+    """
     fd, result_name = tempfile.mkstemp(prefix="bench-reaper-", suffix=".json")
     os.close(fd)
     result = Path(result_name)
     seen: list[float] = []
     stop = threading.Event()
+    peaks = [0, 0]  # RSS, PSS
 
     def poll() -> None:
         while not stop.is_set():
@@ -220,6 +227,11 @@ def run_tree(
                 seen.append(time.monotonic())
                 return
             stop.wait(POLL_S)
+
+    def sample(pid: int) -> None:
+        while not stop.is_set():
+            peaks[:] = map(max, peaks, tree_memory(pid))
+            stop.wait(0.02)
 
     group = CpuCgroup(*cgroup) if cgroup else None
     try:
@@ -230,12 +242,17 @@ def run_tree(
         proc_env = {**env, "BENCH_GRACE_S": str(STRAGGLER_GRACE_S)}
         poller = threading.Thread(target=poll, daemon=True)
         proc = subprocess.Popen(reaper, env=proc_env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        sampler = threading.Thread(target=sample, args=(proc.pid,), daemon=True)
         if watch is not None:
             poller.start()
+        if sample_memory:
+            sampler.start()
         _, err = proc.communicate()
         stop.set()
         if watch is not None:
             poller.join()
+        if sample_memory:
+            sampler.join()
     finally:
         if group is not None:
             group.__exit__(None, None, None)
@@ -247,7 +264,9 @@ def run_tree(
         result.unlink(missing_ok=True)
     tail = err.decode(errors="replace")[-2000:]
     if doc is None or doc["end"] is None:
-        return TreeRun(0.0, 0.0, 0.0, "none", None, proc.returncode or 1, 0, f"reaper failed (rc {proc.returncode}): {tail}")
+        return TreeRun(
+            0.0, 0.0, 0.0, "none", None, proc.returncode or 1, 0, f"reaper failed (rc {proc.returncode}): {tail}", *peaks
+        )
     rusage_s = doc["user_s"] + doc["sys_s"]
     first = seen[0] - doc["start"] if seen else None
     return TreeRun(
@@ -259,4 +278,6 @@ def run_tree(
         returncode=doc["returncode"],
         stragglers=doc["stragglers"],
         stderr_tail=tail,
+        peak_rss_bytes=peaks[0],
+        peak_pss_bytes=peaks[1],
     )

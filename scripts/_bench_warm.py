@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from _bench_measure import rotating
 from _bench_tree import FIRST_BYTE_BYTES, TreeRun, find_cpu_cgroup, run_tree
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,22 +111,21 @@ def run_rounds(rows: dict[str, Row], rounds: int, data_bytes: int, files: list[P
     warm_cache(files)
     names = list(rows)
     runs: dict[str, list[TreeRun]] = {k: [] for k in names}
-    for r in range(rounds):
-        for key in names[r % len(names) :] + names[: r % len(names)]:
-            row = rows[key]
-            if row.out is not None:
-                shutil.rmtree(row.out, ignore_errors=True)
-                row.out.mkdir(parents=True)
-            run = run_tree(row.cmd, env=env, cgroup=cgroup, watch=row.out, first_byte_bytes=first_byte)
-            if row.out is not None:
-                shutil.rmtree(row.out, ignore_errors=True)
-            runs[key].append(run)
-            fb = "" if run.first_byte_s is None else f"  first byte {run.first_byte_s:6.2f} s"
-            status = "ok" if run.returncode == 0 else f"failed (rc {run.returncode})"
-            cpu = f"CPU {run.cpu_s:7.2f} s (rusage {run.rusage_cpu_s:.2f})"
-            print(f"round {r + 1}: {row.label:52s} {run.wall_s:7.2f} s  {cpu}{fb}  {status}", file=sys.stderr)
-            if run.returncode != 0:
-                print(run.stderr_tail, file=sys.stderr)
+    for r, key in rotating(names, rounds):
+        row = rows[key]
+        if row.out is not None:
+            shutil.rmtree(row.out, ignore_errors=True)
+            row.out.mkdir(parents=True)
+        run = run_tree(row.cmd, env=env, cgroup=cgroup, watch=row.out, first_byte_bytes=first_byte)
+        if row.out is not None:
+            shutil.rmtree(row.out, ignore_errors=True)
+        runs[key].append(run)
+        fb = "" if run.first_byte_s is None else f"  first byte {run.first_byte_s:6.2f} s"
+        status = "ok" if run.returncode == 0 else f"failed (rc {run.returncode})"
+        cpu = f"CPU {run.cpu_s:7.2f} s (rusage {run.rusage_cpu_s:.2f})"
+        print(f"round {r + 1}: {row.label:52s} {run.wall_s:7.2f} s  {cpu}{fb}  {status}", file=sys.stderr)
+        if run.returncode != 0:
+            print(run.stderr_tail, file=sys.stderr)
     return runs, method
 
 
