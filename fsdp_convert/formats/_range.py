@@ -148,12 +148,13 @@ class PayloadEdges:
         length_bytes: length of the payload, in bytes.
     """
 
-    __slots__ = ("_fd", "_start", "_length", "_head", "_tail", "_tail_at")
+    __slots__ = ("_fd", "_start", "_length", "_head", "_tail", "_tail_at", "whole")
 
     def __init__(self, fd: int, offset_bytes: int, length_bytes: int) -> None:
         self._fd, self._start, self._length = fd, offset_bytes, length_bytes
+        self.whole: bytes | None = None  # the payload, where it was read at once
         if length_bytes <= 2 * EDGE_BYTES:
-            self._head = self._tail = os.pread(fd, length_bytes, offset_bytes)
+            self._head = self._tail = self.whole = os.pread(fd, length_bytes, offset_bytes)
             self._tail_at = 0
         else:
             self._head = os.pread(fd, EDGE_BYTES, offset_bytes)

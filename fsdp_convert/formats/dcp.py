@@ -49,6 +49,7 @@ from fsdp_convert.formats._dcp_metadata import build_index, load_metadata, recor
 from fsdp_convert.formats._dcp_payloads import BOTH_OPTIONS_HINT, is_raw_chunk, payload_formats
 from fsdp_convert.formats._metadata_child import index_in_child
 from fsdp_convert.formats._payload_pickle import plain_value, read_payload_tensor, whole_storage
+from fsdp_convert.formats._payload_shapes import PayloadShapes, learn
 from fsdp_convert.formats._range import ByteRangeFile, PayloadEdges, RecordHash
 from fsdp_convert.formats._stream_transforms import DecodedPayload, bytes_limit_bytes, chunk_limit_bytes, decode_payload
 from fsdp_convert.formats.index import MAX_ENTRIES, BytesEntry, CheckpointIndex, ChunkEntry, Location, TensorEntry, Url
@@ -185,7 +186,14 @@ class DcpReader(ChunkedReader):
     Args:
         checkpoint_id: the checkpoint folder, local or an fsspec URL.
         check_crc: check every zip record's CRC-32 of every payload read (torch.load does not).
+        follow_symlinks: as ``ChunkedReader``'s.
     """
+
+    def __init__(
+        self, checkpoint_id: str | os.PathLike[str] | Location, *, check_crc: bool = True, follow_symlinks: bool | None = None
+    ) -> None:
+        super().__init__(checkpoint_id, check_crc=check_crc, follow_symlinks=follow_symlinks)
+        self._shapes = PayloadShapes()  # each payload zip parsed once per shape (``_payload_shapes``)
 
     def locate(self, entry: TensorEntry, chunk: ChunkEntry) -> StoredBytes | None:
         """The storage record of a chunk's payload, found without decoding its data.
@@ -214,6 +222,14 @@ class DcpReader(ChunkedReader):
             self._log_read(entry, chunk)
             return StoredBytes(fd=fd, offset=at, nbytes=chunk.length_bytes, crc32=None, where=where)
         edges = PayloadEdges(fd, at, chunk.length_bytes)
+        matched = self._shapes.match(edges.pread, chunk.length_bytes, self.check_crc, edges.whole)
+        if matched is not None:  # the bytes of a payload parsed before, but its storage's data and CRC-32s
+            shape, crc = matched
+            nbytes = shape.storage.size
+            if (shape.dtype_name, shape.sizes) == (entry.dtype_name, chunk.sizes) and nbytes == chunk.numel * entry.itemsize:
+                self._log_read(entry, chunk)
+                checked = crc if self.check_crc else None
+                return StoredBytes(fd=fd, offset=at + shape.storage.data_offset, nbytes=nbytes, crc32=checked, where=where)
         try:
             records = read_records(edges.pread, chunk.length_bytes)
         except ZipFormatError as e:
@@ -234,11 +250,14 @@ class DcpReader(ChunkedReader):
             plain = whole_storage(tensor, storage)
         else:  # a pickle of another shape: torch's loader reads it and names the fault
             plain = self._whole_meta(ByteRangeFile(fd, at, chunk.length_bytes), entry, chunk, storage, where)
+            tensor = None
         if not plain or storage.size != chunk.numel * entry.itemsize:
             return None
+        if tensor is not None:  # payloads of this shape are matched against this one's bytes from now on
+            self._shapes.add(learn(edges.pread, chunk.length_bytes, records, storage, tensor))
         self._log_read(entry, chunk)
-        crc = storage.crc32 if self.check_crc else None
-        return StoredBytes(fd=fd, offset=at + storage.data_offset, nbytes=storage.size, crc32=crc, where=where)
+        checked = storage.crc32 if self.check_crc else None
+        return StoredBytes(fd=fd, offset=at + storage.data_offset, nbytes=storage.size, crc32=checked, where=where)
 
     def _load_chunk(self, entry: TensorEntry, chunk: ChunkEntry) -> Any:
         assert chunk.relative_path is not None
