@@ -37,6 +37,7 @@ from fsdp_convert.formats.index import (
     Location,
     ObjPath,
     TensorEntry,
+    chunk_entry,
     readable_name,
     readable_path,
 )
@@ -203,19 +204,22 @@ def _bad(path: Location, what: str) -> NotADcpCheckpointError:
     return NotADcpCheckpointError(f"{path}: {what}")
 
 
-_INT = frozenset({int})
+def _int_tuple(value: Any, meta_path: Location, what: str, fqn: str) -> tuple[int, ...]:
+    """``value`` as a tuple of 64-bit naturals (a shape, offsets, sizes), checked at C speed (millions per file).
 
-
-def _int_tuple(value: Any, meta_path: Location, what: str) -> tuple[int, ...]:
-    """``value`` as a tuple of 64-bit naturals (a shape, offsets, sizes), checked at C speed (millions per file)."""
+    The message names ``what`` and ``fqn``, joined only when it is raised.
+    """
     if type(value) is records.Size:  # torch_size made it of 64-bit ints: only their sign is left to check
         if not value or min(value) >= 0:
             return tuple(value)
     elif isinstance(value, (tuple, list)):
-        ints = tuple(value)
-        if not ints or (_INT.issuperset(map(type, ints)) and min(ints) >= 0 and max(ints) < 2**63):
+        ints = value if type(value) is tuple else tuple(value)
+        for d in ints:  # a plain loop: three times faster than issuperset, min and max for a few dims
+            if type(d) is not int or not 0 <= d < 2**63:
+                break
+        else:
             return ints
-    raise _bad(meta_path, f"{what} is not a sequence of non-negative 64-bit ints")
+    raise _bad(meta_path, f"{what} {fqn} is not a sequence of non-negative 64-bit ints")
 
 
 def _name(value: Any, meta_path: Location, what: str) -> str:
@@ -334,7 +338,7 @@ def _build_index(metadata: records.Metadata, checkpoint_id: Location) -> Checkpo
     for key, info in storage_data.items():
         if not isinstance(key, records.MetadataIndex) or not isinstance(key.fqn, str):
             raise _bad(meta_path, f"a storage_data key is a {type(key).__name__}, not a MetadataIndex with an FQN")
-        offset = None if key.offset is None else _int_tuple(key.offset, meta_path, f"offset of {key.fqn}")
+        offset = None if key.offset is None else _int_tuple(key.offset, meta_path, "offset of", key.fqn)
         storage[(key.fqn, offset)] = info
 
     planner_data = metadata.planner_data
@@ -357,7 +361,7 @@ def _build_index(metadata: records.Metadata, checkpoint_id: Location) -> Checkpo
             continue
         if not isinstance(md, records.TensorStorageMetadata):
             raise _bad(meta_path, f"entry {fqn} has unknown metadata type {type(md).__name__}")
-        shape = _int_tuple(md.size, meta_path, f"shape of {fqn}")
+        shape = _int_tuple(md.size, meta_path, "shape of", fqn)
         dtype = getattr(md.properties, "dtype", None)
         if type(dtype) is not records.TorchDtype:
             raise _bad(meta_path, f"entry {fqn} has no torch dtype")
@@ -370,8 +374,8 @@ def _build_index(metadata: records.Metadata, checkpoint_id: Location) -> Checkpo
         for chunk in md.chunks:
             if not isinstance(chunk, records.ChunkStorageMetadata):
                 raise _bad(meta_path, f"a chunk of {fqn} is a {type(chunk).__name__}")
-            offsets = _int_tuple(chunk.offsets, meta_path, f"chunk offsets of {fqn}")
-            sizes = _int_tuple(chunk.sizes, meta_path, f"chunk sizes of {fqn}")
+            offsets = _int_tuple(chunk.offsets, meta_path, "chunk offsets of", fqn)
+            sizes = _int_tuple(chunk.sizes, meta_path, "chunk sizes of", fqn)
             if len(offsets) != len(shape) or len(sizes) != len(shape):
                 raise _bad(meta_path, f"a chunk of {fqn} has {len(sizes)} dims, the tensor {len(shape)}")
             info = storage.get((fqn, offsets))
@@ -389,16 +393,7 @@ def _build_index(metadata: records.Metadata, checkpoint_id: Location) -> Checkpo
                     f"chunk of {fqn} at offsets {shown(list(offsets))} claims {shown(list(sizes))} elements of torch.{dtype}, "
                     "more than its payload holds",
                 )
-            chunks.append(
-                ChunkEntry(
-                    offsets=offsets,
-                    sizes=sizes,
-                    relative_path=rel,
-                    offset_bytes=off,
-                    length_bytes=length,
-                    transform_descriptors=tr,
-                )
-            )
+            chunks.append(chunk_entry(offsets, sizes, rel, off, length, tr))
         entries.append(TensorEntry(fqn=fqn, path=path, shape=shape, dtype_name=str(dtype), chunks=tuple(chunks)))
 
     storage_meta = metadata.storage_meta

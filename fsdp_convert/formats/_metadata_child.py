@@ -26,9 +26,11 @@ it saves there. POSIX only (``os.fork``); elsewhere None.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import gc
 import io
+import itertools
 import marshal
 import mmap
 import os
@@ -43,9 +45,9 @@ from collections.abc import Callable
 from typing import Any
 
 from fsdp_convert.formats import _dcp_classes as records
-from fsdp_convert.formats._dcp_classes import torch_dtype
+from fsdp_convert.formats._dcp_classes import size_dims, torch_dtype
 from fsdp_convert.formats._dcp_records import CALLS, record_state
-from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, ChunkEntry, Entry, Location, TensorEntry
+from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, Entry, Location, TensorEntry, chunk_entry
 
 __all__ = ["MIN_BYTES", "index_in_child"]
 
@@ -76,35 +78,143 @@ def _record_class(base: type) -> type:
     def __setstate__(self: Any, state: Any) -> None:  # noqa: N807
         if type(self) is not made or getattr(self, "__dict__", None):  # BUILD on the class, or twice
             raise _Refused("BUILD on something that is no fresh record")
+        if type(state) is dict and not state:  # perhaps a state a slotted record emptied (_slotted_record)
+            raise _Refused("an empty state")
         object.__setattr__(self, "__dict__", record_state(base, state))
 
     made = type(base.__name__, (base,), {"__new__": __new__, "__init__": __init__, "__setstate__": __setstate__})
     return made
 
 
-class _Call:
-    """An admitted function (``_dcp_records.CALLS``): REDUCE calls it; BUILD, SETITEM, APPEND on it fail."""
+# The state dicts slotted records emptied: each must be referenced by the unpickler's memo alone
+# when the load ends (and by this list), or the file is the interpreter's to read.
+_CLEARED: list[dict[str, Any]] = []
+_MISSING = object()
 
-    __slots__ = ("_function",)
 
-    def __init__(self, function: Callable[..., Any]) -> None:
-        self._function = function
+def _slotted_record(base: type) -> type:
+    """A slotted subclass of a record there is one of per chunk (``base``): a third of the memory.
 
-    def __call__(self, *args: Any) -> Any:
-        return self._function(*args)
+    BUILD moves the state's fields into slots and empties the state dict, which the unpickler's
+    memo holds to the end of the load. A state of any other field (a newer torch's) is refused
+    and the file left to the interpreter, as is a state dict used anywhere else: an empty state
+    is refused by every record and call, and a reference to an emptied one found after the load
+    (``_emptied_alone``).
+    """
+    fields = dataclasses.fields(base)
+    names = frozenset(f.name for f in fields)
+    defaults = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
 
-    def __setstate__(self, state: Any) -> None:
+    def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
+        if args or kwargs:
+            raise _Refused("a record made with arguments")
+        record: Any = object.__new__(cls)
+        fresh(record, True)
+        return record
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        raise _Refused("a record class called")
+
+    def __setstate__(self: Any, state: Any) -> None:  # noqa: N807
+        if type(self) is not made or not self._fresh or type(state) is not dict or not state or not names.issuperset(state):  # type: ignore[attr-defined]
+            raise _Refused("BUILD on something that is no fresh record, or with other fields")
+        fresh(self, False)
+        for name, put in setters:
+            value = state.get(name, _MISSING)
+            if value is _MISSING:
+                if name not in defaults:
+                    raise _Refused("a record without one of its fields")
+                value = defaults[name]
+            put(self, value)
+        _CLEARED.append(state)
+        state.clear()
+
+    slots = (*(f.name for f in fields), "_fresh")
+    made = type(
+        base.__name__, (base,), {"__slots__": slots, "__new__": __new__, "__init__": __init__, "__setstate__": __setstate__}
+    )
+    fresh = made._fresh.__set__  # type: ignore[attr-defined]
+    setters = [(f.name, getattr(made, f.name).__set__) for f in fields]
+    return made
+
+
+def _emptied_alone() -> bool:
+    """Whether no state dict a slotted record emptied is held by anything but the memo (and ``_CLEARED``)."""
+    return max(map(sys.getrefcount, _CLEARED), default=0) <= 3  # the memo, the list, the call's argument
+
+
+def _call(function: Callable[..., Any], *, takes_dicts: bool = False) -> Any:
+    """An admitted function (``_dcp_records.CALLS``) as REDUCE calls it; BUILD, SETITEM, APPEND on it fail.
+
+    An instance of a class of its own whose ``__call__`` is the function: no frame between. One
+    that ``takes_dicts`` (``OrderedDict``: it copies one) refuses an empty dict, perhaps a state
+    a slotted record emptied; the others refuse any dict themselves.
+    """
+
+    def __setstate__(self: Any, state: Any) -> None:  # noqa: N807
         raise _Refused("BUILD on an admitted function")
+
+    def checked(*args: Any) -> Any:
+        for arg in args:
+            if type(arg) is dict and not arg:
+                raise _Refused("an empty dict passed to a call")
+        return function(*args)
+
+    call = checked if takes_dicts else function
+    return type("_Call", (), {"__slots__": (), "__call__": staticmethod(call), "__setstate__": __setstate__})()
 
 
 # torch's core records as FileSystemWriter pickles them; any other class is the interpreter's to read
 _RECORDS = {
     (f"{_MODULE}.metadata", name): _record_class(getattr(records, name))
-    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata")
-    + ("TensorProperties", "MetadataIndex", "StorageMeta")
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties", "StorageMeta")
 }
-_RECORDS[(f"{_MODULE}.filesystem", "_StorageInfo")] = _record_class(records.StorageInfo)
-_CALLS = {key: _Call(function) for key, function in CALLS.items()}
+_RECORDS |= {
+    (f"{_MODULE}.metadata", name): _slotted_record(getattr(records, name)) for name in ("ChunkStorageMetadata", "MetadataIndex")
+}
+_RECORDS[(f"{_MODULE}.filesystem", "_StorageInfo")] = _slotted_record(records.StorageInfo)
+_CALLS = {key: _call(function, takes_dicts=key == ("collections", "OrderedDict")) for key, function in CALLS.items()}
+# torch.Size as the tuple of its dims (the memo holds that tuple anyway): millions of them, and
+# build_index checks every size, offset and shape as a tuple of 64-bit naturals
+_CALLS[("torch", "Size")] = _call(size_dims)
+_DROP_BYTES = 4 << 20  # the mapping's pages read are dropped from the child's memory this many bytes at a time
+
+
+class _MappedStream:
+    """A read-only mapping read front to back by the unpickler, its pages dropped from this process once read.
+
+    The file's pages stay in the page cache; the child's memory holds the records, not the file too
+    (``.metadata`` is a tenth of the records it makes). ``peek`` lets the C unpickler take 512 KiB
+    a call, as from a buffered file.
+    """
+
+    def __init__(self, mapping: mmap.mmap) -> None:
+        self._mapping, self._at, self._dropped = mapping, 0, 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self._mapping) if n < 0 else min(len(self._mapping), self._at + n)
+        data = self._mapping[self._at : end]
+        self._at = end
+        if end - self._dropped >= _DROP_BYTES:
+            upto = end - end % mmap.PAGESIZE
+            self._mapping.madvise(mmap.MADV_DONTNEED, self._dropped, upto - self._dropped)
+            self._dropped = upto
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def readline(self) -> bytes:
+        newline = self._mapping.find(b"\n", self._at)
+        return self.read(len(self._mapping) - self._at if newline < 0 else newline + 1 - self._at)
+
+    def peek(self, n: int = 0) -> bytes:
+        return self._mapping[self._at : self._at + max(n, 1)]
+
+    def tell(self) -> int:
+        return self._at
 
 
 class _Unpickler(pickle.Unpickler):
@@ -138,10 +248,7 @@ def _entry(data: tuple[Any, ...]) -> Entry:
     """``_entry_data`` read back."""
     if data[0] == 0:
         _, fqn, path, shape, dtype_name, chunks = data
-        boxes = tuple(
-            ChunkEntry(offsets=o, sizes=s, relative_path=r, offset_bytes=b, length_bytes=n, transform_descriptors=t, record=rec)
-            for o, s, r, b, n, t, rec in chunks
-        )
+        boxes = tuple(itertools.starmap(chunk_entry, chunks))  # fields in ChunkEntry's order
         return TensorEntry(fqn=fqn, path=path, shape=shape, dtype_name=dtype_name, chunks=boxes)
     _, fqn, path, rel, offset, length, transforms, record = data
     return BytesEntry(
@@ -177,11 +284,12 @@ def _child(data: Any, build: Callable[[Any], CheckpointIndex], out: int) -> int:
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     address = _address_space() + (1 << 30) + _MEMORY_PER_BYTE * size
     resource.setrlimit(resource.RLIMIT_AS, (address, address))
-    stream = data if isinstance(data, mmap.mmap) else io.BytesIO(data)  # a mapping is read in place, not copied
-    stream.seek(0)
-    metadata = _Unpickler(stream).load()
-    if stream.tell() != size or not isinstance(metadata, records.Metadata):
-        return 1  # data after the pickle, or not a Metadata: the interpreter names it
+    stream = _MappedStream(data) if isinstance(data, mmap.mmap) else io.BytesIO(data)  # a mapping is read in place
+    unpickler = _Unpickler(stream)
+    metadata = unpickler.load()
+    if stream.tell() != size or not isinstance(metadata, records.Metadata) or not _emptied_alone():
+        return 1  # data after the pickle, not a Metadata, or an emptied state used: the interpreter names it
+    del unpickler  # its memo
     index = build(metadata)
     del metadata, stream  # the records' memory holds the payload
     payload = marshal.dumps((index.data_files, index.version, index.save_id, tuple(map(_entry_data, index.entries))))

@@ -42,6 +42,7 @@ __all__ = [
     "Url",  # from location, as every format and operation names them
     "Location",
     "ChunkEntry",
+    "chunk_entry",
     "TensorEntry",
     "BytesEntry",
     "Entry",
@@ -115,6 +116,32 @@ class ChunkEntry:
     def numel(self) -> int:
         """Number of elements in the box."""
         return math.prod(self.sizes)
+
+
+_SETTERS = tuple(getattr(ChunkEntry, name).__set__ for name in ChunkEntry.__slots__)  # the fields' slots, in order
+
+
+def chunk_entry(
+    offsets: tuple[int, ...],
+    sizes: tuple[int, ...],
+    relative_path: str | None,
+    offset_bytes: int,
+    length_bytes: int,
+    transform_descriptors: tuple[str, ...] = (),
+    record: ObjPath = (),
+) -> ChunkEntry:
+    """``ChunkEntry(...)`` of these fields, in order, made in a third of the time (millions per index).
+
+    The fields' types are the caller's to have checked, as for ``ChunkEntry`` itself.
+    """
+    chunk = _NEW(ChunkEntry)
+    a, b, c, d, e, f, g = _SETTERS
+    a(chunk, offsets), b(chunk, sizes), c(chunk, relative_path), d(chunk, offset_bytes), e(chunk, length_bytes)
+    f(chunk, transform_descriptors), g(chunk, record)
+    return chunk
+
+
+_NEW = object.__new__
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, init=False)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import itertools
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -106,14 +106,13 @@ def chunks_per_dim(entry: TensorEntry) -> tuple[int, ...] | None:
         Pieces per dim (``(2, 2)``: two row blocks times two column blocks), or ``None`` when the
         chunks are not such a grid (they overlap, leave gaps, or are cut irregularly).
     """
-    boxes = {(c.offsets, c.sizes) for c in entry.chunks if c.numel > 0}
-    if not boxes:
+    stored = [(c.offsets, c.sizes) for c in entry.chunks if 0 not in c.sizes]
+    boxes = set(stored)
+    if not boxes or len(boxes) != len(stored):  # none, or one box stored twice
         return None
-    per_dim = [sorted({(offsets[d], sizes[d]) for offsets, sizes in boxes}) for d in range(len(entry.shape))]
-    grid = {(tuple(o for o, _ in cell), tuple(n for _, n in cell)) for cell in itertools.product(*per_dim)}
-    if grid != boxes or len(grid) != len([c for c in entry.chunks if c.numel > 0]):
-        return None
-    return tuple(len(intervals) for intervals in per_dim)
+    per_dim = [len({(offsets[d], sizes[d]) for offsets, sizes in boxes}) for d in range(len(entry.shape))]
+    # each box is one cell of the grid of these intervals: they are all of it when they are as many
+    return tuple(per_dim) if math.prod(per_dim) == len(boxes) else None
 
 
 def inspect_checkpoint(checkpoint_id: str | os.PathLike[str], *, follow_symlinks: bool | None = None) -> InspectResult:

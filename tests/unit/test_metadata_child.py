@@ -137,3 +137,27 @@ def test_data_after_the_pickle_or_no_metadata_is_left_to_the_interpreter(ws3_ckp
     assert _in_child(tmp_path, pickle.dumps({"state_dict_metadata": {}}, protocol=2)) is None
     # a writer's record the child does not admit (Megatron-Core's plans): the interpreter's to read
     assert _dcp_metadata.metadata_from_bytes(raw, tmp_path / ".metadata").state_dict_metadata
+
+
+@pytest.mark.usefixtures("no_floor")
+@pytest.mark.parametrize("shared_as", ["planner_data value", "storage_meta modules"])
+def test_a_state_the_child_empties_used_elsewhere_is_left_to_the_interpreter(tmp_path: Path, shared_as: str) -> None:
+    """A record state dict also held by another value (before or after its BUILD): the child gives None, the interpreter reads it.
+
+    The child's slotted records empty their state dicts (memory); a pickle that uses one twice
+    would show the other use an empty dict where the interpreter shows its fields.
+    """
+    import torch
+    import torch.distributed.checkpoint as torch_dcp
+
+    torch_dcp.save({"w": torch.ones(4)}, checkpoint_id=tmp_path / "saved", no_dist=True)
+    metadata = pickle.loads((tmp_path / "saved" / ".metadata").read_bytes())  # noqa: S301  (torch's own file)
+    state = next(iter(metadata.storage_data)).__dict__
+    if shared_as == "planner_data value":  # pickled before storage_data: the record's BUILD takes it from the memo
+        metadata.planner_data["shared"] = state
+    else:  # pickled after: BINGET of the emptied dict
+        metadata.storage_meta.modules = state
+    data = pickle.dumps(metadata)
+    (tmp_path / "saved" / ".metadata").write_bytes(data)
+    assert _in_child(tmp_path / "saved", data) is None
+    assert _outcome(tmp_path / "saved") == "read"
