@@ -117,6 +117,11 @@ class ChunkEntry:
         """Number of elements in the box."""
         return math.prod(self.sizes)
 
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        """Pickled as ``chunk_entry``'s call (a worker's job holds millions): not dataclasses' setstate, field by field."""
+        fields = (self.offsets, self.sizes, self.relative_path, self.offset_bytes, self.length_bytes)
+        return chunk_entry, (*fields, self.transform_descriptors, self.record)
+
 
 _SETTERS = tuple(getattr(ChunkEntry, name).__set__ for name in ChunkEntry.__slots__)  # the fields' slots, in order
 

@@ -77,16 +77,29 @@ def source_state(index: CheckpointIndex) -> SourceFiles:
         with contextlib.suppress(OSError):
             fd = open_inside(root, root / name)  # no link out of it, no FIFO to block on (as the readers open it)
             try:
-                st, tails = os.fstat(fd), hashlib.sha256()
-                for offset, length in sorted(ranges_of_file):
-                    if offset + length > st.st_size:  # a claim past the file's end: the reader refuses it
-                        continue
-                    tail = min(length, PAYLOAD_TAIL_BYTES)
-                    tails.update(os.pread(fd, tail, offset + length - tail))
-                state[name] = [st.st_size, st.st_mtime_ns, tails.hexdigest()]
+                st = os.fstat(fd)
+                state[name] = [st.st_size, st.st_mtime_ns, _tails_digest(fd, sorted(ranges_of_file), st.st_size)]
             finally:
                 os.close(fd)
     return state
+
+
+_WINDOW_BYTES = 256 << 10  # the tails of small payloads are read this many bytes at a time, not one pread each
+
+
+def _tails_digest(fd: int, ranges: list[tuple[int, int]], size: int) -> str:
+    """SHA-256 of the last ``PAYLOAD_TAIL_BYTES`` of each ``(offset, length)`` range (sorted) inside ``size`` bytes."""
+    tails = hashlib.sha256()
+    window, window_at = memoryview(b""), 0
+    for offset, length in ranges:
+        if offset + length > size:  # a claim past the file's end: the reader refuses it
+            continue
+        tail = min(length, PAYLOAD_TAIL_BYTES)
+        at = offset + length - tail
+        if at < window_at or at + tail > window_at + len(window):  # a million payloads: a read per window
+            window, window_at = memoryview(os.pread(fd, max(tail, _WINDOW_BYTES), at)), at
+        tails.update(window[at - window_at : at - window_at + tail])
+    return tails.hexdigest()
 
 
 def changed_source(old: object, source: SourceDigest) -> str | None:
