@@ -327,11 +327,18 @@ def _stop(procs: list[BaseProcess]) -> None:
         p.close()
 
 
+def _rank_jobs(job: Any, nproc: int) -> list[Any]:
+    """What each rank is sent: ``job.for_rank(rank)`` where the job has it (each worker unpickles its own share), else ``job``."""
+    for_rank = getattr(job, "for_rank", None)
+    return [for_rank(rank) for rank in range(nproc)] if callable(for_rank) else [job] * nproc
+
+
 def run_local(fn: Callable[[Any, int, int, WorkerGroup], Any], job: Any, nproc: int) -> dict[int, Any]:
     """Run ``fn(job, rank, nproc, group)`` in ``nproc`` workers forked from the forkserver on this node.
 
     Start the server first (``launch.start_worker_server``: the workers share what it preloads).
-    ``fn`` and ``job`` must be picklable. The workers run the caller's main script again only
+    ``fn`` and ``job`` must be picklable; a job with a ``for_rank(rank)`` method sends each worker
+    what that gives (``ConsolidateJob``: its share of the index). The workers run the caller's main script again only
     when ``fn`` or ``job`` names a class or function of it (``syspath.main_not_run_again``). The
     workers meet in a ``PipeGroup``; the parent watches them and stops the rest as soon as one
     fails. Blocks until every worker exits.
@@ -349,9 +356,12 @@ def run_local(fn: Callable[[Any, int, int, WorkerGroup], Any], job: Any, nproc: 
     error_dir = Path(tempfile.mkdtemp(prefix="fsdp-convert-"))
     counter_path = error_dir / "counters"
     counter_path.write_bytes(bytes(_SLOTS * _SLOT.size))
-    job_bytes, main_names = dumps_naming_main(job)
-    main_names += dumps_naming_main(fn)[1]
-    call = _LocalCall(fn, job_bytes, file_modules(), str(error_dir), str(counter_path), dict(os.environ))
+    calls, main_names, dumped, modules = [], dumps_naming_main(fn)[1], {}, file_modules()
+    for rank_job in _rank_jobs(job, nproc):
+        if id(rank_job) not in dumped:  # one pickle of a job every rank gets
+            dumped[id(rank_job)], names = dumps_naming_main(rank_job)
+            main_names += [n for n in names if n not in main_names]
+        calls.append(_LocalCall(fn, dumped[id(rank_job)], modules, str(error_dir), str(counter_path), dict(os.environ)))
     links = [ctx.Pipe() for _ in range(nproc - 1)]  # (rank 0's end, rank r's end) for r = 1..nproc-1
     pipes = [ctx.Pipe(duplex=False) for _ in range(nproc)]  # (the parent's reader, the worker's writer)
     procs: list[BaseProcess] = []
@@ -362,7 +372,7 @@ def run_local(fn: Callable[[Any, int, int, WorkerGroup], Any], job: Any, nproc: 
                 with hold_signals(), main_not_run_again(bool(main_names)):
                     for rank in range(nproc):
                         peers = [a for a, _ in links] if rank == 0 else [links[rank - 1][1]]
-                        proc = ctx.Process(target=_local_worker, args=(call, rank, nproc, peers, pipes[rank][1]))
+                        proc = ctx.Process(target=_local_worker, args=(calls[rank], rank, nproc, peers, pipes[rank][1]))
                         proc.start()
                         procs.append(proc)
                 # only the workers hold their ends now: a dead worker's peers then read EOF at once

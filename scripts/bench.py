@@ -467,6 +467,9 @@ def main() -> None:
         metavar=("PARAMS", "RANKS"),
         help="e.g. 1040 256: the scale row (_bench_scale.py)",
     )
+    parser.add_argument(
+        "--scale-rows", default=None, help="--scale: these rows only (default all: read_metadata,inspect,dcp_to_torch_save,n1,n2)"
+    )
     parser.add_argument("--warm", action="store_true", help="the warm-cache table (scripts/_bench_warm.py)")
     parser.add_argument("--warm-nproc", default="1,2", help="--nproc values of the warm table's consolidate rows (default 1,2)")
     parser.add_argument("--scaling", default=None, help="e.g. 1,2,4,8,16: the --nproc scaling table, warm cache, OUT on tmpfs")

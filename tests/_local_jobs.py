@@ -59,6 +59,13 @@ def returns(job: Any, rank: int, world_size: int, group: Any) -> Any:
     return {"rank": rank, "job": job}
 
 
+class PerRank:
+    """A job that sends each worker its own share (``for_rank``), as ``ConsolidateJob`` sends its index."""
+
+    def for_rank(self, rank: int) -> str:
+        return f"share {rank}"
+
+
 def sleeps(job: Any, rank: int, world_size: int, group: Any) -> Any:
     """Write this worker's pid into folder ``job`` and sleep: for a signal to the parent to stop."""
     Path(job, f"{rank}.tmp").write_text(str(os.getpid()))

@@ -33,6 +33,7 @@ import io
 import itertools
 import marshal
 import mmap
+import operator
 import os
 import pickle
 import resource
@@ -41,11 +42,11 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fsdp_convert.formats import _dcp_classes as records
-from fsdp_convert.formats._dcp_classes import size_dims, torch_dtype
+from fsdp_convert.formats._dcp_classes import torch_dtype
 from fsdp_convert.formats._dcp_records import CALLS, record_state
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, Entry, Location, TensorEntry, chunk_entry
 
@@ -58,6 +59,7 @@ _MEMORY_PER_BYTE = 40  # the child's address space: the interpreter's, plus this
 _MODULE = "torch.distributed.checkpoint"
 _WALL_SLACK_S = 10  # the child's wall deadline: twice its CPU limit, plus this (a child waiting, not computing)
 _OK = 0  # the child's exit status when it wrote an index
+_BATCH = 64  # entries a frame: the parent makes the entries of one while the child writes the next
 
 
 class _Refused(Exception):
@@ -119,13 +121,17 @@ def _slotted_record(base: type) -> type:
         if type(self) is not made or not self._fresh or type(state) is not dict or not state or not names.issuperset(state):  # type: ignore[attr-defined]
             raise _Refused("BUILD on something that is no fresh record, or with other fields")
         fresh(self, False)
-        for name, put in setters:
-            value = state.get(name, _MISSING)
-            if value is _MISSING:
-                if name not in defaults:
-                    raise _Refused("a record without one of its fields")
-                value = defaults[name]
-            put(self, value)
+        if len(state) == len(names):  # every field (the states torch writes): taken at C speed
+            for put, value in zip(puts, every_field(state)):
+                put(self, value)
+        else:
+            for put, name in zip(puts, order):
+                value = state.get(name, _MISSING)
+                if value is _MISSING:
+                    if name not in defaults:
+                        raise _Refused("a record without one of its fields")
+                    value = defaults[name]
+                put(self, value)
         _CLEARED.append(state)
         state.clear()
 
@@ -134,13 +140,28 @@ def _slotted_record(base: type) -> type:
         base.__name__, (base,), {"__slots__": slots, "__new__": __new__, "__init__": __init__, "__setstate__": __setstate__}
     )
     fresh = made._fresh.__set__  # type: ignore[attr-defined]
-    setters = [(f.name, getattr(made, f.name).__set__) for f in fields]
+    order = [f.name for f in fields]
+    puts = [getattr(made, name).__set__ for name in order]
+    every_field = operator.itemgetter(*order)  # (two fields or more: a tuple)
     return made
 
 
 def _emptied_alone() -> bool:
     """Whether no state dict a slotted record emptied is held by anything but the memo (and ``_CLEARED``)."""
     return max(map(sys.getrefcount, _CLEARED), default=0) <= 3  # the memo, the list, the call's argument
+
+
+def _size_dims(dims: Any) -> tuple[Any, ...]:
+    """``torch.Size(dims)`` in the child: the tuple of its dims, ``dims`` itself (the memo holds it anyway; millions).
+
+    Its ints are checked where every size, offset and shape is read: ``build_index``, as plain
+    tuples of 64-bit naturals (a ``torch.Size`` anywhere else is not in the index).
+    """
+    if type(dims) is tuple:
+        return dims
+    if type(dims) is list:
+        return tuple(dims)
+    raise _Refused("a torch.Size of something other than a sequence")
 
 
 def _call(function: Callable[..., Any], *, takes_dicts: bool = False) -> Any:
@@ -174,9 +195,7 @@ _RECORDS |= {
 }
 _RECORDS[(f"{_MODULE}.filesystem", "_StorageInfo")] = _slotted_record(records.StorageInfo)
 _CALLS = {key: _call(function, takes_dicts=key == ("collections", "OrderedDict")) for key, function in CALLS.items()}
-# torch.Size as the tuple of its dims (the memo holds that tuple anyway): millions of them, and
-# build_index checks every size, offset and shape as a tuple of 64-bit naturals
-_CALLS[("torch", "Size")] = _call(size_dims)
+_CALLS[("torch", "Size")] = _call(_size_dims)
 _DROP_BYTES = 4 << 20  # the mapping's pages read are dropped from the child's memory this many bytes at a time
 
 
@@ -292,27 +311,45 @@ def _child(data: Any, build: Callable[[Any], CheckpointIndex], out: int) -> int:
     del unpickler  # its memo
     index = build(metadata)
     del metadata, stream  # the records' memory holds the payload
-    payload = marshal.dumps((index.data_files, index.version, index.save_id, tuple(map(_entry_data, index.entries))))
-    del index
-    view = memoryview(payload)
-    while view:
-        view = view[os.write(out, view) :]
+    _send(out, (index.data_files, index.version, index.save_id))
+    for at in range(0, len(index.entries), _BATCH):  # the parent makes the entries of one while this dumps the next
+        _send(out, tuple(map(_entry_data, index.entries[at : at + _BATCH])))
     return _OK
 
 
-def _read_all(fd: int, deadline: float) -> list[bytes] | None:
-    """Everything until the end of the pipe ``fd`` (closed here), or None at ``deadline`` (``time.monotonic``)."""
-    blocks: list[bytes] = []
-    try:
-        while (left := deadline - time.monotonic()) > 0:
-            if select.select([fd], [], [], left)[0]:
-                block = os.read(fd, 1 << 20)
-                if not block:
-                    return blocks
-                blocks.append(block)
-        return None
-    finally:
-        os.close(fd)
+def _send(fd: int, value: Any) -> None:
+    """Write ``value`` down the pipe ``fd`` as one frame: its ``marshal`` length (8 bytes, little-endian) and data."""
+    payload = marshal.dumps(value)
+    view = memoryview(len(payload).to_bytes(8, "little") + payload)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+class _Late(Exception):
+    """The child's deadline passed before the end of its pipe."""
+
+
+def _frames(fd: int, deadline: float) -> Iterator[Any]:
+    """The values of each whole frame ``_send`` wrote down the pipe ``fd``, as they come, to its end.
+
+    Raises:
+        _Late: at ``deadline`` (``time.monotonic``).
+        ValueError: the pipe ended inside a frame (the child died writing it).
+    """
+    buffer = bytearray()
+    while (left := deadline - time.monotonic()) > 0:
+        if not select.select([fd], [], [], left)[0]:
+            continue
+        block = os.read(fd, 1 << 20)
+        if not block:
+            if buffer:
+                raise ValueError("the pipe ended inside a frame")
+            return
+        buffer += block
+        while len(buffer) >= 8 and len(buffer) >= 8 + (n := int.from_bytes(buffer[:8], "little")):
+            yield marshal.loads(bytes(buffer[8 : 8 + n]))
+            del buffer[: 8 + n]
+    raise _Late
 
 
 def index_in_child(data: Any, checkpoint_id: Location, build: Callable[[Any], CheckpointIndex]) -> CheckpointIndex | None:
@@ -345,16 +382,24 @@ def index_in_child(data: Any, checkpoint_id: Location, build: Callable[[Any], Ch
         finally:
             os._exit(status)
     os.close(write_end)
-    blocks = _read_all(read_end, deadline=time.monotonic() + 2 * _cpu_seconds(len(data)) + _WALL_SLACK_S)
-    if blocks is None:  # stuck without using CPU (a lock a thread of the parent held at the fork)
+    read: list[Any] | None = []
+    try:
+        for frame in _frames(read_end, deadline=time.monotonic() + 2 * _cpu_seconds(len(data)) + _WALL_SLACK_S):
+            read.append(frame if not read else list(map(_entry, frame)))  # type: ignore[union-attr]
+    except _Late:  # stuck without using CPU (a lock a thread of the parent held at the fork)
         os.kill(pid, signal.SIGKILL)
+        read = None
+    except (ValueError, EOFError, TypeError):  # a frame cut short, or one that is no entries: the child failed
+        read = None
+    finally:
+        os.close(read_end)
     _, wait_status = os.waitpid(pid, 0)
-    if blocks is None or not os.WIFEXITED(wait_status) or os.WEXITSTATUS(wait_status) != _OK:
+    if not read or not os.WIFEXITED(wait_status) or os.WEXITSTATUS(wait_status) != _OK:
         return None
-    data_files, version, save_id, entries = marshal.loads(b"".join(blocks))
+    (data_files, version, save_id), *batches = read
     return CheckpointIndex(
         checkpoint_id=checkpoint_id,
-        entries=tuple(map(_entry, entries)),
+        entries=tuple(itertools.chain.from_iterable(batches)),
         data_files=data_files,
         version=version,
         save_id=save_id,

@@ -8,6 +8,7 @@ and central directory, then the folder's index.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -48,6 +49,34 @@ class ConsolidateJob:
     check_crc: bool
     resume: ResumeState | None = None
     index: bool = True
+
+    def for_rank(self, rank: int) -> ConsolidateJob:
+        """The job as worker ``rank`` gets it (``_local_workers.run_local``): chunks only of the tensors it moves.
+
+        Each worker unpickles its share of the index's chunks, not all of them (a 1024-rank
+        checkpoint holds millions); every entry keeps its name, shape and dtype, which rank 0
+        writes the headers from.
+        """
+        plan = self.plan
+        moved = {
+            id(e)
+            for item, owner in zip(plan.items, plan.owners, strict=True)
+            if owner == rank
+            for e in (item.entry, *item.sources)
+        }
+        trimmed: dict[int, TensorEntry] = {}
+
+        def trim(entry: Any) -> Any:
+            if not isinstance(entry, TensorEntry) or id(entry) in moved or not entry.chunks:
+                return entry
+            if id(entry) not in trimmed:
+                trimmed[id(entry)] = dataclasses.replace(entry, chunks=())
+            return trimmed[id(entry)]
+
+        items = tuple(dataclasses.replace(i, entry=trim(i.entry), sources=tuple(map(trim, i.sources))) for i in plan.items)
+        index = dataclasses.replace(self.source.index, entries=tuple(map(trim, self.source.index.entries)))
+        source = dataclasses.replace(self.source, index=index)
+        return dataclasses.replace(self, source=source, plan=dataclasses.replace(plan, items=items))
 
 
 def _tensor_bytes(plan: WorkPlan) -> int:

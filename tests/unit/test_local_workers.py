@@ -45,6 +45,7 @@ runs = {
     "dies0": outcome(t.dies, 0, 3),
     "raises": outcome(t.raises, "/out/full.pt", 3),
     "set": outcome(t.gathers_a_set, None, 2),
+    "per_rank": outcome(t.returns, t.PerRank(), 2),
 }
 runs["parent_torch"] = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
 print(json.dumps(runs))
@@ -75,6 +76,8 @@ def test_gather_barrier_and_counters_span_three_workers(runs: dict[str, Any]) ->
     # every worker's 200 adds of rank + 1 from two threads, all in before the barrier let anyone read
     assert [g["total"] for g in gathered] == [200 * (1 + 2 + 3)] * 3
     assert runs["returns"]["value"] == {str(r): {"rank": r, "job": "j"} for r in range(3)}  # by rank (JSON keys)
+    # a job with for_rank: each worker unpickles only what it gives for its rank
+    assert runs["per_rank"]["value"] == {str(r): {"rank": r, "job": f"share {r}"} for r in range(2)}
 
 
 @pytest.mark.parametrize("scenario", ["dies", "dies0"])

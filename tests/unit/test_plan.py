@@ -172,3 +172,27 @@ def test_a_param_group_field_stored_as_a_tensor_is_refused_before_planning(tmp_p
     source = open_checkpoint(tmp_path / "x.pt", full_files=True)
     with pytest.raises(UnsupportedTransformError, match="optim.param_groups.0.params: a tensor, where this tool reads"):
         prepare_items(source, TransformOptions(), TorchSaveFile().groups("all"))
+
+
+def test_each_worker_gets_the_chunks_of_the_tensors_it_moves_alone(ws3_ckpt: Sample, tmp_path: Path) -> None:
+    """``ConsolidateJob.for_rank``: a worker's job holds the chunks of its own tensors; every entry keeps name, shape, dtype."""
+    import pickle
+
+    from fsdp_convert.ops._consolidate_rank import ConsolidateJob
+
+    source = open_checkpoint(ws3_ckpt.checkpoint)
+    items = prepare_items(source, TransformOptions(), TorchSaveFile().groups("all"))
+    plan = plan_consolidate(source.index, items, tmp_path / "x.pt", kind=TorchSaveFile(), nproc=2)
+    job = ConsolidateJob(source=source, plan=plan, tmp_output=tmp_path / "tmp", progress=False, check_crc=True)
+    chunks = sum(len(e.chunks) for e in source.index.tensors())
+    shares = [pickle.loads(pickle.dumps(job.for_rank(rank))) for rank in (0, 1)]
+    for rank, share in enumerate(shares):
+        for item, whole, owner in zip(share.plan.items, plan.items, plan.owners, strict=True):
+            assert (item.entry.fqn, item.path, item.dtype, getattr(item.entry, "shape", None)) == (
+                whole.entry.fqn, whole.path, whole.dtype, getattr(whole.entry, "shape", None),
+            )  # fmt: skip
+            if isinstance(whole.entry, TensorEntry):
+                assert item.entry.chunks == (whole.entry.chunks if owner == rank else ())
+        assert [e.fqn for e in share.source.index.entries] == [e.fqn for e in source.index.entries]
+    held = [sum(len(e.chunks) for e in share.source.index.tensors()) for share in shares]
+    assert sum(held) == chunks and min(held) > 0  # the index's chunks split between the two, none twice
