@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -351,15 +352,15 @@ def check_coverage(entry: TensorEntry) -> None:
     if len(entry.chunks) > MAX_CHUNKS_PER_TENSOR:
         raise CoverageError(f"{fqn}: more than {MAX_CHUNKS_PER_TENSOR} chunks, far more than a checkpoint stores; not reading it")
     boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # (offsets, ends) of the non-empty chunks
-    for c in entry.chunks:
+    for c in entry.chunks:  # map() over C functions, not generators: millions of chunks at 1024 ranks
         if len(c.offsets) != len(shape) or len(c.sizes) != len(shape):
             raise CoverageError(f"{fqn}: chunk at offsets {_at(c.offsets)} has not the {len(shape)} dims of its tensor")
-        if any(o < 0 for o in c.offsets) or any(s < 0 for s in c.sizes):
+        if shape and (min(c.offsets) < 0 or min(c.sizes) < 0):
             raise CoverageError(f"{fqn}: chunk at offsets {_at(c.offsets)} with sizes {_at(c.sizes)} is negative")
         if 0 in c.sizes:
             continue  # an empty box may lie anywhere
-        ends = tuple(o + s for o, s in zip(c.offsets, c.sizes, strict=True))
-        if any(e > s for e, s in zip(ends, shape, strict=True)):
+        ends = tuple(map(operator.add, c.offsets, c.sizes))
+        if any(map(operator.gt, ends, shape)):
             raise CoverageError(
                 f"{fqn}: chunk at offsets {_at(c.offsets)} with sizes {_at(c.sizes)} lies outside shape {_at(shape)}"
             )

@@ -191,12 +191,14 @@ def consolidate_rank(job: ConsolidateJob, rank: int, world_size: int, group: Wor
         for fd in fds:
             os.fsync(fd)
         progress.flush()  # every rank's bytes are counted before rank 0 gathers
-        rows = [[p.file, p.offset, p.nbytes, p.crc32] for p in pieces]
-        gathered = group.gather(rows) if group is not None else [rows]
-        if gathered is None:
-            return None
+        if group is None:  # one rank: its pieces are all of them
+            everything = pieces
+        else:
+            gathered = group.gather([[p.file, p.offset, p.nbytes, p.crc32] for p in pieces])
+            if gathered is None:
+                return None
+            everything = [Piece(*map(int, row)) for share in gathered for row in share]
         progress.close()  # rank 0: the last frame, of every rank's bytes
-        everything = [Piece(*map(int, row)) for share in gathered for row in share]
         with job.source.open_reader() as reader:
             for f, fd in enumerate(fds):
                 _finish_file(job, f, fd, everything, reader)
