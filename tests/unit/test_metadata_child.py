@@ -161,3 +161,28 @@ def test_a_state_the_child_empties_used_elsewhere_is_left_to_the_interpreter(tmp
     (tmp_path / "saved" / ".metadata").write_bytes(data)
     assert _in_child(tmp_path / "saved", data) is None
     assert _outcome(tmp_path / "saved") == "read"
+
+
+def test_frames_come_whole_or_the_child_failed() -> None:
+    """The parent takes each frame the child sent whole; a pipe that ends inside one (a child killed writing it) fails."""
+    import os
+
+    for cut, expected in ((0, [("a", 1), (2,)]), (3, ValueError)):
+        read_end, write_end = os.pipe()
+        _metadata_child._send(write_end, ("a", 1))
+        if cut:
+            _metadata_child._send(write_end, (2,))
+            os.close(write_end)
+            leftover = os.read(read_end, 1 << 16)  # re-write all but the last bytes through a fresh pipe
+            os.close(read_end)
+            read_end, write_end = os.pipe()
+            os.write(write_end, leftover[:-cut])
+        else:
+            _metadata_child._send(write_end, (2,))
+        os.close(write_end)
+        if expected is ValueError:
+            with pytest.raises(ValueError, match="inside a frame"):
+                list(_metadata_child._frames(read_end, time.monotonic() + 10))
+        else:
+            assert list(_metadata_child._frames(read_end, time.monotonic() + 10)) == expected
+        os.close(read_end)
