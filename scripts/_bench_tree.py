@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from _bench_measure import remove_cgroup, tree_memory
+from _bench_measure import remove_cgroup, sample_tree
 
 FIRST_BYTE_BYTES = 1 << 20
 POLL_S = 0.005
@@ -212,7 +212,7 @@ def run_tree(
 ) -> TreeRun:
     """Run ``cmd`` (stdout discarded, stderr kept) under the reaper; see the module docstring.
 
-    With ``sample_memory``, the tree's RSS and PSS are sampled every 20 ms (``peak_rss_bytes``).
+    With ``sample_memory``, the tree's RSS is sampled every 20 ms, its PSS every 0.5 s (``_bench_measure.sample_tree``).
     """
     fd, result_name = tempfile.mkstemp(prefix="bench-reaper-", suffix=".json")
     os.close(fd)
@@ -228,11 +228,6 @@ def run_tree(
                 return
             stop.wait(POLL_S)
 
-    def sample(pid: int) -> None:
-        while not stop.is_set():
-            peaks[:] = map(max, peaks, tree_memory(pid))
-            stop.wait(0.02)
-
     group = CpuCgroup(*cgroup) if cgroup else None
     try:
         if group is not None:
@@ -242,7 +237,7 @@ def run_tree(
         proc_env = {**env, "BENCH_GRACE_S": str(STRAGGLER_GRACE_S)}
         poller = threading.Thread(target=poll, daemon=True)
         proc = subprocess.Popen(reaper, env=proc_env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        sampler = threading.Thread(target=sample, args=(proc.pid,), daemon=True)
+        sampler = threading.Thread(target=sample_tree, args=(proc.pid, stop, peaks), daemon=True)
         if watch is not None:
             poller.start()
         if sample_memory:

@@ -48,6 +48,7 @@ from typing import Any
 from fsdp_convert.formats import _dcp_classes as records
 from fsdp_convert.formats._dcp_classes import torch_dtype
 from fsdp_convert.formats._dcp_records import CALLS, record_state
+from fsdp_convert.formats._safe_pickle import paused_gc
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, Entry, Location, TensorEntry, chunk_entry
 
 __all__ = ["MIN_BYTES", "index_in_child"]
@@ -309,11 +310,16 @@ def _child(data: Any, build: Callable[[Any], CheckpointIndex], out: int) -> int:
     if stream.tell() != size or not isinstance(metadata, records.Metadata) or not _emptied_alone():
         return 1  # data after the pickle, not a Metadata, or an emptied state used: the interpreter names it
     del unpickler  # its memo
+    _CLEARED.clear()
     index = build(metadata)
     del metadata, stream  # the records' memory holds the payload
+    entries = list(index.entries)
     _send(out, (index.data_files, index.version, index.save_id))
-    for at in range(0, len(index.entries), _BATCH):  # the parent makes the entries of one while this dumps the next
-        _send(out, tuple(map(_entry_data, index.entries[at : at + _BATCH])))
+    del index
+    while entries:  # the parent makes the entries of one frame while this dumps the next, and frees it
+        batch = entries[:_BATCH]
+        del entries[:_BATCH]
+        _send(out, tuple(map(_entry_data, batch)))
     return _OK
 
 
@@ -352,6 +358,22 @@ def _frames(fd: int, deadline: float) -> Iterator[Any]:
     raise _Late
 
 
+def _read_frames(pid: int, fd: int, deadline: float) -> list[Any] | None:
+    """The child ``pid``'s header and entry batches from the pipe ``fd`` (closed here); None: it failed or is late (killed)."""
+    read: list[Any] = []
+    try:
+        for frame in _frames(fd, deadline):
+            read.append(frame if not read else list(map(_entry, frame)))
+    except _Late:  # stuck without using CPU (a lock a thread of the parent held at the fork)
+        os.kill(pid, signal.SIGKILL)
+        return None
+    except (ValueError, EOFError, TypeError):  # a frame cut short, or one that is no entries: the child failed
+        return None
+    finally:
+        os.close(fd)
+    return read
+
+
 def index_in_child(data: Any, checkpoint_id: Location, build: Callable[[Any], CheckpointIndex]) -> CheckpointIndex | None:
     """The index of a ``.metadata``'s bytes, unpickled by the C unpickler in a forked child; None: read it the other way.
 
@@ -382,17 +404,8 @@ def index_in_child(data: Any, checkpoint_id: Location, build: Callable[[Any], Ch
         finally:
             os._exit(status)
     os.close(write_end)
-    read: list[Any] | None = []
-    try:
-        for frame in _frames(read_end, deadline=time.monotonic() + 2 * _cpu_seconds(len(data)) + _WALL_SLACK_S):
-            read.append(frame if not read else list(map(_entry, frame)))  # type: ignore[union-attr]
-    except _Late:  # stuck without using CPU (a lock a thread of the parent held at the fork)
-        os.kill(pid, signal.SIGKILL)
-        read = None
-    except (ValueError, EOFError, TypeError):  # a frame cut short, or one that is no entries: the child failed
-        read = None
-    finally:
-        os.close(read_end)
+    with paused_gc():  # millions of entries made, no cycles: a collection would walk them all
+        read = _read_frames(pid, read_end, time.monotonic() + 2 * _cpu_seconds(len(data)) + _WALL_SLACK_S)
     _, wait_status = os.waitpid(pid, 0)
     if not read or not os.WIFEXITED(wait_status) or os.WEXITSTATUS(wait_status) != _OK:
         return None
