@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import operator
 import os
 import pickle
 import stat
@@ -22,12 +23,12 @@ from typing import Any
 from fsdp_convert.errors import NotADcpCheckpointError, UnsafeContentError
 from fsdp_convert.formats import _dcp_classes as records
 from fsdp_convert.formats._dcp_classes import MEM_FORMAT_ENCODING, torch_dtype
-from fsdp_convert.formats._dcp_payloads import BOTH_OPTIONS_HINT, ReadAt, is_raw_chunk, place_raw_chunks
+from fsdp_convert.formats._dcp_payloads import BOTH_OPTIONS_HINT, ReadAt, place_raw_chunks, raw_chunks_in
 from fsdp_convert.formats._dcp_records import CALL_BY_ID, RECORD_BY_ID, record_state, unknown_global
 from fsdp_convert.formats._dcp_records import CALLS as _CALLS
 from fsdp_convert.formats._dcp_records import RECORDS as _RECORDS
 from fsdp_convert.formats._safe_pickle import MalformedError, RefusedError, SafeUnpickler, described, paused_gc, shown
-from fsdp_convert.formats._stream_transforms import SizeOf
+from fsdp_convert.formats._stream_transforms import SizeOf, transformed
 from fsdp_convert.formats.index import (
     DTYPE_ITEMSIZES,
     BytesEntry,
@@ -296,10 +297,13 @@ def build_index(
             raise _bad(checkpoint_id / METADATA_FILENAME, f"malformed metadata ({type(e).__name__}: {shown(str(e))})") from e
         if read_at is not None and size_of is not None:
             index = place_raw_chunks(index, read_at, size_of)
-        elif any(is_raw_chunk(e, c) for e in index.tensors() for c in e.chunks):
+        elif any(map(raw_chunks_in, index.tensors())):
             raise _bad(checkpoint_id / METADATA_FILENAME, "chunks stored as safetensors need their data files to be indexed")
         _check_disjoint_payloads(index)
     return index
+
+
+_BYTE_RANGE = operator.attrgetter("relative_path", "offset_bytes", "length_bytes")
 
 
 def _check_disjoint_payloads(index: CheckpointIndex) -> None:
@@ -309,12 +313,17 @@ def _check_disjoint_payloads(index: CheckpointIndex) -> None:
     for e in index.entries:
         if isinstance(e, BytesEntry):
             ranges.setdefault(e.relative_path, []).append((e.offset_bytes, e.length_bytes, e.fqn))
-        else:
+            continue
+        for rel, offset, length in map(_BYTE_RANGE, e.chunks):  # (millions of chunks)
+            if rel is not None:
+                spans = ranges.get(rel)
+                if spans is None:
+                    spans = ranges[rel] = []
+                spans.append((offset, length, e.fqn))
+        if transformed(e):
             for c in e.chunks:
-                if c.relative_path is not None:
-                    ranges.setdefault(c.relative_path, []).append((c.offset_bytes, c.length_bytes, e.fqn))
-                    if c.transform_descriptors and c.length_bytes == c.numel * e.itemsize:
-                        both_options.add((c.relative_path, c.offset_bytes))
+                if c.relative_path is not None and c.transform_descriptors and c.length_bytes == c.numel * e.itemsize:
+                    both_options.add((c.relative_path, c.offset_bytes))
     for rel, spans in ranges.items():
         spans.sort()
         for (a_off, a_len, a_fqn), (b_off, _, b_fqn) in zip(spans, spans[1:]):
@@ -331,15 +340,18 @@ def _build_index(metadata: records.Metadata, checkpoint_id: Location) -> Checkpo
     sd_meta = metadata.state_dict_metadata
     if not isinstance(sd_meta, Mapping):
         raise _bad(meta_path, "state_dict_metadata is not a mapping")
-    storage: dict[tuple[str, tuple[int, ...] | None], Any] = {}
+    storage: dict[str, dict[tuple[int, ...] | None, Any]] = {}  # by FQN, then offsets: small dicts, looked up per chunk
     storage_data = metadata.storage_data if metadata.storage_data is not None else {}
     if not isinstance(storage_data, Mapping):
         raise _bad(meta_path, "storage_data is not a mapping")
     for key, info in storage_data.items():
-        if not isinstance(key, records.MetadataIndex) or not isinstance(key.fqn, str):
+        if not isinstance(key, records.MetadataIndex) or not isinstance(fqn := key.fqn, str):
             raise _bad(meta_path, f"a storage_data key is a {type(key).__name__}, not a MetadataIndex with an FQN")
-        offset = None if key.offset is None else _int_tuple(key.offset, meta_path, "offset of", key.fqn)
-        storage[(key.fqn, offset)] = info
+        offset = None if key.offset is None else _int_tuple(key.offset, meta_path, "offset of", fqn)
+        by_offset = storage.get(fqn)
+        if by_offset is None:
+            by_offset = storage[fqn] = {}
+        by_offset[offset] = info
 
     planner_data = metadata.planner_data
     order = [k for k in planner_data if k in sd_meta] if isinstance(planner_data, Mapping) else []
@@ -352,9 +364,9 @@ def _build_index(metadata: records.Metadata, checkpoint_id: Location) -> Checkpo
         fqn = _name(fqn, meta_path, "the key")
         path = _obj_path(planner_data, fqn, meta_path)
         if isinstance(md, records.BytesStorageMetadata):
-            if (fqn, None) not in storage:
+            if None not in storage.get(fqn, ()):
                 raise _bad(meta_path, f"bytes entry {fqn} has no storage record")
-            rel, off, length, tr = _storage_fields(storage[(fqn, None)], meta_path, fqn, files)
+            rel, off, length, tr = _storage_fields(storage[fqn][None], meta_path, fqn, files)
             entries.append(
                 BytesEntry(fqn=fqn, path=path, relative_path=rel, offset_bytes=off, length_bytes=length, transform_descriptors=tr)
             )
@@ -370,24 +382,23 @@ def _build_index(metadata: records.Metadata, checkpoint_id: Location) -> Checkpo
             raise _bad(meta_path, f"entry {fqn} has dtype torch.{dtype}, which this tool does not handle")
         if not isinstance(md.chunks, (list, tuple)):
             raise _bad(meta_path, f"chunks of {fqn} are not a list")
-        chunks = []
-        for chunk in md.chunks:
+        chunks: list[ChunkEntry] = []
+        ndim, stored = len(shape), storage.get(fqn, {})
+        for chunk in md.chunks:  # (millions: what is looked up per chunk is bound once per entry)
             if not isinstance(chunk, records.ChunkStorageMetadata):
                 raise _bad(meta_path, f"a chunk of {fqn} is a {type(chunk).__name__}")
             offsets = _int_tuple(chunk.offsets, meta_path, "chunk offsets of", fqn)
             sizes = _int_tuple(chunk.sizes, meta_path, "chunk sizes of", fqn)
-            if len(offsets) != len(shape) or len(sizes) != len(shape):
-                raise _bad(meta_path, f"a chunk of {fqn} has {len(sizes)} dims, the tensor {len(shape)}")
-            info = storage.get((fqn, offsets))
+            if len(offsets) != ndim or len(sizes) != ndim:
+                raise _bad(meta_path, f"a chunk of {fqn} has {len(sizes)} dims, the tensor {ndim}")
+            info = stored.get(offsets)
             if info is None:
                 if 0 not in sizes:
                     raise _bad(meta_path, f"chunk of {fqn} at offsets {shown(list(offsets))} has no storage record")
-                chunks.append(ChunkEntry(offsets=offsets, sizes=sizes, relative_path=None, offset_bytes=0, length_bytes=0))
+                chunks.append(chunk_entry(offsets, sizes, None, 0, 0))
                 continue
             rel, off, length, tr = _storage_fields(info, meta_path, fqn, files)
-            if math.prod(sizes) * itemsize > length and not tr:
-                # a torch.save payload holds the raw elements; this one cannot (and a huge claimed
-                # shape must not make us allocate it)
+            if math.prod(sizes) * itemsize > length and not tr:  # a payload holds the raw elements; a huge claim is refused
                 raise _bad(
                     meta_path,
                     f"chunk of {fqn} at offsets {shown(list(offsets))} claims {shown(list(sizes))} elements of torch.{dtype}, "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import operator
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +36,7 @@ __all__ = [
     "SizeOf",
     "max_decoded_bytes",
     "check_stream_claims",
+    "transformed",
     "chunk_limit_bytes",
     "bytes_limit_bytes",
     "decode_stream",
@@ -65,6 +67,14 @@ def max_decoded_bytes(descriptors: tuple[str, ...], stored_bytes: int) -> int | 
     return bound
 
 
+_TRANSFORMS = operator.attrgetter("transform_descriptors")
+
+
+def transformed(entry: TensorEntry) -> bool:
+    """Whether some chunk of ``entry`` is stream-transformed, checked at C speed (millions of chunks, few transformed)."""
+    return any(map(_TRANSFORMS, entry.chunks))
+
+
 def check_stream_claims(index: CheckpointIndex, size_of: SizeOf) -> None:
     """Refuse a stream-transformed chunk that claims more elements than its payload can decode to; decodes nothing.
 
@@ -82,6 +92,8 @@ def check_stream_claims(index: CheckpointIndex, size_of: SizeOf) -> None:
         MissingDataFileError: a data file holding such a chunk is missing (from ``size_of``).
     """
     for entry in index.tensors():
+        if not transformed(entry):
+            continue
         for chunk in entry.chunks:
             if chunk.relative_path is None or not chunk.transform_descriptors or chunk.numel == 0:
                 continue
