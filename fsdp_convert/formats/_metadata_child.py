@@ -26,14 +26,12 @@ it saves there. POSIX only (``os.fork``); elsewhere None.
 
 from __future__ import annotations
 
-import dataclasses
 import faulthandler
 import gc
 import io
 import itertools
 import marshal
 import mmap
-import operator
 import os
 import pickle
 import resource
@@ -46,8 +44,17 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from fsdp_convert.formats import _dcp_classes as records
+from fsdp_convert.formats._child_records import (
+    CLEARED,
+    Refused,
+    admitted_call,
+    emptied_alone,
+    record_class,
+    size_dims,
+    slotted_record,
+)
 from fsdp_convert.formats._dcp_classes import torch_dtype
-from fsdp_convert.formats._dcp_records import CALLS, record_state
+from fsdp_convert.formats._dcp_records import CALLS
 from fsdp_convert.formats._safe_pickle import paused_gc
 from fsdp_convert.formats.index import BytesEntry, CheckpointIndex, Entry, Location, TensorEntry, chunk_entry
 
@@ -63,140 +70,17 @@ _OK = 0  # the child's exit status when it wrote an index
 _BATCH = 64  # entries a frame: the parent makes the entries of one while the child writes the next
 
 
-class _Refused(Exception):
-    """Raised by the child's stand-ins: the parent falls back to the interpreter."""
-
-
-def _record_class(base: type) -> type:
-    """A subclass of the ``_dcp_classes`` record ``base`` that only NEWOBJ + BUILD can make, as pickle does."""
-
-    def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
-        if args or kwargs:
-            raise _Refused("a record made with arguments")
-        return object.__new__(cls)
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807  (a call of the class: REDUCE, INST, OBJ)
-        raise _Refused("a record class called")
-
-    def __setstate__(self: Any, state: Any) -> None:  # noqa: N807
-        if type(self) is not made or getattr(self, "__dict__", None):  # BUILD on the class, or twice
-            raise _Refused("BUILD on something that is no fresh record")
-        if type(state) is dict and not state:  # perhaps a state a slotted record emptied (_slotted_record)
-            raise _Refused("an empty state")
-        object.__setattr__(self, "__dict__", record_state(base, state))
-
-    made = type(base.__name__, (base,), {"__new__": __new__, "__init__": __init__, "__setstate__": __setstate__})
-    return made
-
-
-# The state dicts slotted records emptied: each must be referenced by the unpickler's memo alone
-# when the load ends (and by this list), or the file is the interpreter's to read.
-_CLEARED: list[dict[str, Any]] = []
-_MISSING = object()
-
-
-def _slotted_record(base: type) -> type:
-    """A slotted subclass of a record there is one of per chunk (``base``): a third of the memory.
-
-    BUILD moves the state's fields into slots and empties the state dict, which the unpickler's
-    memo holds to the end of the load. A state of any other field (a newer torch's) is refused
-    and the file left to the interpreter, as is a state dict used anywhere else: an empty state
-    is refused by every record and call, and a reference to an emptied one found after the load
-    (``_emptied_alone``).
-    """
-    fields = dataclasses.fields(base)
-    names = frozenset(f.name for f in fields)
-    defaults = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
-
-    def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
-        if args or kwargs:
-            raise _Refused("a record made with arguments")
-        record: Any = object.__new__(cls)
-        fresh(record, True)
-        return record
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
-        raise _Refused("a record class called")
-
-    def __setstate__(self: Any, state: Any) -> None:  # noqa: N807
-        if type(self) is not made or not self._fresh or type(state) is not dict or not state or not names.issuperset(state):  # type: ignore[attr-defined]
-            raise _Refused("BUILD on something that is no fresh record, or with other fields")
-        fresh(self, False)
-        if len(state) == len(names):  # every field (the states torch writes): taken at C speed
-            for put, value in zip(puts, every_field(state)):
-                put(self, value)
-        else:
-            for put, name in zip(puts, order):
-                value = state.get(name, _MISSING)
-                if value is _MISSING:
-                    if name not in defaults:
-                        raise _Refused("a record without one of its fields")
-                    value = defaults[name]
-                put(self, value)
-        _CLEARED.append(state)
-        state.clear()
-
-    slots = (*(f.name for f in fields), "_fresh")
-    made = type(
-        base.__name__, (base,), {"__slots__": slots, "__new__": __new__, "__init__": __init__, "__setstate__": __setstate__}
-    )
-    fresh = made._fresh.__set__  # type: ignore[attr-defined]
-    order = [f.name for f in fields]
-    puts = [getattr(made, name).__set__ for name in order]
-    every_field = operator.itemgetter(*order)  # (two fields or more: a tuple)
-    return made
-
-
-def _emptied_alone() -> bool:
-    """Whether no state dict a slotted record emptied is held by anything but the memo (and ``_CLEARED``)."""
-    return max(map(sys.getrefcount, _CLEARED), default=0) <= 3  # the memo, the list, the call's argument
-
-
-def _size_dims(dims: Any) -> tuple[Any, ...]:
-    """``torch.Size(dims)`` in the child: the tuple of its dims, ``dims`` itself (the memo holds it anyway; millions).
-
-    Its ints are checked where every size, offset and shape is read: ``build_index``, as plain
-    tuples of 64-bit naturals (a ``torch.Size`` anywhere else is not in the index).
-    """
-    if type(dims) is tuple:
-        return dims
-    if type(dims) is list:
-        return tuple(dims)
-    raise _Refused("a torch.Size of something other than a sequence")
-
-
-def _call(function: Callable[..., Any], *, takes_dicts: bool = False) -> Any:
-    """An admitted function (``_dcp_records.CALLS``) as REDUCE calls it; BUILD, SETITEM, APPEND on it fail.
-
-    An instance of a class of its own whose ``__call__`` is the function: no frame between. One
-    that ``takes_dicts`` (``OrderedDict``: it copies one) refuses an empty dict, perhaps a state
-    a slotted record emptied; the others refuse any dict themselves.
-    """
-
-    def __setstate__(self: Any, state: Any) -> None:  # noqa: N807
-        raise _Refused("BUILD on an admitted function")
-
-    def checked(*args: Any) -> Any:
-        for arg in args:
-            if type(arg) is dict and not arg:
-                raise _Refused("an empty dict passed to a call")
-        return function(*args)
-
-    call = checked if takes_dicts else function
-    return type("_Call", (), {"__slots__": (), "__call__": staticmethod(call), "__setstate__": __setstate__})()
-
-
 # torch's core records as FileSystemWriter pickles them; any other class is the interpreter's to read
 _RECORDS = {
-    (f"{_MODULE}.metadata", name): _record_class(getattr(records, name))
+    (f"{_MODULE}.metadata", name): record_class(getattr(records, name))
     for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties", "StorageMeta")
 }
 _RECORDS |= {
-    (f"{_MODULE}.metadata", name): _slotted_record(getattr(records, name)) for name in ("ChunkStorageMetadata", "MetadataIndex")
+    (f"{_MODULE}.metadata", name): slotted_record(getattr(records, name)) for name in ("ChunkStorageMetadata", "MetadataIndex")
 }
-_RECORDS[(f"{_MODULE}.filesystem", "_StorageInfo")] = _slotted_record(records.StorageInfo)
-_CALLS = {key: _call(function, takes_dicts=key == ("collections", "OrderedDict")) for key, function in CALLS.items()}
-_CALLS[("torch", "Size")] = _call(_size_dims)
+_RECORDS[(f"{_MODULE}.filesystem", "_StorageInfo")] = slotted_record(records.StorageInfo)
+_CALLS = {key: admitted_call(function, takes_dicts=key == ("collections", "OrderedDict")) for key, function in CALLS.items()}
+_CALLS[("torch", "Size")] = admitted_call(size_dims)
 _DROP_BYTES = 4 << 20  # the mapping's pages read are dropped from the child's memory this many bytes at a time
 
 
@@ -243,11 +127,11 @@ class _Unpickler(pickle.Unpickler):
         if found is None and module == "torch":
             found = torch_dtype(name)  # a str subclass without __dict__: BUILD on it fails
         if found is None:
-            raise _Refused("a global the child does not admit")
+            raise Refused("a global the child does not admit")
         return found
 
     def persistent_load(self, pid: Any) -> Any:
-        raise _Refused("a persistent id")
+        raise Refused("a persistent id")
 
 
 def _entry_data(entry: Entry) -> tuple[Any, ...]:
@@ -307,10 +191,10 @@ def _child(data: Any, build: Callable[[Any], CheckpointIndex], out: int) -> int:
     stream = _MappedStream(data) if isinstance(data, mmap.mmap) else io.BytesIO(data)  # a mapping is read in place
     unpickler = _Unpickler(stream)
     metadata = unpickler.load()
-    if stream.tell() != size or not isinstance(metadata, records.Metadata) or not _emptied_alone():
+    if stream.tell() != size or not isinstance(metadata, records.Metadata) or not emptied_alone():
         return 1  # data after the pickle, not a Metadata, or an emptied state used: the interpreter names it
     del unpickler  # its memo
-    _CLEARED.clear()
+    CLEARED.clear()
     index = build(metadata)
     del metadata, stream  # the records' memory holds the payload
     entries = list(index.entries)
