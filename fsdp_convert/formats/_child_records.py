@@ -77,9 +77,13 @@ def slotted_record(base: type) -> type:
         raise Refused("a record class called")
 
     def __setstate__(self: Any, state: Any) -> None:  # noqa: N807
-        if type(self) is made and self._fresh and type(state) is dict and len(state) == len(order):  # type: ignore[attr-defined]
-            try:  # every field, as torch writes them (millions): no other check needed, taken at C speed
-                values = every_field(state)
+        if type(self) is made and self._fresh and type(state) is dict:  # type: ignore[attr-defined]
+            try:  # every field, or those without a default, as torch writes them (millions): taken at C speed
+                values = None
+                if len(state) == len(order):
+                    values = every_field(state)
+                elif required_fields is not None and len(state) == len(required):
+                    values = required_fields(state) + rest
             except KeyError:
                 values = None
             if values is not None:
@@ -109,6 +113,9 @@ def slotted_record(base: type) -> type:
     order = [f.name for f in fields]
     puts = [getattr(made, name).__set__ for name in order]
     every_field = operator.itemgetter(*order)  # (two fields or more: a tuple)
+    required = [name for name in order if name not in defaults]  # first: a dataclass orders them so
+    required_fields = operator.itemgetter(*required) if len(required) > 1 else None
+    rest = tuple(defaults[name] for name in order[len(required) :])
     fill = _filler(puts)
     return made
 
