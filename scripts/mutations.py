@@ -93,7 +93,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "overlap-not-checked",
         "chunks must tile each tensor exactly (overlap)",
-        "fsdp_convert/formats/index.py",
+        "fsdp_convert/formats/_coverage.py",
         "            if start != end:",
         "            if start > end:",
         "tests/unit/test_formats_index.py::test_gaps_overlaps_and_outside_chunks_are_coverage_errors",
@@ -101,7 +101,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "gap-not-checked",
         "chunks must tile each tensor exactly (gap)",
-        "fsdp_convert/formats/index.py",
+        "fsdp_convert/formats/_coverage.py",
         "    if covered < entry.numel:",
         "if False:",
         "tests/cli/test_bad_inputs.py::test_bad_input_fails_cleanly[chunks leave a gap]",

@@ -109,6 +109,27 @@ class PayloadShapes:
             same.append(shape)
             self._count += 1
 
+    def storage_of(
+        self, pread: Pread, length: int, whole: bytes | None, tensor: tuple[str, tuple[int, ...], int], check_crc: bool
+    ) -> tuple[int, int, int | None] | None:
+        """Where the storage of a payload of a learned shape lies: ``(data offset, size, CRC-32)``, in bytes.
+
+        Args:
+            pread: reads ``(length, offset)`` of the payload.
+            length: the payload's length, in bytes.
+            whole: the whole payload where it was read at once.
+            tensor: ``(dtype name, sizes, bytes)`` the index gives the chunk; a shape of another tensor does not match.
+            check_crc: as ``match``; the CRC-32 is None without it.
+
+        Returns:
+            None where no learned shape of that tensor matches: parse the payload.
+        """
+        matched = self.match(pread, length, check_crc, whole)
+        if matched is None or (matched[0].dtype_name, matched[0].sizes, matched[0].storage.size) != tensor:
+            return None
+        shape, crc = matched
+        return shape.storage.data_offset, shape.storage.size, crc if check_crc else None
+
     def match(self, pread: Pread, length: int, check_crc: bool, whole: bytes | None = None) -> tuple[PayloadShape, int] | None:
         """The learned shape a payload of ``length`` bytes matches, with its storage's CRC-32.
 

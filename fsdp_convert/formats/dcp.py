@@ -222,14 +222,11 @@ class DcpReader(ChunkedReader):
             self._log_read(entry, chunk)
             return StoredBytes(fd=fd, offset=at, nbytes=chunk.length_bytes, crc32=None, where=where)
         edges = PayloadEdges(fd, at, chunk.length_bytes)
-        matched = self._shapes.match(edges.pread, chunk.length_bytes, self.check_crc, edges.whole)
-        if matched is not None:  # the bytes of a payload parsed before, but its storage's data and CRC-32s
-            shape, crc = matched
-            nbytes = shape.storage.size
-            if (shape.dtype_name, shape.sizes) == (entry.dtype_name, chunk.sizes) and nbytes == chunk.numel * entry.itemsize:
-                self._log_read(entry, chunk)
-                checked = crc if self.check_crc else None
-                return StoredBytes(fd=fd, offset=at + shape.storage.data_offset, nbytes=nbytes, crc32=checked, where=where)
+        claim = (entry.dtype_name, chunk.sizes, chunk.numel * entry.itemsize)
+        found = self._shapes.storage_of(edges.pread, chunk.length_bytes, edges.whole, claim, self.check_crc)
+        if found is not None:  # the bytes of a payload parsed before, but its storage's data and CRC-32s
+            self._log_read(entry, chunk)
+            return StoredBytes(fd=fd, offset=at + found[0], nbytes=found[1], crc32=found[2], where=where)
         try:
             records = read_records(edges.pread, chunk.length_bytes)
         except ZipFormatError as e:

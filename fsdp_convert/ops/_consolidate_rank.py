@@ -194,10 +194,11 @@ def consolidate_rank(job: ConsolidateJob, rank: int, world_size: int, group: Wor
         if group is None:  # one rank: its pieces are all of them
             everything = pieces
         else:
-            gathered = group.gather([[p.file, p.offset, p.nbytes, p.crc32] for p in pieces])
+            rows = [[p.file, p.offset, p.nbytes, p.crc32] for p in pieces] if rank != 0 else []  # rank 0 keeps its own
+            gathered = group.gather(rows)
             if gathered is None:
                 return None
-            everything = [Piece(*map(int, row)) for share in gathered for row in share]
+            everything = pieces + [Piece(*map(int, row)) for share in gathered[1:] for row in share]
         progress.close()  # rank 0: the last frame, of every rank's bytes
         with job.source.open_reader() as reader:
             for f, fd in enumerate(fds):

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import fsdp_convert.formats.index as index_module
+import fsdp_convert.formats._coverage as coverage_module
 from fsdp_convert.errors import CoverageError
 from fsdp_convert.formats.index import (
     CheckpointIndex,
@@ -218,11 +218,11 @@ def test_many_chunks_are_checked_in_n_log_n() -> None:
 
 
 def test_chunk_and_corner_caps_refuse_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(index_module, "MAX_CHUNKS_PER_TENSOR", 100)
+    monkeypatch.setattr(coverage_module, "MAX_CHUNKS_PER_TENSOR", 100)
     with pytest.raises(CoverageError, match=r"^model.w: more than 100 chunks"):
         check_coverage(_entry((101,), [((i,), (1,)) for i in range(101)]))
     # 64 boxes split on 5 dims: 2048 corners, past a cap of 1024
-    monkeypatch.setattr(index_module, "MAX_CORNERS", 1024)
+    monkeypatch.setattr(coverage_module, "MAX_CORNERS", 1024)
     shape = (2, 2, 2, 2, 4)
     boxes = [(tuple(c) + (k,), (1, 1, 1, 1, 1)) for c in itertools.product(range(2), repeat=4) for k in range(4)]
     with pytest.raises(CoverageError, match=r"^model.w: chunks split 5 dims into more boxes than this tool checks") as info:
