@@ -1005,6 +1005,38 @@ MUTATIONS: list[Mutation] = [
         'return ("auto", "torch", "safetensors")',
         "tests/unit/test_output_kind_extension.py::test_a_folder_kind_with_its_own_format_name",
     ),
+    Mutation(
+        "matched-payload-crc-not-checked",
+        "CRC-32: every zip record of every payload is checked as it is read (a payload matched against one of its shape)",
+        "fsdp_convert/formats/_payload_shapes.py",
+        "if check_crc and any(crc32(read(n, o)) != _U32.unpack(read(4, c))[0] for o, n, c in shape.checked):",
+        "if False:",
+        "tests/unit/test_payload_shapes.py::test_any_byte_changed_gives_the_full_parses_answer[True]",
+    ),
+    Mutation(
+        "matched-payload-compared-in-part",
+        "a chunk payload parsed once per shape; payloads of that shape matched against its bytes",
+        "fsdp_convert/formats/_payload_shapes.py",
+        "if any(whole[at:end] != span for at, end, span in shape.fixed):",
+        "if any(whole[at:end] != span for at, end, span in shape.fixed[:1]):",
+        "tests/unit/test_payload_shapes.py::test_any_byte_changed_gives_the_full_parses_answer[False]",
+    ),
+    Mutation(
+        "emptied-state-used-elsewhere",
+        "a state dict that anything else uses (an empty state given to a record or call, a reference to an emptied one left after the load) sends the file to the interpreter",
+        "fsdp_convert/formats/_child_records.py",
+        "return max(map(sys.getrefcount, CLEARED), default=0) <= 3",
+        "return True",
+        "tests/unit/test_metadata_child.py::test_a_state_the_child_empties_used_elsewhere_is_left_to_the_interpreter",
+    ),
+    Mutation(
+        "every-worker-gets-the-whole-job",
+        "each receives, in its own pickled job (`_local_workers.run_local`), the part of the index it needs",
+        "fsdp_convert/_local_workers.py",
+        "return [for_rank(rank) for rank in range(nproc)] if callable(for_rank) else [job] * nproc",
+        "return [job] * nproc",
+        "tests/unit/test_local_workers.py::test_gather_barrier_and_counters_span_three_workers",
+    ),
 ]
 
 
