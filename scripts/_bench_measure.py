@@ -11,11 +11,13 @@ from __future__ import annotations
 import os
 import statistics
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MiB = 2**20
@@ -27,6 +29,39 @@ def rotating(names: list[str], rounds: int) -> Iterator[tuple[int, str]]:
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             yield r, name
+
+
+class HasRun(Protocol):
+    """A measured run of a bench's own kind: ``run`` is ``run_measured``'s."""
+
+    @property
+    def run(self) -> Run: ...
+
+
+M = TypeVar("M", bound=HasRun)
+
+
+def cold_rounds(
+    names: list[str], rounds: int, before: Callable[[], None], run_one: Callable[[str], M], line: Callable[[M], str]
+) -> dict[str, list[M]]:
+    """Every name ``rounds`` times in ``rotating`` order: ``before`` (empty the output, drop the page cache), then ``run_one``.
+
+    Each run's ``line`` is printed on stderr with its round, name and result (a failure's stderr tail after it).
+
+    Returns:
+        The runs of each name, in the order they ran.
+    """
+    runs: dict[str, list[M]] = {k: [] for k in names}
+    width = max(map(len, names), default=0)
+    for r, key in rotating(names, rounds):
+        before()
+        m = run_one(key)
+        runs[key].append(m)
+        result = "ok" if m.run.returncode == 0 else f"failed (rc {m.run.returncode})"
+        print(f"round {r + 1}: {key:{width}s} {line(m)}  {result}", file=sys.stderr)
+        if m.run.returncode != 0:
+            print(m.run.stderr_tail, file=sys.stderr)
+    return runs
 
 
 def median_or_none(values: list[float]) -> float | None:

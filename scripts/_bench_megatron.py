@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _bench_measure import Run, drop_cache, rotating, run_measured
+from _bench_measure import Run, cold_rounds, drop_cache, run_measured
 from _bench_measure import median_or_none as _median
 from _bench_measure import shown_mib as _mib
 from _bench_measure import shown_number as _num
@@ -398,23 +398,22 @@ def bench_megatron(args: argparse.Namespace) -> None:
 
     scratch = args.cache / "scratch-megatron"
     scratch.mkdir(parents=True, exist_ok=True)
-    names = list(systems)
-    runs: dict[str, list[Measured]] = {k: [] for k in names}
-    for r, key in rotating(names, args.rounds):
+
+    def cold() -> None:
         _clear(work)
         drop_cache(shards)
-        m = measure(systems[key].cmd, scratch)
-        runs[key].append(m)
-        result = "ok" if m.run.returncode == 0 else f"failed (rc {m.run.returncode})"
-        print(
-            f"round {r + 1}: {key:9s} {m.wall_s:7.2f} s  tree RSS {_mib(m.run.peak_rss_bytes):>5} MiB"
-            f"  PSS {_mib(m.run.peak_pss_bytes):>5} MiB  one process {_mib(m.max_process_rss_bytes):>5} MiB"
-            f" (anon {_mib(m.max_process_anon_bytes):>4} MiB)"
-            f"  CPU {m.cpu_s:6.2f} s  {result}",
-            file=sys.stderr,
-        )
-        if m.run.returncode != 0:
-            print(m.run.stderr_tail, file=sys.stderr)
+
+    runs = cold_rounds(
+        list(systems),
+        args.rounds,
+        cold,
+        lambda key: measure(systems[key].cmd, scratch),
+        lambda m: (
+            f"{m.wall_s:7.2f} s  tree RSS {_mib(m.run.peak_rss_bytes):>5} MiB  PSS {_mib(m.run.peak_pss_bytes):>5} MiB"
+            f"  one process {_mib(m.max_process_rss_bytes):>5} MiB (anon {_mib(m.max_process_anon_bytes):>4} MiB)"
+            f"  CPU {m.cpu_s:6.2f} s"
+        ),
+    )
     _clear(work)
     load_after = os.getloadavg()
 

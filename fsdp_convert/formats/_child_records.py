@@ -33,9 +33,6 @@ def record_class(base: type) -> type:
             raise Refused("a record made with arguments")
         return object.__new__(cls)
 
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807  (a call of the class: REDUCE, INST, OBJ)
-        raise Refused("a record class called")
-
     def __setstate__(self: Any, state: Any) -> None:  # noqa: N807
         if type(self) is not made or getattr(self, "__dict__", None):  # BUILD on the class, or twice
             raise Refused("BUILD on something that is no fresh record")
@@ -43,8 +40,13 @@ def record_class(base: type) -> type:
             raise Refused("an empty state")
         object.__setattr__(self, "__dict__", record_state(base, state))
 
-    made = type(base.__name__, (base,), {"__new__": __new__, "__init__": __init__, "__setstate__": __setstate__})
+    made = type(base.__name__, (base,), {"__new__": __new__, "__init__": _called, "__setstate__": __setstate__})
     return made
+
+
+def _called(self: Any, *args: Any, **kwargs: Any) -> None:
+    """A record class's ``__init__``: pickle makes records by NEWOBJ + BUILD, so a call (REDUCE, INST, OBJ) is refused."""
+    raise Refused("a record class called")
 
 
 # The state dicts slotted records emptied: each must be referenced by the unpickler's memo alone
@@ -72,9 +74,6 @@ def slotted_record(base: type) -> type:
         record: Any = object.__new__(cls)
         fresh(record, True)
         return record
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
-        raise Refused("a record class called")
 
     def __setstate__(self: Any, state: Any) -> None:  # noqa: N807
         if type(self) is made and self._fresh and type(state) is dict:  # type: ignore[attr-defined]
@@ -107,7 +106,7 @@ def slotted_record(base: type) -> type:
 
     slots = (*(f.name for f in fields), "_fresh")
     made = type(
-        base.__name__, (base,), {"__slots__": slots, "__new__": __new__, "__init__": __init__, "__setstate__": __setstate__}
+        base.__name__, (base,), {"__slots__": slots, "__new__": __new__, "__init__": _called, "__setstate__": __setstate__}
     )
     fresh = made._fresh.__set__  # type: ignore[attr-defined]
     order = [f.name for f in fields]
@@ -134,7 +133,12 @@ def _filler(puts: list[Callable[[Any, Any], None]]) -> Callable[[Any, tuple[Any,
     if len(puts) == 4:
         a, b, c, d = puts
         return lambda r, v: (a(r, v[0]), b(r, v[1]), c(r, v[2]), d(r, v[3]))
-    return lambda r, v: all(put(r, value) or True for put, value in zip(puts, v, strict=True))
+
+    def fill(record: Any, values: tuple[Any, ...]) -> None:
+        for put, value in zip(puts, values, strict=True):
+            put(record, value)
+
+    return fill
 
 
 def emptied_alone() -> bool:

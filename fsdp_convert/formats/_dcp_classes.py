@@ -29,7 +29,6 @@ __all__ = [
     "TorchMemoryFormat",
     "torch_dtype",
     "torch_size",
-    "size_dims",
     "torch_layout",
     "MEM_FORMAT_ENCODING",
     "WriteItemType",
@@ -86,17 +85,12 @@ def torch_dtype(name: str) -> TorchDtype | None:
 
 def torch_size(dims: Any) -> Size:
     """``torch.Size(dims)`` of a tuple or list of 64-bit ints, as ``Size``; else MalformedError."""
-    return Size(size_dims(dims))
-
-
-def size_dims(dims: Any) -> tuple[int, ...]:
-    """``torch.Size(dims)``'s dims as a plain tuple (``dims`` itself where it is one); MalformedError unless 64-bit ints."""
     if type(dims) is not tuple and type(dims) is not list:
         raise MalformedError("a torch.Size of something other than a sequence")
     for d in dims:  # a plain loop: a third faster than all() over a generator for a few dims (millions of them)
         if type(d) is not int or not -(2**63) <= d < 2**63:
             raise MalformedError("a torch.Size of something other than 64-bit ints")
-    return dims if type(dims) is tuple else tuple(dims)
+    return Size(dims)
 
 
 def torch_layout(name: Any) -> TorchLayout:

@@ -196,7 +196,7 @@ def _child(data: Any, build: Callable[[Any], CheckpointIndex], out: int) -> int:
     del unpickler  # its memo
     CLEARED.clear()
     index = build(metadata)
-    del metadata, stream  # the records' memory holds the payload
+    del metadata, stream  # the records: the entries hold what the parent is sent
     entries = list(index.entries)
     _send(out, (index.data_files, index.version, index.save_id))
     del index

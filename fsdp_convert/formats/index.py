@@ -117,11 +117,12 @@ class ChunkEntry:
 
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
         """Pickled as ``chunk_entry``'s call (a worker's job holds millions): not dataclasses' setstate, field by field."""
-        fields = (self.offsets, self.sizes, self.relative_path, self.offset_bytes, self.length_bytes)
-        return chunk_entry, (*fields, self.transform_descriptors, self.record)
+        return chunk_entry, _CHUNK_FIELDS(self)
 
 
 _SETTERS = tuple(getattr(ChunkEntry, name).__set__ for name in ChunkEntry.__slots__)  # the fields' slots, in order
+_CHUNK_FIELDS = operator.attrgetter(*ChunkEntry.__slots__)  # the fields, in that order: chunk_entry's arguments
+_NEW = object.__new__
 
 
 def chunk_entry(
@@ -142,9 +143,6 @@ def chunk_entry(
     a(chunk, offsets), b(chunk, sizes), c(chunk, relative_path), d(chunk, offset_bytes), e(chunk, length_bytes)
     f(chunk, transform_descriptors), g(chunk, record)
     return chunk
-
-
-_NEW = object.__new__
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, init=False)
@@ -223,9 +221,6 @@ def _tensor_entry(
     """``TensorEntry.__reduce__`` read back: its chunks made by ``chunk_entry`` from their fields."""
     chunks = tuple(itertools.starmap(chunk_entry, rows))
     return TensorEntry(fqn=fqn, path=path, shape=shape, dtype_name=dtype_name, chunks=chunks)
-
-
-_CHUNK_FIELDS = operator.attrgetter(*ChunkEntry.__slots__)  # chunk_entry's arguments, in order
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -19,7 +19,7 @@ from fsdp_convert.formats import Reader, Source
 from fsdp_convert.formats.index import BytesEntry, TensorEntry
 from fsdp_convert.item import OutputItem
 from fsdp_convert.launch import WorkerGroup, worker_bars
-from fsdp_convert.move import MoveJob, move_all
+from fsdp_convert.move import MoveJob, move_all, mover_threads
 from fsdp_convert.pieces import Piece, range_crc
 from fsdp_convert.plan.consolidate import FilePlan, WorkPlan
 from fsdp_convert.resume import ResumeState, begin_share
@@ -179,7 +179,7 @@ def consolidate_rank(job: ConsolidateJob, rank: int, world_size: int, group: Wor
         pieces = move_all(
             job.source.open_reader,
             jobs,
-            threads=plan.threads,
+            threads=mover_threads(jobs, plan.threads),
             piece_bytes=plan.piece_bytes,
             drop_cache=plan.drop_cache,
             on_done=log if log is not None else _no_log,

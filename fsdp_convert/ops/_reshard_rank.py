@@ -18,7 +18,7 @@ from typing import Any
 from fsdp_convert.formats import Source
 from fsdp_convert.formats.index import BytesEntry, TensorEntry, dcp_key
 from fsdp_convert.launch import WorkerGroup, worker_bars
-from fsdp_convert.move import MoveJob, move_all, pwrite_all
+from fsdp_convert.move import MoveJob, move_all, mover_threads, pwrite_all
 from fsdp_convert.pieces import Piece, range_crc
 from fsdp_convert.plan.consolidate import DEFAULT_MEMORY_BUDGET_BYTES, mover_buffers
 from fsdp_convert.plan.reshard import PayloadPlan, ReshardPlan
@@ -159,7 +159,7 @@ def reshard_rank(
         move_all(
             job.source.open_reader,
             todo,
-            threads=threads,
+            threads=mover_threads(todo, threads),
             piece_bytes=piece_bytes,
             on_done=write_headers,
             on_bytes=progress.advance,

@@ -26,7 +26,6 @@ __all__ = [
     "WorkPlan",
     "assign_owners",
     "default_nproc",
-    "mover_threads",
     "mover_buffers",
     "plan_consolidate",
     "output_bytes",
@@ -40,10 +39,7 @@ __all__ = [
 DEFAULT_MEMORY_BUDGET_BYTES = 256 << 20
 DEFAULT_MAX_SHARD_BYTES = 50 * 10**9  # "50GB", save_pretrained's default since transformers 5 (4.x: "5GB")
 MIN_BYTES_PER_WORKER = 2 << 30  # below this a worker's start-up (forkserver, launcher, gloo: 0.5-2 s) costs more than it saves
-THREADS_PER_WORKER = 2  # mover threads per process: one's read overlaps the other's write
-# chunks this small on average (a 1024-rank FSDP save: a few KB each) are moved by one thread a
-# worker: a second only contends for the interpreter (1040 x 64 ranks, 3 KB a chunk: 9.4 s -> 7.3 s)
-SMALL_CHUNK_BYTES = 64 << 10
+THREADS_PER_WORKER = 2  # mover threads per process: one's read overlaps the other's write (one for small chunks: move)
 MAX_PIECE_BYTES = 32 << 20  # larger buffers than this gain nothing per read or write
 MIN_PIECE_BYTES = 64 << 10
 WAVE_BYTES = 2 << 30  # an output to object storage is written in waves of files this large (or one larger file)
@@ -61,7 +57,7 @@ class WorkPlan:
         files: every output file (``OutputKind.plan_files``): the output itself, or a folder's
             safetensors shards (in shard order) then ``optimizer.pt`` and ``extra_state.pt``.
         memory_budget_bytes: buffers each process may hold, in bytes.
-        threads: mover threads per worker.
+        threads: mover threads per worker, at most (``move.mover_threads``).
         piece_bytes: size of each mover buffer (two per thread), in bytes.
         drop_cache: drop read and written ranges from the page cache (the output is larger than
             half the RAM).
@@ -140,12 +136,6 @@ def mover_buffers(memory_budget_bytes: int) -> tuple[int, int]:
     return THREADS_PER_WORKER, max(MIN_PIECE_BYTES, min(MAX_PIECE_BYTES, piece))
 
 
-def mover_threads(index: CheckpointIndex) -> int:
-    """Mover threads a worker runs for ``index``'s chunks: ``THREADS_PER_WORKER``, or 1 where they average under 64 KiB."""
-    stored = [c.length_bytes for e in index.tensors() for c in e.chunks]
-    return 1 if stored and sum(stored) < SMALL_CHUNK_BYTES * len(stored) else THREADS_PER_WORKER
-
-
 def plan_consolidate(
     index: CheckpointIndex,
     items: tuple[OutputItem, ...],
@@ -204,7 +194,7 @@ def plan_consolidate(
         kind=kind,
         files=files,
         memory_budget_bytes=memory_budget_bytes,
-        threads=min(threads, mover_threads(index)),
+        threads=threads,
         piece_bytes=piece_bytes,
         drop_cache=ram_bytes is not None and total > ram_bytes // 2,
     )

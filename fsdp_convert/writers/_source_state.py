@@ -84,22 +84,28 @@ def source_state(index: CheckpointIndex) -> SourceFiles:
     return state
 
 
-_WINDOW_BYTES = 256 << 10  # the tails of small payloads are read this many bytes at a time, not one pread each
+_WINDOW_BYTES = 256 << 10  # tails this close together are read with one pread (a million small payloads)
 
 
 def _tails_digest(fd: int, ranges: list[tuple[int, int]], size: int) -> str:
-    """SHA-256 of the last ``PAYLOAD_TAIL_BYTES`` of each ``(offset, length)`` range (sorted) inside ``size`` bytes."""
-    tails = hashlib.sha256()
-    window, window_at = memoryview(b""), 0
-    for offset, length in ranges:
-        if offset + length > size:  # a claim past the file's end: the reader refuses it
-            continue
-        tail = min(length, PAYLOAD_TAIL_BYTES)
-        at = offset + length - tail
-        if at < window_at or at + tail > window_at + len(window):  # a million payloads: a read per window
-            window, window_at = memoryview(os.pread(fd, max(tail, _WINDOW_BYTES), at)), at
-        tails.update(window[at - window_at : at - window_at + tail])
-    return tails.hexdigest()
+    """SHA-256 of the last ``PAYLOAD_TAIL_BYTES`` of each ``(offset, length)`` range (sorted) inside ``size`` bytes.
+
+    Consecutive tails that end within ``_WINDOW_BYTES`` of the first are read with one ``pread``;
+    a tail farther off (a large payload) is read alone: never more than the tails and what lies
+    between close ones.
+    """
+    tails = [(end - min(length, PAYLOAD_TAIL_BYTES), end) for offset, length in ranges if (end := offset + length) <= size]
+    digest = hashlib.sha256()
+    i = 0
+    while i < len(tails):
+        start, j = tails[i][0], i
+        while j + 1 < len(tails) and tails[j + 1][0] >= tails[j][1] and tails[j + 1][1] - start <= _WINDOW_BYTES:
+            j += 1
+        window = memoryview(os.pread(fd, tails[j][1] - start, start))
+        for at, end in tails[i : j + 1]:
+            digest.update(window[at - start : end - start])
+        i = j + 1
+    return digest.hexdigest()
 
 
 def changed_source(old: object, source: SourceDigest) -> str | None:

@@ -201,13 +201,13 @@ def test_each_worker_gets_the_chunks_of_the_tensors_it_moves_alone(ws3_ckpt: Sam
 @pytest.mark.parametrize(("chunk_bytes", "threads"), [(4 << 10, 1), (64 << 10, 2), (32 << 20, 2)])
 def test_small_chunks_are_moved_by_one_thread(chunk_bytes: int, threads: int) -> None:
     """Chunks averaging under 64 KiB (a 1024-rank save's): one mover thread a worker, where a second only contends."""
-    from fsdp_convert.formats.index import CheckpointIndex
-    from fsdp_convert.plan.consolidate import mover_threads
+    from fsdp_convert.dtypes import DType
+    from fsdp_convert.move import MoveJob, mover_threads
 
     chunks = tuple(
         ChunkEntry(offsets=(r, 0), sizes=(1, 8), relative_path=f"__{r}_0.distcp", offset_bytes=0, length_bytes=chunk_bytes)
         for r in range(4)
     )
     entry = TensorEntry(fqn="w", path=("w",), shape=(4, 8), dtype_name="float32", chunks=chunks)
-    index = CheckpointIndex(checkpoint_id=Path("x"), entries=(entry,), data_files=tuple(c.relative_path or "" for c in chunks))
-    assert mover_threads(index) == threads
+    job = MoveJob(entry=entry, dtype=DType("float32"), file=0, fd=-1, offset=0)
+    assert mover_threads([job, job], 2) == threads
